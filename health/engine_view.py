@@ -1,0 +1,23 @@
+"""What the gateway tells the health probes about its engine, without touching the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """A cheap snapshot the gateway keeps up to date; probes only read it.
+
+    ``alive``: the engine process exists and answers (its own schedule, not the probe's).
+    ``oldest_inflight_age_s``: age of the oldest request the engine holds, ``None`` if idle.
+    ``last_success_age_s``: seconds since the engine last returned a result.
+    """
+
+    ready: bool
+    alive: bool
+    started: bool
+    restarts: int = 0
+    last_success_age_s: float | None = None
+    oldest_inflight_age_s: float | None = None
+    detail: str = ""

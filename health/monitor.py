@@ -1,0 +1,208 @@
+"""The background sampler: read the sources, keep the history, precompute the forecast.
+
+Each tick runs in a worker thread (driver and file reads block) and ends by swapping in
+one immutable ``MemoryState``; requests only read that reference, so they never wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from health.engine_view import EngineView
+from health.forecast import ForecastParams, ResourceForecast, forecast_resource
+from health.history import Event, History, Sample
+from health.reading import Reading, SourceConfig, take_reading
+from health.report import advice, reading_figures
+from health.sources.nvml import NvmlSource
+
+log = logging.getLogger(__name__)
+
+PERSIST_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    time: float
+    reading: Reading
+    forecasts: dict[str, ResourceForecast]
+    advice: dict[str, Any]
+    document: dict[str, Any] = field(repr=False)
+
+
+def fit_start(history: History, params: ForecastParams, clears_reset: bool) -> tuple[float, str]:
+    """Where the fit may begin: after the warm-up that follows the last (re)start, or an
+    isolated cache clear (one that follows the previous by at least ``min_span_s``).
+    Routine clears, more frequent than that, are spanned by the peak envelope instead."""
+    start_ev = history.last_event("restart", "probe_start")
+    origin = start_ev.time if start_ev else 0.0
+    start = origin + params.warmup_s
+    why = "the engine restart" if start_ev and start_ev.kind == "restart" else "start"
+    if params.warmup_s > 0:
+        why += " and its warm-up"
+    if clears_reset:
+        clears = [e for e in history.events if e.kind == "cache_clear" and e.time >= origin]
+        if clears:
+            prev = clears[-2].time if len(clears) > 1 else origin
+            if clears[-1].time - prev >= params.min_span_s and clears[-1].time > start:
+                start, why = clears[-1].time, "the last cache clear"
+    return start, why
+
+
+class MemoryMonitor:
+    def __init__(
+        self,
+        health: Any,
+        source_cfg: SourceConfig,
+        engine_view: Callable[[], EngineView],
+        process_pids: Callable[[], dict[str, int]],
+        nvml: NvmlSource | None = None,
+    ) -> None:
+        self.health = health
+        self.params = ForecastParams.from_settings(health)
+        self.source_cfg = source_cfg
+        self.engine_view = engine_view
+        self.process_pids = process_pids
+        self.nvml = nvml or NvmlSource()
+        self.history = (
+            History.load(health.persist_path, health.history_max_samples)
+            if health.persist_path
+            else History(health.history_max_samples)
+        )
+        self.state: MemoryState | None = None
+        self._identity: str | None = None
+        self._clears: int | None = None
+        self._last_persist = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()
+
+    # one tick ----------------------------------------------------------------------
+    def _engine_identity(self, reading: Reading) -> str:
+        try:
+            restarts = self.engine_view().restarts
+        except Exception:
+            restarts = -1
+        return f"restarts={restarts} engines={list(reading.allocator.identity)}"
+
+    def _note_events(self, reading: Reading) -> None:
+        identity = self._engine_identity(reading)
+        if self._identity is None:
+            prior = self.history.last_event("restart", "probe_start")
+            if prior is None or prior.detail != identity:
+                started = [e.started_at for e in reading.allocator.engines]
+                origin = min(started) if started else reading.time
+                kind = "probe_start" if prior is None else "restart"
+                self.history.add_event(Event(min(origin, reading.time), kind, identity))
+        elif identity != self._identity:
+            self.history.add_event(Event(reading.time, "restart", identity))
+            self._clears = None
+        clears = reading.allocator.cache_clears
+        if self._clears is not None and clears > self._clears:
+            when = reading.allocator.last_clear_time or reading.time
+            self.history.add_event(
+                Event(min(when, reading.time), "cache_clear", f"{clears - self._clears}")
+            )
+        self._identity, self._clears = identity, clears
+
+    def tick(self) -> MemoryState:
+        """Blocking: one reading, history and forecast. Safe to call from a thread."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> MemoryState:
+        pids = self.process_pids()
+        reading = take_reading(self.nvml, self.source_cfg, pids)
+        self._note_events(reading)
+        self.history.append(
+            Sample(reading.time, {k: v.used_bytes for k, v in reading.resources.items()})
+        )
+        forecasts: dict[str, ResourceForecast] = {}
+        for name, level in reading.resources.items():
+            start, why = fit_start(self.history, self.params, name.startswith("gpu"))
+            t, y = self.history.series(name)
+            forecasts[name] = forecast_resource(
+                name, t, y, level.limit_bytes, level.limit_source, start, self.params, why
+            )
+        verdict = advice(forecasts, self.health.warning_hours, self.health.critical_hours)
+        document = {
+            "time": reading.time,
+            **verdict,
+            "resources": {
+                k: {**f.as_dict(), "measure": reading.resources[k].measure}
+                for k, f in forecasts.items()
+            },
+            **reading_figures(reading),
+            "thresholds": {
+                "warning_hours": self.health.warning_hours,
+                "critical_hours": self.health.critical_hours,
+                "horizon_cap_hours": self.params.horizon_cap_hours,
+                "warmup_s": self.params.warmup_s,
+                "min_span_s": self.params.min_span_s,
+                "min_samples": self.params.min_samples,
+                "window_s": self.params.window_s,
+                "envelope_s": self.params.envelope_s,
+            },
+            "sampler": {
+                "interval_s": self.health.sample_interval_s,
+                "history_samples": len(self.history),
+                "sample_duration_s": reading.duration_s,
+                "events": [
+                    {"time": e.time, "kind": e.kind, "detail": e.detail}
+                    for e in list(self.history.events)[-5:]
+                ],
+            },
+        }
+        state = MemoryState(reading.time, reading, forecasts, verdict, document)
+        self.state = state
+        self._maybe_persist(reading.time)
+        return state
+
+    def _maybe_persist(self, now: float, force: bool = False) -> None:
+        path = self.health.persist_path
+        if force:
+            with self._lock:
+                self._save(path)
+            return
+        if not path or now - self._last_persist < PERSIST_EVERY_S:
+            return
+        self._save(path)
+        self._last_persist = now
+
+    def _save(self, path: str | None) -> None:
+        if not path:
+            return
+        try:
+            self.history.save(path)
+        except OSError as exc:
+            log.warning("cannot persist memory history to %s: %s", path, exc)
+
+    # background loop ---------------------------------------------------------------
+    async def _run(self) -> None:
+        interval = self.health.sample_interval_s
+        while True:
+            began = time.monotonic()
+            try:
+                await asyncio.to_thread(self.tick)
+            except Exception:
+                log.exception("memory sample failed")
+            await asyncio.sleep(max(interval - (time.monotonic() - began), 0.0))
+
+    async def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="embedserve-health-sampler")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.state is not None:
+            await asyncio.to_thread(self._maybe_persist, time.time(), True)
+        await asyncio.to_thread(self.nvml.close)

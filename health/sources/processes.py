@@ -1,0 +1,51 @@
+"""Resident memory of the named processes (engine, gateway, ...) and their children.
+
+SGLang's model lives in a scheduler subprocess of the launcher, so each named process
+counts together with its descendants. A pid that is gone reads as absent, not zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+
+
+@dataclass
+class ProcessMemory:
+    name: str
+    pid: int
+    rss_bytes: int
+    pids: list[int] = field(default_factory=list)  # the pid and its live descendants
+
+
+def read_processes(named: dict[str, int]) -> tuple[dict[str, ProcessMemory], dict[str, str]]:
+    """``(found, missing)``: memory per name, and why a name has none."""
+    found: dict[str, ProcessMemory] = {}
+    missing: dict[str, str] = {}
+    for name, pid in named.items():
+        try:
+            proc = psutil.Process(pid)
+            family = [proc, *proc.children(recursive=True)]
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError) as exc:
+            missing[name] = f"pid {pid}: {type(exc).__name__}"
+            continue
+        total = 0
+        pids: list[int] = []
+        for member in family:
+            try:
+                total += member.memory_info().rss
+                pids.append(member.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        if not pids:
+            missing[name] = f"pid {pid}: gone"
+            continue
+        found[name] = ProcessMemory(name=name, pid=pid, rss_bytes=total, pids=pids)
+    return found, missing
+
+
+def machine_memory() -> tuple[int, int]:
+    """``(total, used)`` of the machine, used = total - available (the kernel's view)."""
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.total - vm.available)
