@@ -1,0 +1,165 @@
+"""Coalesce the inputs of concurrent requests into engine calls under a token budget.
+
+A call is dispatched as soon as a slot is free, so an idle engine adds no wait; while all
+slots are busy, inputs accumulate and leave together in the next call (optionally after a
+short, bounded ``max_wait``). Inputs whose request was abandoned are dropped before dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gateway.engine_pool import EnginePool
+from gateway.postprocess import Matrix
+
+
+@dataclass(slots=True)
+class _Item:
+    ids: list[int]
+    future: asyncio.Future[np.ndarray]
+    enqueued: float
+    dispatched: float = 0.0
+    engine_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StageTimes:
+    queue_s: float = 0.0
+    engine_s: float = 0.0
+
+
+@dataclass
+class CoalescerStats:
+    batches: int = 0
+    inputs: int = 0
+    dropped_abandoned: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class Coalescer:
+    def __init__(
+        self,
+        pool: EnginePool,
+        *,
+        token_budget: int,
+        max_wait_s: float,
+        max_concurrent_calls: int = 8,
+        max_inputs_per_call: int = 256,
+    ) -> None:
+        self._pool = pool
+        self._budget = token_budget
+        self._max_wait = max_wait_s
+        self._max_inputs = max_inputs_per_call
+        self._slots = asyncio.Semaphore(max_concurrent_calls)
+        self._queue: deque[_Item] = deque()
+        self._queued_tokens = 0
+        self._wakeup = asyncio.Event()
+        self._inflight_calls = 0
+        self._task: asyncio.Task[None] | None = None
+        self._calls: set[asyncio.Task[None]] = set()
+        self.stats = CoalescerStats()
+
+    @property
+    def queued_inputs(self) -> int:
+        return len(self._queue)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="coalescer")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for item in self._queue:
+            if not item.future.done():
+                item.future.cancel()
+
+    async def embed(self, inputs: list[list[int]]) -> tuple[Matrix, StageTimes]:
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        items = [_Item(ids, loop.create_future(), now) for ids in inputs]
+        self._queue.extend(items)
+        self._queued_tokens += sum(len(ids) for ids in inputs)
+        self._wakeup.set()
+        try:
+            vectors = await asyncio.gather(*(it.future for it in items))
+        except BaseException:
+            for it in items:
+                if not it.future.done():
+                    it.future.cancel()
+                elif not it.future.cancelled():
+                    it.future.exception()  # retrieved: no "never retrieved" noise
+            raise
+        times = StageTimes(
+            queue_s=max(it.dispatched - it.enqueued for it in items),
+            engine_s=max(it.engine_s for it in items),
+        )
+        return np.stack(vectors), times
+
+    def _take(self) -> list[_Item]:
+        batch: list[_Item] = []
+        tokens = 0
+        while self._queue and len(batch) < self._max_inputs:
+            item = self._queue[0]
+            if item.future.done():  # abandoned by its client
+                self._queue.popleft()
+                self._queued_tokens -= len(item.ids)
+                self.stats.dropped_abandoned += 1
+                continue
+            if batch and tokens + len(item.ids) > self._budget:
+                break
+            self._queue.popleft()
+            self._queued_tokens -= len(item.ids)
+            tokens += len(item.ids)
+            batch.append(item)
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                while not self._queue:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                if self._inflight_calls and self._max_wait and self._queued_tokens < self._budget:
+                    await asyncio.sleep(self._max_wait)
+                batch = self._take()
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
+                continue
+            task = asyncio.create_task(self._dispatch(batch))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def _dispatch(self, batch: list[_Item]) -> None:
+        self._inflight_calls += 1
+        start = time.monotonic()
+        for item in batch:
+            item.dispatched = start
+        try:
+            vectors = await self._pool.embed([it.ids for it in batch])
+        except Exception as exc:
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
+        finally:
+            self._inflight_calls -= 1
+            self._slots.release()
+        elapsed = time.monotonic() - start
+        self.stats.batches += 1
+        self.stats.inputs += len(batch)
+        for item, vec in zip(batch, vectors, strict=True):
+            item.engine_s = elapsed
+            if not item.future.done():
+                item.future.set_result(vec)

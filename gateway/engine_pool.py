@@ -1,0 +1,213 @@
+"""HTTP client for one or more engines speaking SGLang's token-id /v1/embeddings.
+
+Picks the ready engine with the fewest outstanding tokens, marks an engine unready the
+moment a call cannot reach it (so waiting clients get a prompt 503, not a hang), and
+re-checks engines in the background; the check never runs inside a client's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+import orjson
+
+from gateway.postprocess import Matrix
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """Base: ``status`` is what the gateway answers the client."""
+
+    status = 503
+
+    def __init__(self, message: str, engine: str | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
+class EngineUnavailable(EngineError):
+    status = 503
+
+
+class EngineTimeout(EngineError):
+    status = 504
+
+
+class EngineRejected(EngineError):
+    """The engine refused the input (4xx): the gateway let through what it should not have."""
+
+    status = 400
+
+
+@dataclass
+class EngineState:
+    url: str
+    ready: bool = False
+    outstanding_tokens: int = 0
+    outstanding_calls: int = 0
+    consecutive_failures: int = 0
+    last_success: float | None = None
+    last_error: str = ""
+    ever_ready: bool = False
+    calls: int = 0
+    inflight_since: dict[int, float] = field(default_factory=dict)
+
+
+class EnginePool:
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        *,
+        request_timeout_s: float,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.engines = [EngineState(u.rstrip("/")) for u in urls]
+        self._model = model
+        self._timeout = request_timeout_s
+        self._health_interval = health_interval_s
+        self._health_timeout = health_timeout_s
+        self._client: httpx.AsyncClient | None = None
+        self._transport = transport
+        self._checker: asyncio.Task[None] | None = None
+        self._ready_event = asyncio.Event()
+        self._call_ids = 0
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(limits=limits, timeout=self._timeout,
+                                         transport=self._transport)
+        self._checker = asyncio.create_task(self._check_loop(), name="engine-health")
+
+    async def stop(self) -> None:
+        if self._checker:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
+        if self._client:
+            await self._client.aclose()
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def any_ready(self) -> bool:
+        return any(e.ready for e in self.engines)
+
+    def oldest_inflight_age_s(self) -> float | None:
+        starts = [t for e in self.engines for t in e.inflight_since.values()]
+        return time.monotonic() - min(starts) if starts else None
+
+    def last_success_age_s(self) -> float | None:
+        done = [e.last_success for e in self.engines if e.last_success is not None]
+        return time.monotonic() - max(done) if done else None
+
+    def _pick(self) -> EngineState:
+        ready = [e for e in self.engines if e.ready]
+        if not ready:
+            raise EngineUnavailable("no engine is ready")
+        return min(ready, key=lambda e: (e.outstanding_tokens, e.outstanding_calls))
+
+    def _mark_down(self, engine: EngineState, why: str) -> None:
+        if engine.ready:
+            log.warning("engine down", extra={"engine": engine.url, "reason": why})
+        engine.ready = False
+        engine.consecutive_failures += 1
+        engine.last_error = why
+
+    # -- health ------------------------------------------------------------------------
+    async def check_once(self) -> None:
+        assert self._client is not None
+        await asyncio.gather(*(self._check(e) for e in self.engines))
+
+    async def _check(self, engine: EngineState) -> None:
+        assert self._client is not None
+        try:
+            r = await self._client.get(f"{engine.url}/health", timeout=self._health_timeout)
+            ok = r.status_code == 200
+            why = f"health answered {r.status_code}"
+        except httpx.TimeoutException:
+            # A busy engine answers /health slowly (SGLang runs a forward pass); recent
+            # successful calls prove it is serving.
+            recent = engine.last_success and time.monotonic() - engine.last_success < 10
+            ok, why = bool(recent), "health check timed out"
+        except httpx.HTTPError as exc:
+            ok, why = False, f"unreachable: {type(exc).__name__}"
+        if ok:
+            if not engine.ready:
+                log.info("engine ready", extra={"engine": engine.url})
+            engine.ready = engine.ever_ready = True
+            engine.consecutive_failures = 0
+        else:
+            self._mark_down(engine, why)
+
+    async def _check_loop(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.check_once()
+            interval = self._health_interval if self.any_ready else 0.5
+            await asyncio.sleep(interval)
+
+    # -- calls -------------------------------------------------------------------------
+    async def embed(self, batch: list[list[int]]) -> Matrix:
+        """Vectors for token-id inputs, in order. Raises an ``EngineError`` subclass."""
+        assert self._client is not None
+        engine = self._pick()
+        tokens = sum(len(ids) for ids in batch)
+        self._call_ids += 1
+        call_id = self._call_ids
+        engine.outstanding_tokens += tokens
+        engine.outstanding_calls += 1
+        engine.inflight_since[call_id] = time.monotonic()
+        try:
+            body = orjson.dumps({"model": self._model, "input": batch})
+            r = await self._client.post(
+                f"{engine.url}/v1/embeddings",
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout("the engine did not answer in time", engine.url) from exc
+        except httpx.HTTPError as exc:
+            self._mark_down(engine, f"call failed: {type(exc).__name__}")
+            raise EngineUnavailable("the engine is unreachable", engine.url) from exc
+        finally:
+            engine.outstanding_tokens -= tokens
+            engine.outstanding_calls -= 1
+            engine.inflight_since.pop(call_id, None)
+        if r.status_code >= 500:
+            self._mark_down(engine, f"engine answered {r.status_code}")
+            raise EngineUnavailable(f"the engine failed ({r.status_code})", engine.url)
+        if r.status_code >= 400:
+            raise EngineRejected(_engine_message(r.content), engine.url)
+        engine.last_success = time.monotonic()
+        engine.calls += 1
+        return _parse_vectors(r.content, len(batch))
+
+
+def _engine_message(content: bytes) -> str:
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content[:200].decode("utf-8", "replace")
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(data.get("message", err))
+    return str(data)[:200]
+
+
+def _parse_vectors(content: bytes, expected: int) -> Matrix:
+    data = orjson.loads(content)["data"]
+    if len(data) != expected:
+        raise EngineUnavailable(f"engine returned {len(data)} vectors for {expected} inputs")
+    data.sort(key=lambda d: d["index"])
+    return np.asarray([d["embedding"] for d in data], dtype=np.float32)

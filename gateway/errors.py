@@ -1,0 +1,111 @@
+"""One error shape for the whole API: OpenAI's envelope, mapped in one place.
+
+Our own failures raise ``APIError``; FastAPI's and Starlette's own (validation, 404, 405)
+are caught by the handlers installed here so no ``{"detail": ...}`` ever leaks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error that leaves as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
+    err = {
+        "message": message,
+        "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+        "param": param,
+        "code": code,
+    }
+    return orjson.dumps({"error": err})
+
+
+def error_response(err: APIError) -> Response:
+    return Response(
+        error_body(err.status, err.message, err.param, err.code),
+        status_code=err.status,
+        media_type="application/json",
+        headers=err.headers,
+    )
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # pydantic names union branches ("str", "list[str]", ...); they mean nothing to clients.
+    parts = [p for p in parts if not any(ch in p for ch in "[]") and p not in {"str", "int"}]
+    return ".".join(parts) if parts else None
+
+
+def validation_error(exc: RequestValidationError | Any) -> APIError:
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    first = errors[0] if errors else {}
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid request")
+    where = f"'{param}': " if param else ""
+    return APIError(400, f"Invalid request: {where}{msg}", param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        return error_response(validation_error(exc))
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        message = {404: "Not found", 405: "Method not allowed"}.get(status, str(exc.detail))
+        headers = dict(exc.headers or {})
+        return error_response(APIError(status, message, headers=headers))
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        return error_response(APIError(500, "Internal error; the request id is in the logs"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,55 @@
+"""Prometheus metrics of the gateway, in a registry owned by the app (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "embedserve_requests", "Requests by HTTP status", ["status"], registry=registry
+        )
+        self.request_seconds = Histogram(
+            "embedserve_request_seconds", "End-to-end latency of /v1/embeddings",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.stage_seconds = Histogram(
+            "embedserve_stage_seconds", "Latency per pipeline stage", ["stage"],
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.tokens = Counter("embedserve_tokens", "Tokens embedded", registry=registry)
+        self.inputs = Counter("embedserve_inputs", "Inputs embedded", registry=registry)
+        self.inputs_truncated = Counter(
+            "embedserve_inputs_truncated", "Inputs cut to the max sequence length",
+            registry=registry,
+        )
+        self.tokens_truncated = Counter(
+            "embedserve_truncated_tokens", "Tokens dropped by truncation", registry=registry
+        )
+        self.request_tokens = Histogram(
+            "embedserve_request_tokens", "Tokens per request", buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "embedserve_rejected", "Requests refused by admission control", ["reason"],
+            registry=registry,
+        )
+        self.tokens_in_flight = Gauge(
+            "embedserve_tokens_in_flight", "Tokens admitted and not yet answered",
+            registry=registry,
+        )
+        self.queue_inputs = Gauge(
+            "embedserve_queue_inputs", "Inputs waiting for an engine call", registry=registry
+        )
+        self.engine_ready = Gauge(
+            "embedserve_engine_ready", "1 if the engine is ready", ["engine"], registry=registry
+        )
+        self.client_disconnects = Counter(
+            "embedserve_client_disconnects", "Requests abandoned by their client",
+            registry=registry,
+        )

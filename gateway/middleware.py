@@ -1,0 +1,151 @@
+"""ASGI middleware: request ids and access logs, body-size cap, API keys.
+
+Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched and a
+client disconnect is not turned into an exception.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from gateway.errors import error_body
+from service.logging_json import request_id_var
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("embedserve.access")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+async def _send_error(send: Send, status: int, message: str, code: str,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = error_body(status, message, None, code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class RequestContextMiddleware:
+    """A request id on every response and log line; one JSON access line per request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = (_header(scope, b"x-request-id") or b"").decode("latin-1")
+        rid = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info("request", extra={
+                "method": scope.get("method"), "path": scope.get("path"), "status": status,
+                "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+            })
+            request_id_var.reset(token)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the cap, by Content-Length or by counting a streamed body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        too_big = f"Request body exceeds the limit of {self.max_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, 413, too_big, "request_too_large")
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, too_big, "request_too_large")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class ApiKeyMiddleware:
+    """Bearer keys, compared in constant time. Health and metrics are protected only when
+    configured, so Kubernetes probes and Prometheus work without a key."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], protected_prefixes: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.prefixes = protected_prefixes
+
+    def _allowed(self, scope: Scope) -> bool:
+        auth = _header(scope, b"authorization") or b""
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        ok = False
+        for key in self.keys:  # no early exit: timing does not tell which key matched
+            ok |= hmac.compare_digest(key, token.strip())
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.keys and path.startswith(self.prefixes):
+            if not self._allowed(scope):
+                await _send_error(
+                    send, 401, "Invalid or missing API key (Authorization: Bearer <key>)",
+                    "invalid_api_key", [(b"www-authenticate", b"Bearer")],
+                )
+                return
+        await self.app(scope, receive, send)

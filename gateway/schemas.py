@@ -1,0 +1,36 @@
+"""The OpenAI wire format (and our few additions). Not what flows through the pipeline:
+``gateway.pipeline`` turns a validated request into internal work items."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+TokenIds = list[StrictInt]
+EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings. Unknown fields are ignored, as OpenAI's server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: EmbeddingInput = Field(
+        ..., description="a string, a list of strings, token ids or a list of token-id lists"
+    )
+    model: StrictStr
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[StrictInt, Field(description="Matryoshka: keep the first N")] | None = (
+        None
+    )
+    user: StrictStr | None = None
+    truncate: bool = Field(
+        True, description="cut over-long inputs (keeping special tokens); false: 400 instead"
+    )
+    input_type: Literal["query", "document"] | None = Field(
+        None, description="'query' applies the model's instruction format (Qwen3-Embedding)"
+    )
+    instruction: StrictStr | None = Field(
+        None, description="task description for queries; default from the service config"
+    )

@@ -1,0 +1,102 @@
+"""Tokenise with the model's own ``tokenizer.json`` and truncate so special tokens survive.
+
+We use the ``tokenizers`` library directly (``transformers`` would import torch). Content is
+encoded without special tokens, cut to ``max_seq_len`` minus the model's frame (CLS/SEP for
+BERT, the trailing EOS that Qwen3-Embedding's last-token pooling reads), then framed: the
+same result as Hugging Face's ``truncation=True, max_length=max_seq_len``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedInput:
+    ids: list[int]
+    original_tokens: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.original_tokens > len(self.ids)
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class ModelTokenizer:
+    """Thread-safe after construction; ``encode_texts`` is CPU-heavy: call it off the loop."""
+
+    def __init__(self, model_dir: Path, max_seq_len: int) -> None:
+        self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.max_seq_len = max_seq_len
+        model_vocab = _read_json(model_dir / "config.json").get("vocab_size")
+        self.vocab_size = (
+            model_vocab if isinstance(model_vocab, int) else self._tok.get_vocab_size(True)
+        )
+        self.prefix, self.suffix = self._special_frame()
+        if not self.suffix and self._pools_last_token(model_dir):
+            eos = self._eos_id(model_dir)
+            if eos is not None:
+                log.warning("tokenizer adds no EOS but the model pools the last token: appending it")
+                self.suffix = [eos]
+        if len(self.prefix) + len(self.suffix) >= max_seq_len:
+            raise ValueError(f"max_seq_len {max_seq_len} leaves no room for content")
+
+    def _special_frame(self) -> tuple[list[int], list[int]]:
+        content = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a").ids
+        for start in range(len(full) - len(content) + 1):
+            if full[start : start + len(content)] == content:
+                return full[:start], full[start + len(content) :]
+        return [], []
+
+    @staticmethod
+    def _pools_last_token(model_dir: Path) -> bool:
+        return bool(_read_json(model_dir / "1_Pooling" / "config.json").get("pooling_mode_lasttoken"))
+
+    def _eos_id(self, model_dir: Path) -> int | None:
+        eos = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        return self._tok.token_to_id(eos) if isinstance(eos, str) else None
+
+    @property
+    def content_budget(self) -> int:
+        return self.max_seq_len - len(self.prefix) - len(self.suffix)
+
+    def encode_texts(self, texts: list[str]) -> list[TokenizedInput]:
+        """Batched (parallel in Rust, releases the GIL); truncates every input to the cap."""
+        budget = self.content_budget
+        frame = len(self.prefix) + len(self.suffix)
+        out: list[TokenizedInput] = []
+        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
+            ids = enc.ids
+            out.append(TokenizedInput(self.prefix + ids[:budget] + self.suffix, len(ids) + frame))
+        return out
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Untruncated lengths, special tokens included (for strict ``truncate=false``)."""
+        frame = len(self.prefix) + len(self.suffix)
+        return [len(e.ids) + frame for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
+        """Client-sent ids are embedded as sent; when over-long, a leading prefix and a
+        trailing suffix of special tokens that the client included are kept."""
+        if len(ids) <= self.max_seq_len:
+            return TokenizedInput(ids, len(ids))
+        head = self.prefix if self.prefix and ids[: len(self.prefix)] == self.prefix else []
+        tail = self.suffix if self.suffix and ids[-len(self.suffix) :] == self.suffix else []
+        body = ids[len(head) : len(ids) - len(tail)]
+        keep = self.max_seq_len - len(head) - len(tail)
+        return TokenizedInput(head + body[:keep] + tail, len(ids))

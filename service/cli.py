@@ -1,0 +1,117 @@
+"""``embedserve``: one command, subcommands per job. Flags are a convenience over the
+``EMBEDSERVE_*`` environment: they are written into it before ``Settings`` is read, so
+engine processes started by ``up`` inherit exactly the same configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import sys
+
+_DELEGATED = {
+    "engine": "service.sglang_launch",
+    "cpu-engine": "service.cpu_engine",
+    "health": "health.cli",
+    "loadtest": "loadtest.cli",
+    "synth-model": "service.synthetic",
+}
+
+_FLAGS = {  # flag -> environment variable
+    "model": "EMBEDSERVE_MODEL__PATH",
+    "model_name": "EMBEDSERVE_MODEL__NAME",
+    "max_seq_len": "EMBEDSERVE_MODEL__MAX_SEQ_LEN",
+    "engine_kind": "EMBEDSERVE_ENGINE__KIND",
+    "host": "EMBEDSERVE_GATEWAY__HOST",
+    "port": "EMBEDSERVE_GATEWAY__PORT",
+    "engine_port": "EMBEDSERVE_ENGINE__PORT",
+}
+
+
+def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=doc)
+    ap.add_argument("--model", help="model folder (default: the bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--model-name", help="model id clients send")
+    ap.add_argument("--max-seq-len", type=int, help="the one sequence-length cap")
+    ap.add_argument("--engine-kind", choices=["auto", "cpu", "sglang", "external"])
+    ap.add_argument("--engine-url", action="append", help="use these engines (repeatable)")
+    ap.add_argument("--host", help="gateway address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="gateway port (default 8000)")
+    ap.add_argument("--engine-port", type=int, help="engine port (default 30000)")
+    return ap
+
+
+def _apply_flags(args: argparse.Namespace) -> None:
+    for flag, env in _FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            os.environ[env] = str(value)
+    if getattr(args, "engine_url", None):
+        os.environ["EMBEDSERVE_ENGINE__URLS"] = json.dumps(args.engine_url)
+        os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", "external")
+
+
+def _up(argv: list[str]) -> int:
+    args = _stack_parser("embedserve up", "Start the engine and the gateway.").parse_args(argv)
+    _apply_flags(args)
+    from service.logging_json import setup_logging
+    from service.settings import Settings
+    from service.stack import run_stack
+
+    settings = Settings()
+    setup_logging(settings.log_level)
+    return asyncio.run(run_stack(settings))
+
+
+def _gateway(argv: list[str]) -> int:
+    args = _stack_parser("embedserve gateway", "Run the gateway only (engines elsewhere).").parse_args(argv)
+    _apply_flags(args)
+    os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", "external")
+    from service.logging_json import setup_logging
+    from service.settings import Settings
+    from service.stack import run_stack
+
+    settings = Settings()
+    setup_logging(settings.log_level)
+    return asyncio.run(run_stack(settings))
+
+
+def _config(argv: list[str]) -> int:
+    args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
+    _apply_flags(args)
+    from service.settings import Settings
+
+    print(json.dumps(Settings().redacted(), indent=2))
+    return 0
+
+
+_LOCAL = {"up": _up, "gateway": _gateway, "config": _config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = sorted([*_LOCAL, *_DELEGATED])
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: embedserve {" + ",".join(commands) + "} [options]\n\n"
+              "  up           start the engine (SGLang on a GPU, else the CPU engine) and the gateway\n"
+              "  gateway      run only the gateway in front of --engine-url engines\n"
+              "  engine       the SGLang engine (--dry-run prints its command line)\n"
+              "  cpu-engine   the CPU engine alone\n"
+              "  health       print the memory forecast of a running gateway\n"
+              "  loadtest     drive an embeddings endpoint and write a report\n"
+              "  synth-model  build a random-weight Qwen3-Embedding-shaped checkpoint\n"
+              "  config       print the effective configuration")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd in _LOCAL:
+        return _LOCAL[cmd](rest)
+    if cmd in _DELEGATED:
+        return int(importlib.import_module(_DELEGATED[cmd]).main(rest) or 0)
+    print(f"embedserve: unknown command '{cmd}' (one of {', '.join(commands)})", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The CPU engine: sentence-transformers behind SGLang's token-id ``/v1/embeddings``.
+
+It speaks exactly what SGLang speaks when launched with ``--is-embedding
+--skip-tokenizer-init`` (docs/ARCHITECTURE.md), so the gateway cannot tell the two apart.
+Pooling and normalisation come from the model folder's sentence-transformers modules
+(mean for MiniLM, last token for Qwen3-Embedding). Torch is imported here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+import psutil
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from service.settings import Settings
+from service.stats_file import EngineStats, write_stats
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str) -> Response:
+    body = {"object": "error", "message": message, "type": "BadRequestError", "code": status}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+class CpuEmbedder:
+    """Runs batches one at a time on a dedicated thread (torch uses the cores itself)."""
+
+    def __init__(self, settings: Settings) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        if settings.engine.cpu_threads:
+            torch.set_num_threads(settings.engine.cpu_threads)
+        self._torch = torch
+        path = str(settings.model.resolved_path)
+        self.model = SentenceTransformer(path, device="cpu", local_files_only=True)
+        self.model.eval()
+        self.max_seq_len = settings.model.effective_max_seq_len()
+        self.token_budget = settings.engine.batch_token_budget
+        self.path = path
+        dim_of = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dimension = int(dim_of() or 0)
+        self.lock = threading.Lock()
+
+    def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        """Length-sorted micro-batches keep padding small; results return in input order."""
+        torch = self._torch
+        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+        out: list[Any] = [None] * len(batch)
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and len(batch[order[end]]) * (end - start + 1) <= self.token_budget:
+                end += 1
+            group = order[start:end]
+            width = len(batch[group[-1]])
+            ids = torch.zeros((len(group), width), dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, : len(batch[i])] = torch.tensor(batch[i])
+                mask[row, : len(batch[i])] = 1
+            with self.lock, torch.inference_mode():
+                emb = self.model.forward({"input_ids": ids, "attention_mask": mask})
+                vectors = torch.nn.functional.normalize(emb["sentence_embedding"].float(), dim=-1)
+            for row, i in enumerate(group):
+                out[i] = vectors[row].tolist()
+            start = end
+        return out
+
+
+def create_engine_app(settings: Settings) -> FastAPI:
+    executor = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine")
+    state: dict[str, Any] = {}
+    stats = EngineStats(source="cpu")
+    proc = psutil.Process()
+
+    async def publish_stats() -> None:
+        while True:
+            rss = proc.memory_info().rss
+            stats.allocated_bytes = stats.reserved_bytes = stats.rss_bytes = rss
+            stats.max_reserved_bytes = max(stats.max_reserved_bytes, rss)
+            with contextlib.suppress(OSError):
+                write_stats(settings.engine.stats_dir, stats)
+            await asyncio.sleep(settings.engine.stats_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        state["embedder"] = await loop.run_in_executor(executor, CpuEmbedder, settings)
+        publisher = asyncio.create_task(publish_stats())
+        log.info("cpu engine ready", extra={"model": state["embedder"].path})
+        try:
+            yield
+        finally:
+            publisher.cancel()
+            executor.shutdown(wait=False, cancel_futures=True)
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(settings.engine.stats_dir, f"engine-{os.getpid()}.json"))
+
+    app = FastAPI(title="embedserve cpu engine", lifespan=lifespan)
+    name = settings.model.served_name
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        e: CpuEmbedder = state["embedder"]
+        return Response(orjson.dumps({"model_path": e.path, "is_generation": False,
+                                      "hidden_size": e.dimension}),
+                        media_type="application/json")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        e: CpuEmbedder = state["embedder"]
+        try:
+            body = orjson.loads(await request.body())
+            batch = body["input"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return _error(400, "expected {'input': [[token ids], ...]}")
+        if batch and isinstance(batch[0], int):
+            batch = [batch]
+        if not batch or not all(isinstance(x, list) and x for x in batch):
+            return _error(400, "input must be a non-empty list of non-empty token-id lists")
+        context = e.max_seq_len + 1  # mirrors SGLang launched with --context-length cap+1
+        for ids in batch:
+            if len(ids) >= context:
+                return _error(400, f"The input ({len(ids)} tokens) is longer than the model's "
+                                   f"context length ({context} tokens).")
+        loop = asyncio.get_running_loop()
+        vectors = await loop.run_in_executor(executor, e.embed, batch)
+        stats.batches += 1
+        tokens = sum(len(x) for x in batch)
+        out = {"object": "list", "model": name,
+               "data": [{"object": "embedding", "index": i, "embedding": v}
+                        for i, v in enumerate(vectors)],
+               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return Response(orjson.dumps(out), media_type="application/json")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from service.logging_json import setup_logging
+
+    ap = argparse.ArgumentParser(prog="embedserve cpu-engine", description=__doc__)
+    ap.add_argument("--port", type=int, help="default: engine.port from the config")
+    ap.add_argument("--host", help="default: engine.host from the config")
+    args = ap.parse_args(argv)
+    settings = Settings()
+    setup_logging(settings.log_level)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    uvicorn.run(create_engine_app(settings), host=args.host or settings.engine.host,
+                port=args.port or settings.engine.port, log_config=None,
+                timeout_graceful_shutdown=int(settings.gateway.graceful_shutdown_s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Structured logs: one JSON object per line, with the current request id when there is one.
+Request text is never logged here; callers pass only sizes and ids."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "request_id", default=None
+)
+
+_STD = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = request_id_var.get()
+        if rid:
+            out["request_id"] = rid
+        for key, value in vars(record).items():
+            if key not in _STD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = []
+        lg.propagate = True
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)  # we log access ourselves
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.Formatter.converter = time.gmtime

@@ -1,0 +1,52 @@
+"""A fake engine speaking the engine protocol, for fast gateway tests.
+
+Each vector is a deterministic function of its token ids, so a test can check that every
+answer went back to the input it belongs to, through coalescing and splitting."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+
+def fake_vector(ids: list[int], dim: int) -> np.ndarray:
+    v = np.zeros(dim, dtype=np.float64)
+    for pos, t in enumerate(ids):
+        v[(t * 31 + pos) % dim] += 1.0 + (t % 7)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+@dataclass
+class FakeEngine:
+    dim: int = 384
+    delay_s: float = 0.0
+    fail_status: int | None = None
+    calls: list[list[list[int]]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.post("/v1/embeddings")
+        async def embed(request: Request) -> Response:
+            batch = orjson.loads(await request.body())["input"]
+            self.calls.append(batch)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.fail_status:
+                return Response(b'{"message":"boom"}', status_code=self.fail_status)
+            data = [{"object": "embedding", "index": i,
+                     "embedding": fake_vector(ids, self.dim).tolist()}
+                    for i, ids in enumerate(batch)]
+            return Response(orjson.dumps({"object": "list", "data": data}),
+                            media_type="application/json")
+
+        return app
