@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from health.forecast import ForecastParams
-from tests.health_series import (
+from health.synthetic import (
     HOUR,
     GiB,
     Series,

@@ -1,4 +1,5 @@
-"""Synthetic memory series and a replay helper for the health tests."""
+"""Synthetic memory series (flat, leak, steps, plateau, saw-tooth) and a replay helper:
+the forecast the sampler would have made at any moment. For tests and demos."""
 
 from __future__ import annotations
 
