@@ -72,6 +72,10 @@ def _gib(x: float) -> str:
 
 
 def _hours(x: float) -> str:
+    if x < 1 / 60:
+        return f"{x * 3600:.0f} s"
+    if x < 1:
+        return f"{x * 60:.0f} min"
     return f"{x:.1f} h" if x < 48 else f"{x / 24:.1f} days"
 
 

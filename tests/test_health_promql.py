@@ -1,0 +1,86 @@
+"""The example alert (Prometheus predict_linear) agrees with the endpoint on a linear leak."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from health.forecast import ForecastParams
+from health.synthetic import HOUR, GiB, Series, replay, verdict
+
+RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "alerts.yaml"
+LIMIT = 80 * GiB
+PARAMS = ForecastParams()
+SCRAPE_S = 15.0
+
+
+def linear_regression(t: np.ndarray, y: np.ndarray, at: float) -> tuple[float, float]:
+    """Prometheus' linearRegression (promql/functions.go): slope, intercept at ``at``."""
+    x = t - at
+    n = len(x)
+    cov_xy = np.sum(x * y) - np.sum(x) * np.sum(y) / n
+    var_x = np.sum(x * x) - np.sum(x) ** 2 / n
+    slope = cov_xy / var_x
+    return float(slope), float(np.sum(y) / n - slope * np.sum(x) / n)
+
+
+def predict_linear(t: np.ndarray, y: np.ndarray, at: float, rng_s: float, ahead_s: float) -> float:
+    sel = (t > at - rng_s) & (t <= at)
+    slope, intercept = linear_regression(t[sel], y[sel], at)
+    return intercept + slope * ahead_s
+
+
+def promql_hours(t: np.ndarray, y: np.ndarray, at: float, rng_s: float = 6 * HOUR) -> float:
+    """The recording rule embedserve:hours_until_oom:predict_linear6h."""
+    sel = (t > at - rng_s) & (t <= at)
+    slope, intercept = linear_regression(t[sel], y[sel], at)
+    return (LIMIT - intercept) / slope / 3600
+
+
+def leak(per_hour: float, hours: float = 8.0, start: float = 20 * GiB, noise: float = 0.0):
+    t = np.arange(0.0, hours * HOUR + 1, SCRAPE_S)
+    rng = np.random.default_rng(7)
+    return Series(t, start + per_hour * t / HOUR + rng.normal(0, noise * GiB, len(t)))
+
+
+@pytest.mark.parametrize(
+    ("per_hour", "noise", "rel"),
+    [(1 * GiB, 0.0, 0.02), (4 * GiB, 0.0, 0.02), (4 * GiB, 0.2, 0.05), (6 * GiB, 0.5, 0.10)],
+)
+def test_endpoint_agrees_with_predict_linear(per_hour: float, noise: float, rel: float) -> None:
+    s = leak(per_hour, noise=noise)
+    at = float(s.t[-1])
+    ours = replay(s, LIMIT, at, PARAMS).estimated_hours_until_oom
+    theirs = promql_hours(s.t, s.y, at)
+    assert ours is not None
+    assert ours == pytest.approx(theirs, rel=rel)
+
+
+@pytest.mark.parametrize(("per_hour", "fires"), [(7 * GiB, True), (4 * GiB, False)])
+def test_alert_fires_when_readiness_drains(per_hour: float, fires: bool) -> None:
+    # At 8 h: 7 GiB/h leaves 4 GiB (0.6 h); 4 GiB/h leaves 28 GiB (7 h) > the 6 h horizon.
+    s = leak(per_hour, start=4 * GiB)
+    at = float(s.t[-1])
+    predicted = predict_linear(s.t, s.y, at, 6 * HOUR, 6 * HOUR)
+    assert (predicted > LIMIT) is fires
+    assert verdict(replay(s, LIMIT, at, PARAMS))["recommends_restart"] is fires
+
+
+def test_rule_file_uses_exported_names() -> None:
+    yaml = pytest.importorskip("yaml")
+    doc = yaml.safe_load(RULES.read_text())
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    exprs = " ".join(r["expr"] for r in rules)
+    assert "predict_linear(embedserve_memory_used_bytes[6h], 6 * 3600)" in exprs
+    assert f"[{int(PARAMS.window_s // 3600)}h]" in exprs  # window matches the endpoint's
+    exported = {
+        "embedserve_memory_used_bytes",
+        "embedserve_memory_limit_bytes",
+        "embedserve_hours_until_oom",
+        "embedserve_engine_ooms_total",
+    }
+    used = set(re.findall(r"\bembedserve_[a-z_]+", exprs))
+    assert used <= exported, used - exported
