@@ -65,7 +65,9 @@ class ControllerSettings(BaseModel):
         None, description="bearer token when gateway.protect_health is on"
     )
     threshold_hours: float | None = Field(
-        None, gt=0, description="evict under this many hours to OOM; default health.warning_hours"
+        None,
+        gt=0,
+        description="evict at or under this many hours to OOM; default health.warning_hours",
     )
     follow_recommendation: bool = Field(
         True, description="also evict when /health/memory says recommends_restart"
@@ -103,7 +105,8 @@ class MemoryVerdict:
             return False
         if follow_recommendation and self.recommends_restart:
             return True
-        return self.hours_until_oom is not None and self.hours_until_oom < threshold_hours
+        # <=, as the readiness probe (health/probes.py) and the PrometheusRule compare.
+        return self.hours_until_oom is not None and self.hours_until_oom <= threshold_hours
 
     @property
     def urgency(self) -> float:

@@ -217,11 +217,14 @@ def test_young_pod_is_not_evicted():
     assert d.action == "wait" and "younger" in d.reason
 
 
-def test_threshold_is_strict_and_configurable():
+def test_threshold_matches_the_readiness_probe_and_is_configurable():
+    # health/probes.py drains at hours <= warning_hours: the controller agrees at the edge.
     at = {"estimated_hours_until_oom": 6.0, "recommends_restart": False}
-    assert decide([obs(pod("a"), at)], POLICY).action == "none"
+    above = {"estimated_hours_until_oom": 6.01, "recommends_restart": False}
+    assert decide([obs(pod("a"), at)], POLICY).pod == "a"
+    assert decide([obs(pod("a"), above)], POLICY).action == "none"
     wide = Policy(threshold_hours=8.0)
-    assert decide([obs(pod("a"), at)], wide).pod == "a"
+    assert decide([obs(pod("a"), above)], wide).pod == "a"
 
 
 def test_recommendation_can_be_ignored():

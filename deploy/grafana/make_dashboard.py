@@ -129,7 +129,7 @@ def build() -> dict[str, Any]:
     add(
         stat(
             "Hours to OOM (binding)",
-            "min(embedserve_hours_until_oom)",
+            'min(embedserve_hours_until_oom{bound="estimate"})',
             (0, 0, 6, 5),
             "h",
             [("red", None), ("orange", CRITICAL_HOURS), ("yellow", WARNING_HOURS), ("green", 24)],
@@ -278,10 +278,20 @@ def build() -> dict[str, Any]:
         timeseries(
             "GPU memory",
             [
+                target("embedserve_gpu_memory_used_bytes", "device used gpu{{gpu}} {{pod}}"),
+                target("embedserve_gpu_memory_total_bytes", "device total gpu{{gpu}} {{pod}}"),
                 target(
-                    '{__name__=~"embedserve_(gpu|engine|allocator)_.*bytes"}',
-                    "{{__name__}} {{instance}}",
-                )
+                    "embedserve_engine_allocator_reserved_bytes",
+                    "torch reserved pid{{engine_pid}} {{pod}}",
+                ),
+                target(
+                    "embedserve_engine_allocator_allocated_bytes",
+                    "torch allocated pid{{engine_pid}} {{pod}}",
+                ),
+                target(
+                    "embedserve_engine_allocator_inactive_split_bytes",
+                    "inactive split pid{{engine_pid}} {{pod}}",
+                ),
             ],
             (0, 33, 12, 9),
             "bytes",
@@ -293,10 +303,10 @@ def build() -> dict[str, Any]:
         timeseries(
             "Host memory",
             [
-                target(
-                    '{__name__=~"embedserve_(host|cgroup|process)_.*bytes"}',
-                    "{{__name__}} {{instance}}",
-                )
+                target("embedserve_host_memory_rss_bytes", "RSS {{process}} {{pod}}"),
+                target("embedserve_cgroup_memory_current_bytes", "cgroup current {{pod}}"),
+                target("embedserve_cgroup_memory_limit_bytes", "cgroup limit {{pod}}"),
+                target("embedserve_machine_memory_used_bytes", "machine used {{instance}}"),
             ],
             (12, 33, 12, 9),
             "bytes",
@@ -309,14 +319,19 @@ def build() -> dict[str, Any]:
             "Hours to OOM by resource",
             [
                 target(
-                    "embedserve_hours_until_oom",
-                    "{{resource}} {{instance}}",
-                )
+                    'embedserve_hours_until_oom{bound="estimate"}',
+                    "{{resource}} {{pod}}",
+                ),
+                target(
+                    'embedserve_hours_until_oom{bound="lower"}',
+                    "{{resource}} lower bound {{pod}}",
+                ),
             ],
             (0, 42, 24, 9),
             "h",
             f"Forecast per resource. Lines at {WARNING_HOURS} h (readiness drains, the "
-            f"controller evicts) and {CRITICAL_HOURS} h (liveness restarts).",
+            f"controller evicts) and {CRITICAL_HOURS} h (liveness restarts). The gauge shows the "
+            "horizon cap (168 h) when no OOM is foreseen and no value while collecting data.",
             thresholds=[("red", None), ("orange", CRITICAL_HOURS), ("transparent", WARNING_HOURS)],
         )
     )
