@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -38,7 +40,8 @@ def test_linear_leak_within_ten_percent(per_hour_gib: float) -> None:
     assert f.status == "growing", f.reason
     expected = min(truth, PARAMS.horizon_cap_hours)
     assert f.estimated_hours_until_oom == pytest.approx(expected, rel=0.10), f.reason
-    assert f.hours_lower is not None and f.hours_lower <= f.estimated_hours_until_oom
+    assert f.hours_lower is not None and f.estimated_hours_until_oom is not None
+    assert f.hours_lower <= f.estimated_hours_until_oom
     assert f.slope_bytes_per_hour == pytest.approx(per_hour_gib * GiB, rel=0.10)
 
 
@@ -90,7 +93,7 @@ def test_no_leak_never_recommends_restart(series: Series) -> None:
 
 
 @pytest.mark.parametrize("make", [flat, plateau, sawtooth], ids=["flat", "plateau", "sawtooth"])
-def test_stationary_series_report_not_growing(make) -> None:  # type: ignore[no-untyped-def]
+def test_stationary_series_report_not_growing(make: Callable[[], Series]) -> None:
     s = make()
     f = replay(s, LIMIT, float(s.t[-1]), PARAMS)
     assert f.status == "not_growing", f.reason

@@ -64,9 +64,9 @@ def test_sampler_times_a_real_leak_within_twenty_percent(tmp_path: Path) -> None
                 while time.monotonic() < deadline:
                     await asyncio.sleep(0.5)
                     st = components.state
-                    if st and st.forecasts["host"].status == "growing":
-                        if st.forecasts["host"].window_s >= 12.0:
-                            return
+                    host = st.forecasts["host"] if st else None
+                    if host and host.status == "growing" and host.window_s >= 12.0:
+                        return
             finally:
                 await components.stop()
 
