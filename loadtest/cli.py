@@ -1,0 +1,293 @@
+"""``embedserve loadtest``: drive an OpenAI-compatible /v1/embeddings URL and report.
+
+Examples::
+
+    embedserve loadtest http://127.0.0.1:8000 --tokenizer MODEL_DIR --rate 20 --duration 10m \\
+        --warmup 60 --max-error-rate 0.001 --max-p95-drift 0.2 --max-memory-growth-mib 256
+    embedserve loadtest http://127.0.0.1:30000/v1/embeddings --input ids --tokenizer MODEL_DIR \\
+        --concurrency 8 --requests 2000 --mix uniform:128-512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import numpy as np
+
+from loadtest import plots, report
+from loadtest.mixes import parse_count, parse_mix
+from loadtest.runner import RunConfig, Runner
+from loadtest.sampling import MemorySampler, ProcessSampler
+from loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
+from loadtest.traffic import RequestFactory
+from loadtest.verdict import Targets
+
+
+def parse_seconds(text: str) -> float:
+    """``90``, ``90s``, ``5m``, ``2h`` -> seconds."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    t = text.strip().lower()
+    if t and t[-1] in units:
+        return float(t[:-1]) * units[t[-1]]
+    return float(t)
+
+
+def embeddings_url(target: str) -> str:
+    """Accept a base URL, ``.../v1`` or the full ``.../v1/embeddings`` URL."""
+    parts = urlsplit(target)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"target must be an http(s) URL, got {target!r}")
+    path = parts.path.rstrip("/")
+    if not path.endswith("/embeddings"):
+        path = path + ("/embeddings" if path.endswith("/v1") else "/v1/embeddings")
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def same_origin_url(target: str, path_or_url: str) -> str:
+    """A URL on the target's own scheme/host/port; anything else is refused."""
+    t = urlsplit(target)
+    u = urlsplit(path_or_url)
+    if not u.netloc:
+        return urlunsplit((t.scheme, t.netloc, "/" + path_or_url.lstrip("/"), "", ""))
+    if (u.scheme, u.netloc) != (t.scheme, t.netloc):
+        raise ValueError(f"{path_or_url} is not on the target {t.scheme}://{t.netloc}: refused")
+    return path_or_url
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="embedserve loadtest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="base URL or full /v1/embeddings URL (the only host used)")
+    g = ap.add_argument_group("traffic")
+    loop = g.add_mutually_exclusive_group()
+    loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    loop.add_argument("--concurrency", type=int,
+                      help="closed loop: requests kept in flight (default 4)")
+    g.add_argument("--duration", type=parse_seconds, help="measured time: 90, 90s, 10m, 2h")
+    g.add_argument("--requests", type=int, help="measured request count")
+    g.add_argument("--warmup", type=parse_seconds, default=0.0,
+                   help="seconds at the start left out of results")
+    g.add_argument("--warmup-requests", type=int, default=0,
+                   help="requests at the start left out of results (added to --requests)")
+    g.add_argument("--mix", default="seed",
+                   help="seed | uniform:A-B | fixed:N | buckets:W:A-B,... | file:PATH")
+    g.add_argument("--inputs", default="1", help="inputs per request: N or A-B")
+    g.add_argument("--input", dest="input_kind", choices=("text", "ids"), default="text",
+                   help="send texts or token ids (ids: raw SGLang --skip-tokenizer-init)")
+    g.add_argument("--tokenizer", help="the target model's tokenizer.json or model folder")
+    g.add_argument("--max-tokens", type=int, help="clamp every input to this many tokens")
+    g.add_argument("--model", help="model id to send (default: first of GET /v1/models)")
+    g.add_argument("--encoding-format", choices=("float", "base64"),
+                   help="send this encoding_format (default: omit the field)")
+    g.add_argument("--dimensions", type=int, help="send this dimensions value")
+    g.add_argument("--seed", type=int, default=0)
+    s = ap.add_argument_group("safety")
+    s.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, s")
+    s.add_argument("--max-connections", type=int, default=256)
+    s.add_argument("--max-in-flight", type=int, default=1024,
+                   help="open loop: arrivals beyond this many pending are dropped and counted")
+    s.add_argument("--retries-429", type=int, default=3,
+                   help="resend a 429'd request after its Retry-After, at most this often")
+    s.add_argument("--max-run-time", type=parse_seconds, default=7 * 24 * 3600.0,
+                   help="hard stop, whatever else is set")
+    s.add_argument("--header", action="append", default=[], help="'Name: value' to send")
+    s.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    m = ap.add_argument_group("sampling")
+    m.add_argument("--health-url", default="/health/memory",
+                   help="path on the target (or 'none'); a 404 disables sampling")
+    m.add_argument("--sample-interval", type=float, default=5.0)
+    m.add_argument("--memory-field", action="append", default=[],
+                   help="NAME=dotted.path into /health/memory (gpu_bytes, host_bytes, "
+                        "hours_to_oom, ...) when the defaults do not find it")
+    m.add_argument("--watch-pid", type=int, action="append", default=[],
+                   help="also sample this local process's RSS (and its children's)")
+    o = ap.add_argument_group("output and verdict")
+    o.add_argument("--out", type=Path, help="results folder (default loadtest-results/TIME)")
+    o.add_argument("--window", type=parse_seconds, help="window for percentiles (default auto)")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--max-error-rate", type=float, help="fail above this (0.001 = 0.1%%)")
+    o.add_argument("--max-p95-drift", type=float,
+                   help="fail if the last window's P95 exceeds the first's by this fraction")
+    o.add_argument("--max-memory-growth-mib", type=float,
+                   help="fail if any memory series grows more than this after warm-up")
+    o.add_argument("--max-p95-ms", type=float)
+    o.add_argument("--max-429-rate", type=float)
+    o.add_argument("--min-rps", type=float, help="fail below this many successful req/s")
+    return ap
+
+
+def _headers(a: argparse.Namespace) -> dict[str, str]:
+    h = {}
+    for raw in a.header:
+        name, _, value = raw.partition(":")
+        if not value:
+            raise ValueError(f"--header wants 'Name: value', got {raw!r}")
+        h[name.strip()] = value.strip()
+    if a.api_key:
+        h["Authorization"] = f"Bearer {a.api_key}"
+    return h
+
+
+async def discover_model(url: str, headers: dict[str, str]) -> str | None:
+    """First model id of GET /v1/models on the target, or None."""
+    models_url = url.rsplit("/embeddings", 1)[0] + "/models"
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
+                             IndexError, TypeError):
+        async with aiohttp.ClientSession(headers=headers) as s, s.get(
+            models_url, allow_redirects=False, timeout=aiohttp.ClientTimeout(total=10)
+        ) as r:
+            if r.status == 200:
+                return str((await r.json(content_type=None))["data"][0]["id"])
+    return None
+
+
+class Progress:
+    """tqdm bar: requests (count runs) or seconds (duration runs), rate, errors, P95."""
+
+    def __init__(self, runner: Runner, enabled: bool) -> None:
+        self.bar: Any = None
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        total = runner.total_requests
+        if total is not None:
+            self.bar = tqdm(total=total, unit="req", dynamic_ncols=True)
+            self.by_time = False
+        else:
+            self.bar = tqdm(total=round(runner.end_time), unit="s", dynamic_ncols=True)
+            self.by_time = True
+
+    def __call__(self, r: Runner) -> None:
+        if self.bar is None:
+            return
+        now = r.now()
+        recent = [(lat, code) for done, lat, code in r.rec.recent if done >= now - 5.0]
+        ok = [lat for lat, code in recent if 200 <= code < 300]
+        p95 = f"{np.percentile(ok, 95) * 1000:.0f}ms" if ok else "-"
+        self.bar.n = min(int(now), self.bar.total) if self.by_time else len(r.rec)
+        self.bar.set_postfix(rps=f"{len(ok) / 5.0:.1f}", err=r.errors, r429=r.throttled, p95=p95,
+                             inflight=r.in_flight, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str, Any]]:
+    """Everything checkable before sending anything (ValueError on bad arguments)."""
+    url = embeddings_url(a.target)
+    headers = _headers(a)
+    health_url = None if a.health_url == "none" else same_origin_url(url, a.health_url)
+    mix = parse_mix(a.mix)
+    tokenizer_desc = "no tokenizer: 1 word counted as 1 token (approximate)"
+    builder: Any
+    if a.tokenizer:
+        builder = TextBuilder(load_tokenizer(a.tokenizer), seed=a.seed)
+        tokenizer_desc = f"{a.tokenizer} (special tokens included)"
+    else:
+        builder = WordBuilder(a.seed)
+    if a.duration is None and a.requests is None:
+        a.duration = 60.0
+    extra: dict[str, Any] = {}
+    if a.encoding_format:
+        extra["encoding_format"] = a.encoding_format
+    if a.dimensions:
+        extra["dimensions"] = a.dimensions
+    factory = RequestFactory(mix, builder, a.input_kind, parse_count(a.inputs), a.model or "",
+                             a.seed, a.max_tokens, extra)
+    closed = a.rate is None
+    cfg = RunConfig(url=url, mode="closed" if closed else "open", rate=a.rate or 0.0,
+                    concurrency=a.concurrency or 4, duration_s=a.duration,
+                    requests=a.requests, warmup_s=a.warmup,
+                    warmup_requests=a.warmup_requests, timeout_s=a.timeout,
+                    max_connections=a.max_connections, max_in_flight=a.max_in_flight,
+                    retries_429=a.retries_429, max_run_s=a.max_run_time, headers=headers,
+                    seed=a.seed)
+    overrides = dict(f.split("=", 1) for f in a.memory_field)
+    info = {"health_url": health_url, "overrides": overrides, "tokenizer": tokenizer_desc,
+            "mix": mix.describe()}
+    return cfg, factory, info
+
+
+async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFactory,
+                    info: dict[str, Any]) -> int:
+    """Run, then write results.json, summary.md and the plots; 0 on PASS, 1 on FAIL."""
+    url, health_url, overrides = cfg.url, info["health_url"], info["overrides"]
+    if not factory.model:
+        factory.model = await discover_model(url, cfg.headers) or "default"
+    model = factory.model
+    runner = Runner(cfg)
+    progress = Progress(runner, not a.no_progress)
+    runner.on_tick = progress
+    t0_wall = time.time()
+    mem: MemorySampler | None = None
+    procs: ProcessSampler | None = None
+
+    def side(session: aiohttp.ClientSession, stop: asyncio.Event) -> list[Any]:
+        nonlocal mem, procs
+        tasks: list[Any] = []
+        procs = ProcessSampler(a.sample_interval, runner.t0, a.watch_pid)
+        tasks.append(procs.run(stop))
+        if health_url:
+            mem = MemorySampler(health_url, a.sample_interval, runner.t0, overrides)
+            tasks.append(mem.run(session, stop))
+        return tasks
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, runner.stop, "interrupted")
+    try:
+        outcome = await runner.run(factory.make, side)
+    finally:
+        progress.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+    traffic = (f"closed loop, concurrency {cfg.concurrency}" if cfg.mode == "closed"
+               else f"open loop, Poisson {cfg.rate:g} req/s")
+    meta = {"url": url, "model": model, "traffic": traffic, "mix": info["mix"],
+            "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
+            "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
+            "started_at": t0_wall, "argv": sys.argv[1:]}
+    targets = Targets(a.max_error_rate, a.max_p95_drift, a.max_memory_growth_mib, a.max_p95_ms,
+                      a.max_429_rate, a.min_rps)
+    res = report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
+                               procs.to_json() if procs else {}, a.window)
+    out = a.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
+    names = [] if a.no_plots else plots.write_all(res, out)
+    jp, mp = report.write(res, out, names)
+    m = res["measured"]
+    print(f"{'PASS' if res['verdict']['passed'] else 'FAIL'}: {m['ok']}/{m['attempts']} ok, "
+          f"{m['requests_per_s']:.2f} req/s, {m['tokens_per_s']:.0f} tokens/s, "
+          f"p95 {m['latency_ms']['p95']} ms, errors {m['errors']}, 429 {m['throttled_429']}"
+          f"\nreport: {mp}\nresults: {jp}", file=sys.stderr)
+    return 0 if res["verdict"]["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: 0 when the verdict passes, 1 when it fails, 2 on bad arguments."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        cfg, factory, info = prepare(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"embedserve loadtest: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(run_async(a, cfg, factory, info))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""A small fake OpenAI-compatible embeddings server that counts what it sees.
+
+For tests and for trying the load generator without a model::
+
+    python -m loadtest.fake_target --port 8099 --tokenizer MODEL_DIR
+
+It answers ``POST /v1/embeddings`` (texts or token ids), ``GET /v1/models`` and, unless
+disabled, ``GET /health/memory`` (a fake, slowly growing figure); it can inject 503s,
+429s with Retry-After, and latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+
+@dataclass
+class FakeConfig:
+    """Behaviour knobs."""
+
+    dim: int = 8
+    fail_every: int = 0  # every N-th request gets a 503
+    throttle_every: int = 0  # every N-th request gets a 429
+    retry_after_s: float = 0.2
+    delay_s: float = 0.0
+    delay_per_token_s: float = 0.0
+    health_memory: bool = True
+    host_growth_bytes_per_s: float = 0.0
+
+
+@dataclass
+class Counters:
+    """What the server saw (all POSTs, whatever the answer)."""
+
+    requests: int = 0
+    ok: int = 0
+    failed_503: int = 0
+    throttled_429: int = 0
+    inputs: int = 0
+    tokens: int = 0
+    tokens_ok: int = 0
+    health_calls: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> Starlette:
+    """The app; ``tokenizer`` (a ``tokenizers.Tokenizer``) counts text inputs, else words."""
+    started = time.time()
+
+    def count(item: Any) -> int:
+        if isinstance(item, list):
+            return len(item)
+        if tokenizer is not None:
+            return len(tokenizer.encode(str(item)).ids)
+        return len(str(item).split())
+
+    async def embeddings(request: Request) -> Response:
+        body = await request.json()
+        raw = body.get("input")
+        items = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+        tokens = sum(count(x) for x in items)
+        with counters.lock:
+            counters.requests += 1
+            n = counters.requests
+            counters.inputs += len(items)
+            counters.tokens += tokens
+        if cfg.fail_every and n % cfg.fail_every == 0:
+            with counters.lock:
+                counters.failed_503 += 1
+            return JSONResponse({"error": {"message": "injected", "type": "server_error",
+                                           "param": None, "code": 503}}, status_code=503)
+        if cfg.throttle_every and n % cfg.throttle_every == 0:
+            with counters.lock:
+                counters.throttled_429 += 1
+            return JSONResponse({"error": {"message": "busy", "type": "rate_limit_error",
+                                           "param": None, "code": 429}}, status_code=429,
+                                headers={"Retry-After": f"{cfg.retry_after_s:g}"})
+        delay = cfg.delay_s + cfg.delay_per_token_s * tokens
+        if delay:
+            await asyncio.sleep(delay)
+        rng = random.Random(n)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": [rng.random() for _ in range(cfg.dim)]} for i in range(len(items))]
+        with counters.lock:
+            counters.ok += 1
+            counters.tokens_ok += tokens
+        return JSONResponse({"object": "list", "data": data, "model": body.get("model"),
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "fake-embed", "object": "model"}]})
+
+    async def health_memory(request: Request) -> Response:
+        if not cfg.health_memory:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        with counters.lock:
+            counters.health_calls += 1
+        age = time.time() - started
+        host = (1 << 30) + int(cfg.host_growth_bytes_per_s * age)
+        return JSONResponse({  # the shape of embedserve's own /health/memory
+            "status": "ok", "recommends_restart": False, "binding_resource": "host",
+            "estimated_hours_until_oom": 100.0, "hours_lower": 80.0, "hours_upper": 130.0,
+            "reason": "fake", "gpu": None,
+            "resources": {"host": {"used_bytes": host, "limit_bytes": 8 << 30}},
+            "processes": {"engine": {"rss_bytes": host // 2}},
+        })
+
+    return Starlette(routes=[
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health/memory", health_memory),
+    ])
+
+
+class FakeServer:
+    """Runs the app with uvicorn on 127.0.0.1 in a thread (random free port by default)."""
+
+    def __init__(self, cfg: FakeConfig | None = None, tokenizer: Any = None,
+                 port: int = 0) -> None:
+        import uvicorn
+
+        self.cfg = cfg or FakeConfig()
+        self.counters = Counters()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.port = self.sock.getsockname()[1]
+        app = create_app(self.cfg, self.counters, tokenizer)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FakeServer:
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.fake_target", description=__doc__)
+    ap.add_argument("--port", type=int, default=8099)
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--fail-every", type=int, default=0)
+    ap.add_argument("--throttle-every", type=int, default=0)
+    ap.add_argument("--delay", type=float, default=0.0)
+    a = ap.parse_args(argv)
+    tok = None
+    if a.tokenizer:
+        from loadtest.textbuild import load_tokenizer
+
+        tok = load_tokenizer(a.tokenizer)
+    cfg = FakeConfig(fail_every=a.fail_every, throttle_every=a.throttle_every, delay_s=a.delay)
+    with FakeServer(cfg, tok, a.port) as srv:
+        print(f"fake target on {srv.url}", flush=True)
+        try:
+            while srv.thread.is_alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

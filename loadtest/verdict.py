@@ -1,0 +1,110 @@
+"""Pass/fail against targets given on the command line."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+MIB = 1024.0 * 1024.0
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Each target is optional; a check runs only when its target is set."""
+
+    max_error_rate: float | None = None
+    max_p95_drift: float | None = None  # fraction: 0.2 = last window's P95 at most 20% above
+    max_memory_growth_mib: float | None = None  # per series, after warm-up
+    max_p95_ms: float | None = None
+    max_throttle_rate: float | None = None
+    min_requests_per_s: float | None = None
+
+    def any(self) -> bool:
+        return any(v is not None for v in asdict(self).values())
+
+
+def growth(ts: list[float], values: list[float], start: float) -> dict[str, float] | None:
+    """Memory growth after ``start``: median of the last tenth of the samples minus the
+    median of the first tenth (at least one sample each; steps count, jitter does not)."""
+    pts = [(t, v) for t, v in zip(ts, values, strict=True) if t >= start and v is not None]
+    if len(pts) < 2:
+        return None
+    k = max(1, len(pts) // 10)
+    first = float(np.median([v for _, v in pts[:k]]))
+    last = float(np.median([v for _, v in pts[-k:]]))
+    span_h = max((pts[-1][0] - pts[0][0]) / 3600.0, 1e-9)
+    return {"first_mib": round(first / MIB, 2), "last_mib": round(last / MIB, 2),
+            "growth_mib": round((last - first) / MIB, 2),
+            "growth_mib_per_hour": round((last - first) / MIB / span_h, 2),
+            "samples": len(pts), "span_s": round(pts[-1][0] - pts[0][0], 1)}
+
+
+def p95_drift(windows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Relative change of P95 from the first to the last window that had successes."""
+    p95s = [(w["t_start"], w["latency_ms"]["p95"]) for w in windows
+            if w["latency_ms"]["p95"] is not None]
+    if len(p95s) < 2 or p95s[0][1] <= 0:
+        return None
+    first, last = p95s[0][1], p95s[-1][1]
+    return {"first_p95_ms": first, "last_p95_ms": last,
+            "drift": round((last - first) / first, 4)}
+
+
+def _check(name: str, value: float | None, target: float | None, ok: bool | None,
+           detail: str) -> dict[str, Any]:
+    status = "no data" if value is None else ("pass" if ok else "fail")
+    return {"check": name, "value": value, "target": target, "status": status,
+            "detail": detail}
+
+
+def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]],
+             memory_series: dict[str, dict[str, float] | None]) -> dict[str, Any]:
+    """The verdict: each requested check, and ``passed`` when none failed."""
+    checks: list[dict[str, Any]] = []
+    attempts = measured["attempts"]
+    if t.max_error_rate is not None:
+        v = measured["error_rate"] if attempts else None
+        checks.append(_check("error rate", v, t.max_error_rate,
+                             v is not None and v <= t.max_error_rate,
+                             f"{measured['errors']} errors in {attempts} attempts "
+                             "(429s counted apart)"))
+    if t.max_throttle_rate is not None:
+        v = round(measured["throttled_429"] / attempts, 6) if attempts else None
+        checks.append(_check("429 rate", v, t.max_throttle_rate,
+                             v is not None and v <= t.max_throttle_rate,
+                             f"{measured['throttled_429']} answers were 429"))
+    if t.max_p95_ms is not None:
+        v = measured["latency_ms"]["p95"]
+        checks.append(_check("P95 latency ms", v, t.max_p95_ms,
+                             v is not None and v <= t.max_p95_ms, "over the measured period"))
+    if t.min_requests_per_s is not None:
+        v = measured["requests_per_s"] if attempts else None
+        checks.append(_check("throughput req/s", v, t.min_requests_per_s,
+                             v is not None and v >= t.min_requests_per_s, "successful requests"))
+    if t.max_p95_drift is not None:
+        d = p95_drift(windows)
+        v = d["drift"] if d else None
+        detail = (f"P95 {d['first_p95_ms']} ms in the first window, {d['last_p95_ms']} ms "
+                  "in the last" if d else "needs two windows with successes")
+        checks.append(_check("P95 drift", v, t.max_p95_drift,
+                             v is not None and v <= t.max_p95_drift, detail))
+    if t.max_memory_growth_mib is not None:
+        if not any(memory_series.values()):
+            checks.append(_check("memory growth MiB", None, t.max_memory_growth_mib, None,
+                                 "no memory series (no /health/memory and no --watch-pid)"))
+        for name, g in memory_series.items():
+            if g is None:
+                continue
+            v = g["growth_mib"]
+            checks.append(_check(f"memory growth MiB: {name}", v, t.max_memory_growth_mib,
+                                 v <= t.max_memory_growth_mib,
+                                 f"{g['first_mib']} -> {g['last_mib']} MiB over "
+                                 f"{g['span_s']} s ({g['growth_mib_per_hour']} MiB/h)"))
+    if not attempts:
+        checks.append(_check("requests sent", 0.0, None, False, "no request was sent"))
+    failed = [c["check"] for c in checks if c["status"] == "fail"]
+    no_data = [c["check"] for c in checks if c["status"] == "no data"]
+    return {"passed": not failed, "failed": failed, "no_data": no_data, "checks": checks,
+            "targets": asdict(t)}

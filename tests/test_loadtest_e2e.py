@@ -1,0 +1,101 @@
+"""The load generator against a fake OpenAI-compatible server that counts what it saw:
+the report's request and token counts must equal the server's."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.cli import main
+from loadtest.fake_target import FakeConfig, FakeServer
+from loadtest.textbuild import load_tokenizer
+from service.synthetic import write_tokenizer_files
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(d)
+    return d
+
+
+def _run(args: list[str], out: Path) -> tuple[int, dict[str, Any]]:
+    rc = main([*args, "--out", str(out), "--no-progress", "--sample-interval", "0.5"])
+    return rc, json.loads((out / "results.json").read_text())
+
+
+def test_closed_loop_text_counts_match_server(tok_dir: Path, tmp_path: Path) -> None:
+    with FakeServer(FakeConfig(), load_tokenizer(tok_dir)) as srv:
+        rc, res = _run([srv.url, "--tokenizer", str(tok_dir), "--concurrency", "4",
+                        "--requests", "150", "--warmup-requests", "20", "--inputs", "1-3",
+                        "--mix", "seed", "--max-tokens", "2048", "--max-error-rate", "0",
+                        "--max-memory-growth-mib", "100"], tmp_path)
+        seen = srv.counters
+    tot, meas = res["totals"], res["measured"]
+    assert rc == 0 and res["verdict"]["passed"]
+    assert tot["attempts"] == seen.requests == 170
+    assert tot["tokens_sent"] == seen.tokens  # client's count == server's tokenizer
+    assert tot["usage_prompt_tokens"] == seen.tokens_ok == seen.tokens
+    assert tot["inputs_ok"] == seen.inputs
+    assert meas["attempts"] == 150 and res["warmup"]["attempts"] == 20
+    assert res["meta"]["model"] == "fake-embed"  # discovered from /v1/models
+    assert res["memory"]["health_memory"]["status"] == "sampled"
+    assert seen.health_calls >= 1
+    assert res["memory"]["health_memory"]["samples"][0]["host_bytes"] == 1 << 30
+    assert sum(w["attempts"] for w in res["windows"]) == 150
+    for name in ("summary.md", "latency.png", "throughput.png", "memory.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "# Load test: PASS" in (tmp_path / "summary.md").read_text()
+
+
+def test_open_loop_ids_with_errors_and_429(tok_dir: Path, tmp_path: Path) -> None:
+    cfg = FakeConfig(fail_every=7, throttle_every=11, retry_after_s=0.05)
+    with FakeServer(cfg) as srv:
+        rc, res = _run([f"{srv.url}/v1/embeddings", "--tokenizer", str(tok_dir),
+                        "--input", "ids", "--rate", "60", "--duration", "3", "--warmup", "0.5",
+                        "--mix", "uniform:16-300", "--inputs", "2", "--seed", "9",
+                        "--max-error-rate", "0.01", "--no-plots"], tmp_path)
+        seen = srv.counters
+    tot = res["totals"]
+    assert tot["attempts"] == seen.requests > 100
+    assert tot["tokens_sent"] == seen.tokens
+    assert tot["by_status"].get("503", 0) == seen.failed_503 > 0
+    assert tot["by_status"].get("429", 0) == seen.throttled_429 > 0
+    assert tot["throttled_429"] == seen.throttled_429
+    assert tot["ok"] == seen.ok and tot["usage_prompt_tokens"] == seen.tokens_ok
+    assert rc == 1 and res["verdict"]["failed"] == ["error rate"]  # 503s: about 1 in 7
+    assert res["meta"]["stop_reason"] == "duration reached"
+    assert 2.5 <= res["measured"]["duration_s"] <= 3.5
+
+
+def test_refused_connection_is_counted_not_fatal(tmp_path: Path) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    rc, res = _run([f"http://127.0.0.1:{port}", "--requests", "5", "--concurrency", "2",
+                    "--max-error-rate", "0", "--model", "m", "--mix", "fixed:10"], tmp_path)
+    assert rc == 1
+    assert res["totals"]["by_status"] == {"connection_refused": 5}
+    assert res["memory"]["health_memory"]["samples"] == []
+
+
+def test_timeouts_are_counted_and_health_404_skipped(tmp_path: Path) -> None:
+    cfg = FakeConfig(delay_s=1.0, health_memory=False)
+    with FakeServer(cfg) as srv:
+        rc, res = _run([srv.url, "--requests", "4", "--concurrency", "4", "--timeout", "0.2",
+                        "--mix", "fixed:10"], tmp_path)
+    assert rc == 0  # no targets given
+    assert res["totals"]["by_status"] == {"timeout": 4}
+    assert res["memory"]["health_memory"]["status"].startswith("absent (HTTP 404)")
+    assert "timeout" in res["error_samples"]
+
+
+def test_bad_arguments_exit_2(tmp_path: Path) -> None:
+    assert main(["ftp://x", "--out", str(tmp_path)]) == 2
+    assert main(["http://127.0.0.1:1", "--health-url", "http://evil:80/h"]) == 2
+    assert main(["http://127.0.0.1:1", "--input", "ids"]) == 2  # ids need a tokenizer
