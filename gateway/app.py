@@ -60,8 +60,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
-                    media_type="application/json", headers=headers)
+    return Response(
+        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def create_app(
@@ -75,10 +79,12 @@ def create_app(
     tokenizer = ModelTokenizer(settings.model.resolved_path, card.max_seq_len)
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    pool = EnginePool(settings.engine_urls(), card.name, request_timeout_s=gw.request_timeout_s,
-                      transport=engine_transport)
-    coalescer = Coalescer(pool, token_budget=settings.engine.batch_token_budget,
-                          max_wait_s=gw.batch_max_wait_ms / 1000)
+    pool = EnginePool(
+        settings.engine_urls(), card.name, request_timeout_s=gw.request_timeout_s, transport=engine_transport
+    )
+    coalescer = Coalescer(
+        pool, token_budget=settings.engine.batch_token_budget, max_wait_s=gw.batch_max_wait_ms / 1000
+    )
     admission = TokenAdmission(gw.max_tokens_in_flight)
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
     pipeline = EmbeddingPipeline(gw, card, tokenizer, coalescer, admission, metrics, executor)
@@ -86,13 +92,15 @@ def create_app(
     def engine_view() -> EngineView:
         sup = supervisor() if supervisor else None
         started = any(e.ever_ready for e in pool.engines)
-        reachable = pool.any_ready or not started or any(
-            e.consecutive_failures < 5 for e in pool.engines)
-        detail = "; ".join(f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}"
-                           for e in pool.engines)
+        reachable = pool.any_ready or not started or any(e.consecutive_failures < 5 for e in pool.engines)
+        detail = "; ".join(
+            f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}" for e in pool.engines
+        )
         return EngineView(
-            ready=pool.any_ready, alive=(sup.alive if sup else True) and reachable,
-            started=started, restarts=sup.restarts if sup else 0,
+            ready=pool.any_ready,
+            alive=(sup.alive if sup else True) and reachable,
+            started=started,
+            restarts=sup.restarts if sup else 0,
             last_success_age_s=pool.last_success_age_s(),
             oldest_inflight_age_s=pool.oldest_inflight_age_s(),
             detail=(sup.detail + "; " if sup and sup.detail else "") + detail,
@@ -133,8 +141,9 @@ def create_app(
 
     @app.post(
         "/v1/embeddings",
-        openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": request_schema}}}},
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}}
+        },
     )
     async def embeddings(request: Request) -> Response:
         """OpenAI's embeddings endpoint (and ``truncate``, ``input_type``, ``instruction``)."""
@@ -149,8 +158,9 @@ def create_app(
     async def _embeddings(request: Request) -> Response:
         ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
         if ctype != "application/json" and not ctype.endswith("+json"):
-            raise APIError(415, f"Content-Type must be application/json, got '{ctype}'",
-                           code="unsupported_media_type")
+            raise APIError(
+                415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
+            )
         raw = await request.body()
         try:
             obj = orjson.loads(raw)
@@ -176,8 +186,14 @@ def create_app(
         return _json(result.body, headers=result.headers)
 
     def _model_entry() -> dict[str, Any]:
-        return {"id": card.name, "object": "model", "created": card.created, "owned_by": "embedserve",
-                "dimension": card.dimension, "max_seq_len": card.max_seq_len}
+        return {
+            "id": card.name,
+            "object": "model",
+            "created": card.created,
+            "owned_by": "embedserve",
+            "dimension": card.dimension,
+            "max_seq_len": card.max_seq_len,
+        }
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -187,8 +203,9 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
         if not card.serves(model_id):
-            raise APIError(404, f"The model '{model_id}' does not exist", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
+            )
         return _json(dict(_model_entry(), id=model_id))
 
     @app.get("/metrics")
@@ -198,12 +215,14 @@ def create_app(
         metrics.queue_inputs.set(coalescer.queued_inputs)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    protected = ("/v1",) + (("/health",) if gw.protect_health else ()) + (
-        ("/metrics",) if gw.protect_metrics else ())
+    protected = (
+        ("/v1",) + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
+    )
     keys = _load_api_keys(settings)
     if gw.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=gw.cors_origins,
-                           allow_methods=["GET", "POST"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=gw.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]
+        )
     app.add_middleware(ApiKeyMiddleware, keys=keys, protected_prefixes=protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
     app.add_middleware(RequestContextMiddleware)

@@ -84,8 +84,7 @@ class EnginePool:
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        self._client = httpx.AsyncClient(limits=limits, timeout=self._timeout,
-                                         transport=self._transport)
+        self._client = httpx.AsyncClient(limits=limits, timeout=self._timeout, transport=self._transport)
         self._checker = asyncio.create_task(self._check_loop(), name="engine-health")
 
     async def stop(self) -> None:

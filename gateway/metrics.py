@@ -15,32 +15,43 @@ class GatewayMetrics:
             "embedserve_requests", "Requests by HTTP status", ["status"], registry=registry
         )
         self.request_seconds = Histogram(
-            "embedserve_request_seconds", "End-to-end latency of /v1/embeddings",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "embedserve_request_seconds",
+            "End-to-end latency of /v1/embeddings",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.stage_seconds = Histogram(
-            "embedserve_stage_seconds", "Latency per pipeline stage", ["stage"],
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "embedserve_stage_seconds",
+            "Latency per pipeline stage",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.tokens = Counter("embedserve_tokens", "Tokens embedded", registry=registry)
         self.inputs = Counter("embedserve_inputs", "Inputs embedded", registry=registry)
         self.inputs_truncated = Counter(
-            "embedserve_inputs_truncated", "Inputs cut to the max sequence length",
+            "embedserve_inputs_truncated",
+            "Inputs cut to the max sequence length",
             registry=registry,
         )
         self.tokens_truncated = Counter(
             "embedserve_truncated_tokens", "Tokens dropped by truncation", registry=registry
         )
         self.request_tokens = Histogram(
-            "embedserve_request_tokens", "Tokens per request", buckets=_TOKEN_BUCKETS,
+            "embedserve_request_tokens",
+            "Tokens per request",
+            buckets=_TOKEN_BUCKETS,
             registry=registry,
         )
         self.rejected = Counter(
-            "embedserve_rejected", "Requests refused by admission control", ["reason"],
+            "embedserve_rejected",
+            "Requests refused by admission control",
+            ["reason"],
             registry=registry,
         )
         self.tokens_in_flight = Gauge(
-            "embedserve_tokens_in_flight", "Tokens admitted and not yet answered",
+            "embedserve_tokens_in_flight",
+            "Tokens admitted and not yet answered",
             registry=registry,
         )
         self.queue_inputs = Gauge(
@@ -50,6 +61,7 @@ class GatewayMetrics:
             "embedserve_engine_ready", "1 if the engine is ready", ["engine"], registry=registry
         )
         self.client_disconnects = Counter(
-            "embedserve_client_disconnects", "Requests abandoned by their client",
+            "embedserve_client_disconnects",
+            "Requests abandoned by their client",
             registry=registry,
         )

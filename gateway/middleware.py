@@ -27,12 +27,12 @@ log = logging.getLogger("embedserve.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
-async def _send_error(send: Send, status: int, message: str, code: str,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, code: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = error_body(status, message, None, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -69,10 +69,15 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log.info("request", extra={
-                "method": scope.get("method"), "path": scope.get("path"), "status": status,
-                "duration_ms": round((time.perf_counter() - start) * 1000, 2),
-            })
+            log.info(
+                "request",
+                extra={
+                    "method": scope.get("method"),
+                    "path": scope.get("path"),
+                    "status": status,
+                    "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+                },
+            )
             request_id_var.reset(token)
 
 
@@ -141,11 +146,14 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.keys and path.startswith(self.prefixes):
-            if not self._allowed(scope):
-                await _send_error(
-                    send, 401, "Invalid or missing API key (Authorization: Bearer <key>)",
-                    "invalid_api_key", [(b"www-authenticate", b"Bearer")],
-                )
-                return
+        protected = scope["type"] == "http" and self.keys and path.startswith(self.prefixes)
+        if protected and not self._allowed(scope):
+            await _send_error(
+                send,
+                401,
+                "Invalid or missing API key (Authorization: Bearer <key>)",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
         await self.app(scope, receive, send)

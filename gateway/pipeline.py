@@ -62,32 +62,50 @@ class EmbeddingPipeline:
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
         if not self.card.serves(req.model):
-            raise APIError(404, f"The model '{req.model}' does not exist; this server has "
-                           f"'{self.card.name}'", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist; this server has '{self.card.name}'",
+                param="model",
+                code="model_not_found",
+            )
         if req.dimensions is not None:
             allowed = self.card.matryoshka_dimensions
-            if not 1 <= req.dimensions <= self.card.dimension or (
-                allowed and req.dimensions not in allowed
-            ):
+            if not 1 <= req.dimensions <= self.card.dimension or (allowed and req.dimensions not in allowed):
                 span = f"one of {list(allowed)}" if allowed else f"1..{self.card.dimension}"
-                raise APIError(400, f"'dimensions' must be {span}, got {req.dimensions}",
-                               param="dimensions", code="invalid_dimensions")
+                raise APIError(
+                    400,
+                    f"'dimensions' must be {span}, got {req.dimensions}",
+                    param="dimensions",
+                    code="invalid_dimensions",
+                )
 
     def _check_texts(self, texts: list[str]) -> None:
         if len(texts) > self.s.max_inputs:
-            raise APIError(400, f"'input' has {len(texts)} items; the limit is "
-                           f"{self.s.max_inputs}", param="input", code="too_many_inputs")
+            raise APIError(
+                400,
+                f"'input' has {len(texts)} items; the limit is {self.s.max_inputs}",
+                param="input",
+                code="too_many_inputs",
+            )
         for i, text in enumerate(texts):
             if not text.strip():
                 raise APIError(400, f"input[{i}] is empty", param="input", code="empty_input")
             if len(text) > self.s.max_string_chars:
-                raise APIError(400, f"input[{i}] has {len(text)} characters; the limit is "
-                               f"{self.s.max_string_chars}", param="input", code="input_too_long")
+                raise APIError(
+                    400,
+                    f"input[{i}] has {len(text)} characters; the limit is {self.s.max_string_chars}",
+                    param="input",
+                    code="input_too_long",
+                )
 
     def _check_ids(self, batch: list[list[int]]) -> None:
         if len(batch) > self.s.max_inputs:
-            raise APIError(400, f"'input' has {len(batch)} items; the limit is "
-                           f"{self.s.max_inputs}", param="input", code="too_many_inputs")
+            raise APIError(
+                400,
+                f"'input' has {len(batch)} items; the limit is {self.s.max_inputs}",
+                param="input",
+                code="too_many_inputs",
+            )
         vocab = self.tok.vocab_size
         for i, ids in enumerate(batch):
             if not ids:
@@ -95,20 +113,32 @@ class EmbeddingPipeline:
             lo, hi = min(ids), max(ids)
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
-                raise APIError(400, f"input[{i}] has token id {bad}, outside the vocabulary "
-                               f"[0, {vocab})", param="input", code="invalid_token_id")
+                raise APIError(
+                    400,
+                    f"input[{i}] has token id {bad}, outside the vocabulary [0, {vocab})",
+                    param="input",
+                    code="invalid_token_id",
+                )
 
     def _apply_instruction(self, req: EmbeddingRequest, texts: list[str]) -> list[str]:
         if req.input_type != "query":
             if req.instruction is not None:
-                raise APIError(400, "'instruction' applies to input_type 'query' only",
-                               param="instruction", code="invalid_value")
+                raise APIError(
+                    400,
+                    "'instruction' applies to input_type 'query' only",
+                    param="instruction",
+                    code="invalid_value",
+                )
             return texts
         template = self.card.query_template
         if template is None:
             if req.instruction is not None:
-                raise APIError(400, f"the model '{self.card.name}' takes no instructions",
-                               param="instruction", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"the model '{self.card.name}' takes no instructions",
+                    param="instruction",
+                    code="invalid_value",
+                )
             return texts
         task = req.instruction or self.card.default_task
         return [template.format(task=task, text=t) for t in texts]
@@ -126,28 +156,40 @@ class EmbeddingPipeline:
         else:
             assert id_batch is not None
             if req.input_type == "query" or req.instruction is not None:
-                raise APIError(400, "instructions apply to text input, not token ids",
-                               param="input_type", code="invalid_value")
+                raise APIError(
+                    400,
+                    "instructions apply to text input, not token ids",
+                    param="input_type",
+                    code="invalid_value",
+                )
             self._check_ids(id_batch)
             inputs = [self.tok.frame_token_ids(ids) for ids in id_batch]
         tokenize_s = time.perf_counter() - t0
         self._check_truncation(req, inputs)
         total = sum(len(x.ids) for x in inputs)
         if total > self.s.max_tokens_per_request:
-            raise APIError(400, f"the request has {total} tokens; the limit is "
-                           f"{self.s.max_tokens_per_request}", param="input",
-                           code="max_tokens_per_request")
+            raise APIError(
+                400,
+                f"the request has {total} tokens; the limit is {self.s.max_tokens_per_request}",
+                param="input",
+                code="max_tokens_per_request",
+            )
         if not self.admission.try_acquire(total):
             self.metrics.rejected.labels("tokens_in_flight").inc()
-            raise APIError(429, "The server is at capacity; retry shortly", code="overloaded",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                "The server is at capacity; retry shortly",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         self.metrics.tokens_in_flight.set(self.admission.in_flight)
         try:
             async with asyncio.timeout(self.s.request_timeout_s):
                 vectors, times = await self.coalescer.embed([x.ids for x in inputs])
         except TimeoutError as exc:
-            raise APIError(504, "The engine did not answer within the deadline",
-                           code="engine_timeout") from exc
+            raise APIError(
+                504, "The engine did not answer within the deadline", code="engine_timeout"
+            ) from exc
         except EngineTimeout as exc:
             raise APIError(504, str(exc), code="engine_timeout") from exc
         except EngineError as exc:
@@ -164,16 +206,28 @@ class EmbeddingPipeline:
         cut = [i for i, x in enumerate(inputs) if x.truncated]
         if cut and not req.truncate:
             i = cut[0]
-            raise APIError(400, f"input[{i}] has {inputs[i].original_tokens} tokens; the "
-                           f"limit is {self.tok.max_seq_len} (send truncate=true to cut it)",
-                           param="input", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"input[{i}] has {inputs[i].original_tokens} tokens; the "
+                f"limit is {self.tok.max_seq_len} (send truncate=true to cut it)",
+                param="input",
+                code="context_length_exceeded",
+            )
 
-    def _respond(self, req: EmbeddingRequest, inputs: list[TokenizedInput], vectors: Any,
-                 total: int, tokenize_s: float, times: Any) -> EmbeddingResult:
+    def _respond(
+        self,
+        req: EmbeddingRequest,
+        inputs: list[TokenizedInput],
+        vectors: Any,
+        total: int,
+        tokenize_s: float,
+        times: Any,
+    ) -> EmbeddingResult:
         payload: list[Any] = encode_base64(vectors) if req.encoding_format == "base64" else list(vectors)
         truncated = [
             {"index": i, "original_tokens": x.original_tokens, "kept_tokens": len(x.ids)}
-            for i, x in enumerate(inputs) if x.truncated
+            for i, x in enumerate(inputs)
+            if x.truncated
         ]
         m = self.metrics
         m.stage_seconds.labels("tokenize").observe(tokenize_s)
@@ -187,8 +241,7 @@ class EmbeddingPipeline:
             m.tokens_truncated.inc(sum(t["original_tokens"] - t["kept_tokens"] for t in truncated))
         body = {
             "object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": v}
-                     for i, v in enumerate(payload)],
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
             "model": req.model,
             "usage": {"prompt_tokens": total, "total_tokens": total},
             "truncated_inputs": truncated,

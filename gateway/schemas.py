@@ -21,9 +21,7 @@ class EmbeddingRequest(BaseModel):
     )
     model: StrictStr
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[StrictInt, Field(description="Matryoshka: keep the first N")] | None = (
-        None
-    )
+    dimensions: Annotated[StrictInt, Field(description="Matryoshka: keep the first N")] | None = None
     user: StrictStr | None = None
     truncate: bool = Field(
         True, description="cut over-long inputs (keeping special tokens); false: 400 instead"

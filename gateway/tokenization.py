@@ -41,9 +41,7 @@ class ModelTokenizer:
         self._tok.no_padding()
         self.max_seq_len = max_seq_len
         model_vocab = _read_json(model_dir / "config.json").get("vocab_size")
-        self.vocab_size = (
-            model_vocab if isinstance(model_vocab, int) else self._tok.get_vocab_size(True)
-        )
+        self.vocab_size = model_vocab if isinstance(model_vocab, int) else self._tok.get_vocab_size(True)
         self.prefix, self.suffix = self._special_frame()
         if not self.suffix and self._pools_last_token(model_dir):
             eos = self._eos_id(model_dir)

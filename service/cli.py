@@ -94,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = sorted([*_LOCAL, *_DELEGATED])
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: embedserve {" + ",".join(commands) + "} [options]\n\n"
-              "  up           start the engine (SGLang on a GPU, else the CPU engine) and the gateway\n"
-              "  gateway      run only the gateway in front of --engine-url engines\n"
-              "  engine       the SGLang engine (--dry-run prints its command line)\n"
-              "  cpu-engine   the CPU engine alone\n"
-              "  health       print the memory forecast of a running gateway\n"
-              "  loadtest     drive an embeddings endpoint and write a report\n"
-              "  synth-model  build a random-weight Qwen3-Embedding-shaped checkpoint\n"
-              "  config       print the effective configuration")
+        print(
+            "usage: embedserve {" + ",".join(commands) + "} [options]\n\n"
+            "  up           start the engine (SGLang on a GPU, else the CPU engine) and the gateway\n"
+            "  gateway      run only the gateway in front of --engine-url engines\n"
+            "  engine       the SGLang engine (--dry-run prints its command line)\n"
+            "  cpu-engine   the CPU engine alone\n"
+            "  health       print the memory forecast of a running gateway\n"
+            "  loadtest     drive an embeddings endpoint and write a report\n"
+            "  synth-model  build a random-weight Qwen3-Embedding-shaped checkpoint\n"
+            "  config       print the effective configuration"
+        )
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd in _LOCAL:

@@ -50,7 +50,10 @@ class CpuEmbedder:
         self.max_seq_len = settings.model.effective_max_seq_len()
         self.token_budget = settings.engine.batch_token_budget
         self.path = path
-        dim_of = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        dim_of = (
+            getattr(self.model, "get_embedding_dimension", None)
+            or self.model.get_sentence_embedding_dimension
+        )
         self.dimension = int(dim_of() or 0)
         self.lock = threading.Lock()
 
@@ -119,9 +122,10 @@ def create_engine_app(settings: Settings) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info() -> Response:
         e: CpuEmbedder = state["embedder"]
-        return Response(orjson.dumps({"model_path": e.path, "is_generation": False,
-                                      "hidden_size": e.dimension}),
-                        media_type="application/json")
+        return Response(
+            orjson.dumps({"model_path": e.path, "is_generation": False, "hidden_size": e.dimension}),
+            media_type="application/json",
+        )
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -138,16 +142,21 @@ def create_engine_app(settings: Settings) -> FastAPI:
         context = e.max_seq_len + 1  # mirrors SGLang launched with --context-length cap+1
         for ids in batch:
             if len(ids) >= context:
-                return _error(400, f"The input ({len(ids)} tokens) is longer than the model's "
-                                   f"context length ({context} tokens).")
+                return _error(
+                    400,
+                    f"The input ({len(ids)} tokens) is longer than the model's "
+                    f"context length ({context} tokens).",
+                )
         loop = asyncio.get_running_loop()
         vectors = await loop.run_in_executor(executor, e.embed, batch)
         stats.batches += 1
         tokens = sum(len(x) for x in batch)
-        out = {"object": "list", "model": name,
-               "data": [{"object": "embedding", "index": i, "embedding": v}
-                        for i, v in enumerate(vectors)],
-               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        out = {
+            "object": "list",
+            "model": name,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
         return Response(orjson.dumps(out), media_type="application/json")
 
     return app
@@ -165,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     setup_logging(settings.log_level)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    uvicorn.run(create_engine_app(settings), host=args.host or settings.engine.host,
-                port=args.port or settings.engine.port, log_config=None,
-                timeout_graceful_shutdown=int(settings.gateway.graceful_shutdown_s))
+    uvicorn.run(
+        create_engine_app(settings),
+        host=args.host or settings.engine.host,
+        port=args.port or settings.engine.port,
+        log_config=None,
+        timeout_graceful_shutdown=int(settings.gateway.graceful_shutdown_s),
+    )
     return 0
 
 

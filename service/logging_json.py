@@ -9,9 +9,7 @@ import logging
 import sys
 import time
 
-request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "request_id", default=None
-)
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 _STD = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime", "taskName"}
 

@@ -46,9 +46,7 @@ class ModelSettings(BaseModel):
         "truncation, SGLang --context-length, prefill sizes and the KV pool. Default: "
         "sentence-transformers' max_seq_length, else the model's positions, capped at 8192",
     )
-    default_query_task: str = (
-        "Given a web search query, retrieve relevant passages that answer the query"
-    )
+    default_query_task: str = "Given a web search query, retrieve relevant passages that answer the query"
     query_template: str | None = Field(
         None,
         description="instruction format for queries; default: Qwen3-Embedding's "
@@ -140,9 +138,7 @@ class EngineSettings(BaseModel):
         None, description="FlashInfer JIT cache; put it on a volume (cold start 250-290 s)"
     )
     cache_clear: CacheClearSettings = Field(default_factory=CacheClearSettings)
-    stats_dir: str = Field(
-        "/tmp/embedserve-stats", description="where engines publish allocator statistics"
-    )
+    stats_dir: str = Field("/tmp/embedserve-stats", description="where engines publish allocator statistics")
     stats_interval_s: float = Field(1.0, gt=0)
     startup_timeout_s: float = Field(900.0, gt=0)
     restart_backoff_s: float = Field(2.0, gt=0)
@@ -159,9 +155,7 @@ class GatewaySettings(BaseModel):
     max_inputs: int = 2048
     max_tokens_per_request: int = 300_000
     max_body_bytes: int = 16 << 20
-    max_string_chars: int = Field(
-        1_000_000, description="longest string accepted before tokenisation"
-    )
+    max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
     batch_max_wait_ms: float = Field(2.0, ge=0, description="coalescing window")
     max_tokens_in_flight: int = Field(
         262_144, ge=1, description="admission control: beyond this, 429 with Retry-After"
@@ -182,18 +176,14 @@ class HealthSettings(BaseModel):
     """Memory sampling and the hours-to-OOM forecast."""
 
     sample_interval_s: float = Field(5.0, gt=0)
-    history_max_samples: int = Field(
-        20_000, ge=10, description="bounded history; older samples are thinned"
-    )
+    history_max_samples: int = Field(20_000, ge=10, description="bounded history; older samples are thinned")
     persist_path: str | None = None
     warmup_s: float = Field(300.0, ge=0)
     min_span_s: float = Field(1800.0, ge=0)
     min_samples: int = Field(30, ge=3)
     window_s: float = Field(6 * 3600.0, gt=0)
     horizon_cap_hours: float = Field(168.0, gt=0)
-    warning_hours: float = Field(
-        6.0, gt=0, description="readiness fails (pod drained) under this many hours"
-    )
+    warning_hours: float = Field(6.0, gt=0, description="readiness fails (pod drained) under this many hours")
     critical_hours: float = Field(
         1.0, gt=0, description="liveness fails (pod restarted) under this many hours"
     )

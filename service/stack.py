@@ -69,7 +69,7 @@ def _banner(settings: Settings) -> str:
     return (
         f"\nembedserve is up: {url}  (model '{settings.model.served_name}')\n"
         f"  curl -s {url}/v1/embeddings -H 'Content-Type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{settings.model.served_name}\", \"input\": \"hello world\"}}'\n"
+        f'    -d \'{{"model": "{settings.model.served_name}", "input": "hello world"}}\'\n'
         f"  health: {url}/health/memory   metrics: {url}/metrics\n"
     )
 
@@ -82,7 +82,9 @@ async def run_stack(settings: Settings) -> int:
     if kind != "external":
         spec = engine_launch(settings, kind)
         supervisor = ProcessSupervisor(
-            kind, spec, settings.engine_urls()[0] + "/health",
+            kind,
+            spec,
+            settings.engine_urls()[0] + "/health",
             startup_timeout_s=settings.engine.startup_timeout_s,
             backoff_s=settings.engine.restart_backoff_s,
             backoff_max_s=settings.engine.restart_backoff_max_s,
@@ -92,23 +94,33 @@ async def run_stack(settings: Settings) -> int:
     def view() -> SupervisorView:
         assert supervisor is not None
         detail = f"{supervisor.name} engine exited ({supervisor.last_exit})" if not supervisor.alive else ""
-        return SupervisorView(alive=supervisor.alive, restarts=supervisor.restarts,
-                              pids={"engine": supervisor.pid} if supervisor.pid else {},
-                              detail=detail)
+        return SupervisorView(
+            alive=supervisor.alive,
+            restarts=supervisor.restarts,
+            pids={"engine": supervisor.pid} if supervisor.pid else {},
+            detail=detail,
+        )
 
     app = create_app(settings, supervisor=view if supervisor else None)
     g = settings.gateway
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=g.host, port=g.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=int(g.graceful_shutdown_s), h11_max_incomplete_event_size=65536,
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=g.host,
+            port=g.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=int(g.graceful_shutdown_s),
+            h11_max_incomplete_event_size=65536,
+        )
+    )
 
     async def announce() -> None:
         try:
             if supervisor:
                 await supervisor.wait_ready()
                 await warm_up(settings)
-            while not server.started:
+            while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
             print(_banner(settings), flush=True)
         except EngineStartError as exc:

@@ -74,8 +74,11 @@ class ProcessSupervisor:
     async def _spawn(self) -> None:
         env = {**os.environ, **self.spec.env}
         self.proc = await asyncio.create_subprocess_exec(
-            *self.spec.argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            *self.spec.argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group: we signal all its children
         )
         self._started_at = time.monotonic()
@@ -126,9 +129,16 @@ class ProcessSupervisor:
             ran = time.monotonic() - self._started_at
             if ran > self.stable_after_s:
                 delay = self.backoff_s
-            log.error("engine died", extra={"engine": self.name, "exit_code": code,
-                                            "ran_s": round(ran, 1), "restart_in_s": delay,
-                                            "last_output": list(self.stderr_tail)[-5:]})
+            log.error(
+                "engine died",
+                extra={
+                    "engine": self.name,
+                    "exit_code": code,
+                    "ran_s": round(ran, 1),
+                    "restart_in_s": delay,
+                    "last_output": list(self.stderr_tail)[-5:],
+                },
+            )
             await asyncio.sleep(delay)
             if self._stopping:
                 return

@@ -18,24 +18,109 @@ EOS = "<|endoftext|>"
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=2048),
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 max_position_embeddings=32768),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               max_position_embeddings=32768),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+    ),
+    "0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+    ),
+    "4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+    ),
 }
 
-_WORDS = (
-    "the of and to in is for on with as by at from that this it be are was an or not "
-    "memory model token embedding query passage search retrieve document vector server "
-    "gpu cache batch length kernel attention layer weight normal pool request response "
-    "error limit health probe restart pod cluster graph index score rank answer question "
-    "def return import class self print value list dict string number time data file"
-).split()
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "on",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "that",
+    "this",
+    "it",
+    "be",
+    "are",
+    "was",
+    "an",
+    "or",
+    "not",
+    "memory",
+    "model",
+    "token",
+    "embedding",
+    "query",
+    "passage",
+    "search",
+    "retrieve",
+    "document",
+    "vector",
+    "server",
+    "gpu",
+    "cache",
+    "batch",
+    "length",
+    "kernel",
+    "attention",
+    "layer",
+    "weight",
+    "normal",
+    "pool",
+    "request",
+    "response",
+    "error",
+    "limit",
+    "health",
+    "probe",
+    "restart",
+    "pod",
+    "cluster",
+    "graph",
+    "index",
+    "score",
+    "rank",
+    "answer",
+    "question",
+    "def",
+    "return",
+    "import",
+    "class",
+    "self",
+    "print",
+    "value",
+    "list",
+    "dict",
+    "string",
+    "number",
+    "time",
+    "data",
+    "file",
+]
 _EXTRA = ["数据", "模型", "向量", "检索", "你好", "世界", "😀", "🚀", "naïve", "café", "{}", "()"]
 
 
@@ -68,22 +153,48 @@ def build_tokenizer(vocab_size: int = 4096) -> Any:
 
 def write_sentence_transformers_files(out: Path, max_seq_length: int, dim: int) -> None:
     """The files Qwen3-Embedding repos ship: last-token pooling, then L2 normalisation."""
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ], indent=1))
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ],
+            indent=1,
+        )
+    )
     (out / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
-    (out / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
-         "similarity_fn_name": "cosine"}))
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+    )
+    (out / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {
+                "prompts": {"query": QUERY_PROMPT, "document": ""},
+                "default_prompt_name": None,
+                "similarity_fn_name": "cosine",
+            }
+        )
+    )
     (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": dim, "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": True, "include_prompt": True}))
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": dim,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_mean_tokens": False,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+                "pooling_mode_weightedmean_tokens": False,
+                "pooling_mode_lasttoken": True,
+                "include_prompt": True,
+            }
+        )
+    )
     (out / "2_Normalize").mkdir(exist_ok=True)
 
 
@@ -92,15 +203,28 @@ def write_tokenizer_files(out: Path, vocab_size: int = 4096, model_max_length: i
     tok = build_tokenizer(vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
-        "model_max_length": model_max_length, "padding_side": "left",
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "pad_token": EOS,
+                "model_max_length": model_max_length,
+                "padding_side": "left",
+            }
+        )
+    )
     return int(tok.token_to_id(EOS))
 
 
-def build_model(out: Path, shape: str = "tiny", seed: int = 0, max_seq_length: int = 512,
-                device: str = "cpu", tokenizer_vocab: int = 4096) -> Path:
+def build_model(
+    out: Path,
+    shape: str = "tiny",
+    seed: int = 0,
+    max_seq_length: int = 512,
+    device: str = "cpu",
+    tokenizer_vocab: int = 4096,
+) -> Path:
     """A complete model folder: weights (bf16 on GPU, fp32 on CPU), tokenizer, ST config."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -110,19 +234,28 @@ def build_model(out: Path, shape: str = "tiny", seed: int = 0, max_seq_length: i
     dims = dict(SHAPES[shape])
     vocab = tokenizer_vocab if shape == "tiny" else (151669 if shape == "0.6b" else 151665)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    cfg = Qwen3Config(vocab_size=vocab, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, eos_token_id=eos_id, pad_token_id=eos_id,
-                      bos_token_id=eos_id, **dims)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=eos_id,
+        **dims,
+    )
+    cfg = Qwen3Config(**kwargs)
     cfg.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+        model: Any = Qwen3ForCausalLM(cfg)
+        model = model.to(dtype)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     for name, p in model.named_parameters():  # RMSNorm weights ~1, as in a trained model
         if name.endswith("norm.weight"):
             torch.nn.init.ones_(p)
-    model.config.torch_dtype = dtype  # type: ignore[attr-defined]
+    model.config.torch_dtype = dtype
     model.save_pretrained(out, safe_serialization=True)
     write_sentence_transformers_files(out, max_seq_length, dims["hidden_size"])
     return out

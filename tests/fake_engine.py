@@ -43,10 +43,10 @@ class FakeEngine:
                 await asyncio.sleep(self.delay_s)
             if self.fail_status:
                 return Response(b'{"message":"boom"}', status_code=self.fail_status)
-            data = [{"object": "embedding", "index": i,
-                     "embedding": fake_vector(ids, self.dim).tolist()}
-                    for i, ids in enumerate(batch)]
-            return Response(orjson.dumps({"object": "list", "data": data}),
-                            media_type="application/json")
+            data = [
+                {"object": "embedding", "index": i, "embedding": fake_vector(ids, self.dim).tolist()}
+                for i, ids in enumerate(batch)
+            ]
+            return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
         return app

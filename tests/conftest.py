@@ -1,0 +1,132 @@
+"""Shared fixtures: the bundled MiniLM, a tiny Qwen3-Embedding-style model built here, and
+the real stack (``embedserve up`` in a subprocess, real HTTP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.settings import BUNDLED_MODEL, resolve_model_path
+
+MINILM_DIR = resolve_model_path(BUNDLED_MODEL)
+TINY_QWEN_MAX_SEQ = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningStack:
+    url: str
+    engine_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    stats_dir: Path
+    model_name: str
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def start_stack(
+    model: Path | str, workdir: Path, env: dict[str, str] | None = None, timeout: float = 240
+) -> RunningStack:
+    gw_port, engine_port = free_port(), free_port()
+    stats = workdir / "stats"
+    full_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "EMBEDSERVE_MODEL__PATH": str(model),
+        "EMBEDSERVE_ENGINE__KIND": "cpu",
+        "EMBEDSERVE_GATEWAY__PORT": str(gw_port),
+        "EMBEDSERVE_ENGINE__PORT": str(engine_port),
+        "EMBEDSERVE_ENGINE__STATS_DIR": str(stats),
+        "EMBEDSERVE_ENGINE__STATS_INTERVAL_S": "0.5",
+        "EMBEDSERVE_HEALTH__SAMPLE_INTERVAL_S": "0.5",
+        **(env or {}),
+    }
+    log_path = workdir / "stack.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "up"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+    name = full_env.get("EMBEDSERVE_MODEL__NAME") or (
+        "all-MiniLM-L6-v2" if str(model) == BUNDLED_MODEL else Path(model).name
+    )
+    stack = RunningStack(
+        f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{engine_port}", proc, log_path, stats, name
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stack exited early:\n{stack.log_text()[-3000:]}")
+        if "embedserve is up" in stack.log_text():
+            return stack
+        time.sleep(0.2)
+    stack.stop()
+    raise RuntimeError(f"stack not up after {timeout} s:\n{stack.log_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from service.synthetic import build_model
+
+    return build_model(
+        tmp_path_factory.mktemp("tiny-qwen") / "tiny-qwen3-embedding",
+        "tiny",
+        max_seq_length=TINY_QWEN_MAX_SEQ,
+    )
+
+
+@pytest.fixture(scope="session")
+def minilm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("minilm-stack"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen_stack(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    stack = start_stack(tiny_qwen_dir, tmp_path_factory.mktemp("qwen-stack"))
+    yield stack
+    stack.stop()
+
+
+def wait_until(predicate: object, timeout: float = 30, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def get_json(url: str) -> dict[str, object]:
+    return httpx.get(url, timeout=10).json()

@@ -1,0 +1,198 @@
+"""Fast gateway tests over a fake engine (no model, no network)."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from service.settings import Settings
+from tests.fake_engine import FakeEngine, fake_vector
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+def make_client(engine: FakeEngine, **gateway: object) -> TestClient:
+    settings = Settings(
+        engine={"kind": "external", "urls": ["http://fake-engine"]},
+        gateway={"request_timeout_s": 2.0, **gateway},
+        health={"sample_interval_s": 60},
+        _env_file=None,
+    )
+    app = create_app(settings, engine_transport=httpx.ASGITransport(app=engine.app()))
+    return TestClient(app)
+
+
+@pytest.fixture()
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture()
+def client(engine: FakeEngine) -> Iterator[TestClient]:
+    with make_client(engine) as c:
+        wait_ready(c)
+        yield c
+
+
+def wait_ready(c: TestClient) -> None:
+    deadline = time.monotonic() + 10
+    while not c.app.state.pool.any_ready:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "fake engine never became ready"
+        time.sleep(0.01)
+
+
+def post(c: TestClient, body: object, **kw: object) -> Any:
+    return c.post("/v1/embeddings", json=body, **kw)  # type: ignore[arg-type]
+
+
+def assert_error(r: Any, status: int, param: str | None = None) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def test_gateway_does_not_import_torch() -> None:
+    code = "import sys, gateway.app, health, service.stack; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_vectors_return_to_their_inputs_under_coalescing(engine: FakeEngine) -> None:
+    engine.delay_s = 0.05  # keeps calls in flight so later requests coalesce
+    with make_client(engine) as c:
+        wait_ready(c)
+        token_inputs = [[[i + 10, j + 20, 7] for j in range(1 + i % 3)] for i in range(40)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            responses = list(
+                pool.map(
+                    lambda ids: post(c, {"model": MODEL, "input": ids, "encoding_format": "float"}),
+                    token_inputs,
+                )
+            )
+    for ids_list, r in zip(token_inputs, responses, strict=True):
+        assert r.status_code == 200
+        for ids, d in zip(ids_list, r.json()["data"], strict=True):
+            np.testing.assert_allclose(d["embedding"], fake_vector(ids, 384), atol=1e-6)
+    total_inputs = sum(len(x) for x in token_inputs)
+    assert sum(len(call) for call in engine.calls) == total_inputs
+    assert len(engine.calls) < len(token_inputs), "concurrent requests were not coalesced"
+
+
+def test_base64_is_little_endian_float32(client: TestClient) -> None:
+    r = post(client, {"model": MODEL, "input": [[1, 2, 3]], "encoding_format": "base64"})
+    vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vec, fake_vector([1, 2, 3], 384), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "input": 5}, "input"),
+        ({"model": MODEL, "input": [1.5]}, "input"),
+        ({"model": MODEL, "input": ["a", 1]}, "input"),
+        ({"model": MODEL}, "input"),
+        ({"input": "x"}, "model"),
+        ({"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"model": MODEL, "input": "x", "dimensions": "8"}, "dimensions"),
+        ({"model": MODEL, "input": "x", "dimensions": 8.5}, "dimensions"),
+        ({"model": MODEL, "input": [[-1, 2]]}, "input"),
+        ({"model": MODEL, "input": [[]]}, "input"),
+        ({"model": MODEL, "input": ["ok", ""]}, "input"),
+        ({"model": MODEL, "input": ["x"] * 2049}, "input"),
+        ({"model": MODEL, "input": "x", "instruction": "find"}, "instruction"),
+        ({"model": MODEL, "input": [[1, 2]], "input_type": "query"}, "input_type"),
+    ],
+)
+def test_invalid_requests(client: TestClient, body: object, param: str) -> None:
+    assert_error(post(client, body), 400, param)
+
+
+def test_non_json_and_content_types(client: TestClient) -> None:
+    assert_error(
+        client.post("/v1/embeddings", content=b"{nope", headers={"content-type": "application/json"}), 400
+    )
+    assert_error(
+        client.post("/v1/embeddings", content=b"[1,2]", headers={"content-type": "application/json"}), 400
+    )
+    assert_error(
+        client.post(
+            "/v1/embeddings",
+            content=b"input=x",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        ),
+        415,
+    )
+    assert_error(
+        client.post(
+            "/v1/embeddings", content=b'{"input": NaN}', headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+
+
+def test_framework_errors_use_the_envelope(client: TestClient) -> None:
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/embeddings"), 405)
+    assert_error(client.get("/v1/models/other"), 404, "model")
+
+
+def test_body_over_the_cap_is_413(engine: FakeEngine) -> None:
+    with make_client(engine, max_body_bytes=1000) as c:
+        wait_ready(c)
+        assert_error(post(c, {"model": MODEL, "input": "x" * 2000}), 413)
+        assert post(c, {"model": MODEL, "input": [[1, 2]]}).status_code == 200
+
+
+def test_tokens_per_request_limit(engine: FakeEngine) -> None:
+    with make_client(engine, max_tokens_per_request=100) as c:
+        wait_ready(c)
+        err = assert_error(post(c, {"model": MODEL, "input": [[1] * 60, [2] * 60]}), 400, "input")
+        assert err["code"] == "max_tokens_per_request"
+
+
+def test_engine_failure_is_503_with_retry_after(engine: FakeEngine, client: TestClient) -> None:
+    engine.fail_status = 500
+    r = post(client, {"model": MODEL, "input": [[1, 2]]})
+    assert_error(r, 503)
+    assert r.headers["retry-after"]
+
+
+def test_engine_hang_is_504(engine: FakeEngine) -> None:
+    engine.delay_s = 5
+    with make_client(engine, request_timeout_s=0.3) as c:
+        wait_ready(c)
+        t0 = time.monotonic()
+        assert_error(post(c, {"model": MODEL, "input": [[1, 2]]}), 504)
+        assert time.monotonic() - t0 < 3
+
+
+def test_api_keys(engine: FakeEngine) -> None:
+    with make_client(engine, api_keys=["k1", "k2"]) as c:
+        wait_ready(c)
+        body = {"model": MODEL, "input": [[1]]}
+        assert_error(post(c, body), 401)
+        assert_error(post(c, body, headers={"authorization": "Bearer nope"}), 401)
+        assert post(c, body, headers={"authorization": "Bearer k2"}).status_code == 200
+        assert c.get("/health/live").status_code == 200  # probes stay open by default
+
+
+def test_request_id_and_stage_headers(client: TestClient) -> None:
+    r = post(client, {"model": MODEL, "input": "hello"}, headers={"x-request-id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    for stage in ("tokenize", "queue", "engine"):
+        assert float(r.headers[f"x-embedserve-{stage}-ms"]) >= 0
+    assert client.get("/v1/models").headers["x-request-id"]
