@@ -1,0 +1,135 @@
+"""compose.yaml validates against the Compose specification and wires the stack right.
+
+Validation: `docker compose config` where the compose plugin exists; everywhere, the
+compose-spec JSON schema that check-jsonschema ships (vendor.compose-spec).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _in_profile(profile: str) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in _compose()["services"].items() if profile in s.get("profiles", [])}
+
+
+def _spec_schema() -> dict[str, Any]:
+    pytest.importorskip("check_jsonschema")
+    from importlib.resources import files
+
+    path = files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    return json.loads(path.read_text())
+
+
+def test_compose_validates_against_the_compose_spec():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _spec_schema()
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(_compose()), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def test_the_schema_check_catches_mistakes():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _spec_schema()
+    bad = _compose()
+    bad["services"]["gateway"]["healthcheck"]["intervall"] = "5s"
+    assert list(jsonschema.Draft7Validator(schema).iter_errors(bad))
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_docker_compose_config_if_available(profile):
+    docker = shutil.which("docker")
+    if not docker:
+        pytest.skip("no docker client")
+    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("docker compose plugin not installed")
+    r = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_each_profile_is_a_whole_stack(profile):
+    services = _in_profile(profile)
+    engines = [n for n in services if n.startswith("engine")]
+    gateways = [n for n in services if n.startswith("gateway")]
+    assert len(engines) == 1 and len(gateways) == 1
+    assert {"prometheus", "grafana"} <= services.keys()
+    engine, gateway = services[engines[0]], services[gateways[0]]
+    # Prometheus and the gateway reach them by these names in both profiles.
+    assert "engine" in engine["networks"]["default"]["aliases"]
+    assert "gateway" in gateway["networks"]["default"]["aliases"]
+    env = gateway["environment"]
+    assert env["EMBEDSERVE_ENGINE__KIND"] == "external"
+    assert json.loads(env["EMBEDSERVE_ENGINE__URLS"]) == ["http://engine:30000"]
+    assert gateway["depends_on"][engines[0]]["condition"] == "service_healthy"
+    # Engine statistics: one named volume at the same path, and the engine's PIDs visible.
+    stats = env["EMBEDSERVE_ENGINE__STATS_DIR"]
+    assert engine["environment"]["EMBEDSERVE_ENGINE__STATS_DIR"] == stats
+    assert f"stats:{stats}" in engine["volumes"] and f"stats:{stats}" in gateway["volumes"]
+    assert gateway["pid"] == f"service:{engines[0]}"
+    for svc in (engine, gateway):
+        assert "healthcheck" in svc and "build" in svc
+        assert (ROOT / svc["build"]["dockerfile"]).exists()
+
+
+def test_gpu_profile_reserves_a_gpu_and_keeps_the_jit_cache():
+    engine = _in_profile("gpu")["engine-gpu"]
+    devices = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert "jit-cache:/cache" in engine["volumes"]
+    assert "jit-cache" in _compose()["volumes"]
+    assert engine["environment"]["EMBEDSERVE_ENGINE__FLASHINFER_CACHE_DIR"].startswith("/cache/")
+    # A cold JIT start takes up to ~290 s: the health check must not give up before.
+    start = engine["healthcheck"]["start_period"]
+    assert start.endswith("s") and int(start[:-1]) >= 2 * 290
+    assert "v0.5.17" in engine["build"]["args"]["SGLANG_IMAGE"]
+
+
+def test_images_are_pinned():
+    for name, svc in _compose()["services"].items():
+        image = svc["image"]
+        assert ":" in image.rsplit("/", 1)[-1], f"{name}: {image} has no tag"
+        assert not image.endswith(":latest"), name
+
+
+def test_prometheus_scrapes_gateway_and_engine_and_loads_the_alerts():
+    prom = _compose()["services"]["prometheus"]
+    assert "./deploy/prometheus:/etc/prometheus:ro" in prom["volumes"]
+    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in cfg["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"gateway:8000", "engine:30000"} <= targets
+    assert "/etc/prometheus/alerts*.yaml" in cfg["rule_files"]
+
+
+def test_grafana_is_provisioned_from_the_repo():
+    graf = _compose()["services"]["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in graf["volumes"] if v.startswith("./")}
+    prov = ROOT / mounts["/etc/grafana/provisioning"]
+    dash_dir = ROOT / mounts["/var/lib/grafana/dashboards"]
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yaml").read_text())
+    assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((prov / "dashboards" / "embedserve.yaml").read_text())
+    assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert (dash_dir / "embedserve.json").exists()

