@@ -1,0 +1,210 @@
+"""The one configuration becomes SGLang's command line and environment.
+
+``build_launch(settings)`` is used by the supervisor (``embedserve up``) and by
+``embedserve engine [--dry-run]``. One number, the service's max sequence length
+(``settings.model.effective_max_seq_len()``, the gateway's truncation limit too), drives:
+
+* ``--context-length`` = cap + 1 (SGLang 0.5.17 rejects an input of exactly its context
+  length, so the longest input the gateway sends must be one shorter);
+* ``--chunked-prefill-size`` and ``--max-prefill-tokens`` = the batch token budget, raised
+  to the cap so that one capped input always fits one prefill;
+* ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens`` or 4 x budget, at least
+  2 x cap, instead of SGLang's default of ~0.8 of the GPU.
+
+Every flag used here exists in SGLang 0.5.17's parser: tests check the argv against the
+list extracted from it (``tests/fixtures/sglang_0.5.17_flags.json``). See docs/SGLANG.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from service.settings import Settings
+
+SGLANG_VERSION = "0.5.17"
+ALLOC_CONF = "expandable_segments:True"
+
+
+class LaunchConfigError(ValueError):
+    """The settings cannot make a working SGLang launch."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+    def env_lines(self) -> list[str]:
+        return [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+
+
+def default_kv_pool_tokens(cap: int, budget: int) -> int:
+    """Room for several full prefill batches; an embedding server keeps no KV afterwards."""
+    return max(4 * budget, 2 * cap)
+
+
+def _visible_gpu_index() -> int:
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+def gpu_total_bytes() -> int | None:
+    """Total memory of the first visible GPU via NVML (no CUDA context); None without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(_visible_gpu_index())
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def mem_fraction(settings: Settings, total_bytes: int | None, notes: list[str]) -> float:
+    """``--mem-fraction-static``, lowered to ``gpu_memory_budget_gb`` / GPU size if set.
+
+    In 0.5.17 the fraction bounds weights + KV pool (the pool is then cut to
+    ``--max-total-tokens``); SGLang refuses to start if the weights do not fit it.
+    """
+    eng = settings.engine
+    frac = eng.mem_fraction_static
+    if eng.gpu_memory_budget_gb is None:
+        return frac
+    if not total_bytes:
+        notes.append(
+            "gpu_memory_budget_gb is set but no GPU was found (NVML): "
+            f"using mem_fraction_static={frac}"
+        )
+        return frac
+    budget_frac = eng.gpu_memory_budget_gb * 1e9 / total_bytes
+    if budget_frac < frac:
+        notes.append(
+            f"gpu_memory_budget_gb={eng.gpu_memory_budget_gb} of {total_bytes / 1e9:.1f} GB: "
+            f"mem_fraction_static {frac} -> {budget_frac:.3f}"
+        )
+        frac = budget_frac
+    return float(f"{max(frac, 0.01):.3f}")
+
+
+def engine_env(settings: Settings) -> dict[str, str]:
+    """What the SGLang processes (and so our plugin in each scheduler) get on top of the
+    parent's environment. The plugin reads its policy with ``Settings()``; these variables
+    make sure it sees this launch's values even when ``settings`` was built in code."""
+    eng = settings.engine
+    env = {
+        "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF,
+        # the plugin activates only in engines started through this launcher
+        "EMBEDSERVE_ENGINE__KIND": "sglang",
+        "EMBEDSERVE_ENGINE__STATS_DIR": eng.stats_dir,
+        "EMBEDSERVE_ENGINE__STATS_INTERVAL_S": repr(eng.stats_interval_s),
+        "EMBEDSERVE_ENGINE__CACHE_CLEAR": eng.cache_clear.model_dump_json(),
+        "EMBEDSERVE_LOG_LEVEL": settings.log_level,
+    }
+    if eng.flashinfer_cache_dir:
+        base = os.path.abspath(os.path.expanduser(eng.flashinfer_cache_dir))
+        # flashinfer 0.6.15 jit/env.py: cache = $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer
+        env["FLASHINFER_WORKSPACE_BASE"] = base
+        # Triton and Inductor caches (CUDA-graph / compile warm-up) on the same volume
+        env["TRITON_CACHE_DIR"] = os.path.join(base, "triton")
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
+    return env
+
+
+def build_launch(
+    settings: Settings,
+    *,
+    python: str | None = None,
+    gpu_bytes: int | None = None,
+) -> LaunchSpec:
+    """SGLang's argv and the environment to add. ``gpu_bytes`` overrides the NVML lookup
+    (used only when ``engine.gpu_memory_budget_gb`` is set)."""
+    model, eng = settings.model, settings.engine
+    notes: list[str] = []
+    cap = model.effective_max_seq_len()
+    budget = max(eng.batch_token_budget, cap)
+    if budget != eng.batch_token_budget:
+        notes.append(f"batch_token_budget {eng.batch_token_budget} < max_seq_len {cap}: using {cap}")
+    kv = eng.kv_pool_tokens if eng.kv_pool_tokens is not None else default_kv_pool_tokens(cap, budget)
+    if kv < budget:
+        raise LaunchConfigError(
+            f"engine.kv_pool_tokens={kv} cannot hold one prefill batch of {budget} tokens "
+            f"(max_seq_len {cap}, batch_token_budget {eng.batch_token_budget})"
+        )
+    if eng.gpu_memory_budget_gb is not None and gpu_bytes is None:
+        gpu_bytes = gpu_total_bytes()
+    frac = mem_fraction(settings, gpu_bytes, notes)
+
+    argv = [
+        python or sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model.resolved_path),
+        "--served-model-name", model.served_name,
+        "--host", eng.host,
+        "--port", str(eng.port),
+        "--is-embedding",
+        "--skip-tokenizer-init",
+        "--attention-backend", eng.attention_backend,
+        "--dtype", eng.dtype,
+        "--context-length", str(cap + 1),
+        "--chunked-prefill-size", str(budget),
+        "--max-prefill-tokens", str(budget),
+        "--max-total-tokens", str(kv),
+        "--max-running-requests", str(eng.max_running_requests),
+        "--mem-fraction-static", repr(frac),
+        "--enable-metrics",
+        # sglang#22518: under the overlap scheduler an embedding batch that fills
+        # --max-running-requests leaves batch_is_full set forever (deadlock)
+        "--disable-overlap-schedule",
+        "--log-level", settings.log_level.lower(),
+    ]
+    if model.matryoshka_dimensions:
+        override = {"matryoshka_dimensions": sorted(set(model.matryoshka_dimensions))}
+        argv += ["--json-model-override-args", json.dumps(override, separators=(",", ":"))]
+    argv += list(eng.extra_args)
+    return LaunchSpec(argv=argv, env=engine_env(settings), notes=notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="embedserve engine",
+        description="Run SGLang as configured by EMBEDSERVE_* (see docs/SGLANG.md).",
+    )
+    ap.add_argument("--dry-run", action="store_true", help="print the command and environment")
+    ap.add_argument("--json", action="store_true", help="with --dry-run: as JSON")
+    args = ap.parse_args(argv)
+    try:
+        spec = build_launch(Settings())
+    except LaunchConfigError as exc:
+        print(f"embedserve engine: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        if args.json:
+            print(json.dumps({"argv": spec.argv, "env": spec.env, "notes": spec.notes}, indent=2))
+            return 0
+        for note in spec.notes:
+            print(f"# note: {note}")
+        print("# environment added to the parent's:")
+        for line in spec.env_lines():
+            print(line)
+        print("# command:")
+        print(spec.command_line())
+        return 0
+    for note in spec.notes:
+        print(f"embedserve engine: {note}", file=sys.stderr)
+    os.execvpe(spec.argv[0], spec.argv, {**os.environ, **spec.env})
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""SGLang plugin: CUDA cache clearing and allocator statistics inside each scheduler.
+
+Entry point ``embedserve = service.sglang_plugin:register`` in group ``sglang.srt.plugins``
+(pyproject.toml). SGLang 0.5.17 calls ``sglang.srt.plugins.load_plugins()`` in the server
+process and again at the top of ``run_scheduler_process`` in every scheduler process; our
+``register()`` adds two AFTER hooks with ``HookRegistry``:
+
+* ``Scheduler.process_batch_result``: runs once per forward batch, after its results
+  (embeddings) have been handed on, in both the normal and the overlap event loop. We
+  count the batch, ask :class:`service.cache_policy.CachePolicy` whether to empty the
+  CUDA cache, do it (timed, synchronised), and publish statistics.
+* ``Scheduler.on_idle``: the loop's idle branch, so statistics stay fresh when no traffic
+  comes.
+
+The model's memory lives in the scheduler process, so this is the only place where
+``torch.cuda.memory_stats()`` sees it. Nothing here may break the scheduler: every hook
+body is wrapped, logs its first errors and carries on. Without CUDA it does nothing.
+The plugin is active only in engines launched by ``service.sglang_launch`` (which sets
+``EMBEDSERVE_ENGINE__KIND=sglang``), not in an unrelated SGLang that happens to share the
+environment where embedserve is installed.
+
+Runtime override: a JSON file ``{stats_dir}/cache-clear-override.json`` with any of the
+``CacheClearSettings`` fields replaces the policy while it exists (checked at most once a
+second); used by the GPU lab to compare clearing off / on within one engine launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from service.cache_policy import AllocatorSnapshot, CachePolicy
+from service.stats_file import EngineStats, write_stats
+
+log = logging.getLogger("embedserve.sglang_plugin")
+
+BATCH_HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+IDLE_HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+OVERRIDE_FILE = "cache-clear-override.json"
+_MAX_LOGGED_ERRORS = 5
+
+
+def _stat(stats: dict[str, Any], *path: str) -> int:
+    """Read a counter from torch's nested memory-stats dict (or a flat one)."""
+    flat = stats.get(".".join(path))
+    if flat is not None:
+        return int(flat)
+    node: Any = stats
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return 0
+        node = node[key]
+    return int(node) if isinstance(node, int | float) else 0
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class CudaBackend:
+    """The few torch.cuda calls the monitor needs (a fake replaces it in tests)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = int(torch.cuda.current_device())
+
+    def memory_stats(self) -> dict[str, Any]:
+        cuda = self._torch._C
+        if hasattr(cuda, "_cuda_memoryStats"):  # nested dict, no Python flattening
+            return dict(cuda._cuda_memoryStats(self.device))
+        return dict(self._torch.cuda.memory_stats(self.device))
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        self._torch.cuda.empty_cache()
+
+
+class Monitor:
+    """Per-process state: batch count, policy, clear accounting, stats publishing."""
+
+    def __init__(
+        self,
+        backend: Any,
+        policy: CachePolicy,
+        stats_dir: str,
+        stats_interval_s: float,
+        clock: Any = time.monotonic,
+        wall: Any = time.time,
+    ) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.stats_dir = stats_dir
+        self.stats_interval_s = stats_interval_s
+        self.clock = clock
+        self.wall = wall
+        self.stats = EngineStats(source="torch.cuda", device=getattr(backend, "device", None))
+        self._last_write = float("-inf")
+        self._override_checked = float("-inf")
+        self._override_mtime: float | None = None
+        self._base_policy = (
+            policy.every_n_batches, policy.fragmentation_ratio,
+            policy.unused_reserve_bytes, policy.min_interval_s,
+        )
+        self.last_clear_reason: str | None = None
+
+    # --- allocator figures -------------------------------------------------------------
+    def snapshot(self, raw: dict[str, Any] | None = None) -> AllocatorSnapshot:
+        raw = self.backend.memory_stats() if raw is None else raw
+        return AllocatorSnapshot(
+            allocated=_stat(raw, "allocated_bytes", "all", "current"),
+            reserved=_stat(raw, "reserved_bytes", "all", "current"),
+            inactive_split=_stat(raw, "inactive_split_bytes", "all", "current"),
+        )
+
+    def _fill_stats(self, raw: dict[str, Any]) -> None:
+        s = self.stats
+        snap = self.snapshot(raw)
+        s.allocated_bytes = snap.allocated
+        s.reserved_bytes = snap.reserved
+        s.inactive_split_bytes = snap.inactive_split
+        s.max_reserved_bytes = _stat(raw, "reserved_bytes", "all", "peak")
+        s.num_alloc_retries = _stat(raw, "num_alloc_retries")
+        s.num_ooms = _stat(raw, "num_ooms")
+        s.rss_bytes = _rss_bytes()
+
+    # --- hooks ---------------------------------------------------------------------------
+    def on_batch(self) -> None:
+        self.stats.batches += 1
+        now = self.clock()
+        self._maybe_reload_override(now)
+        snap = self.snapshot() if self.policy.thresholds_due(now) else None
+        reason = self.policy.decide(self.stats.batches, now, snap)
+        if reason is not None:
+            self.clear(reason)
+        self.maybe_publish(force=reason is not None)
+
+    def on_idle(self) -> None:
+        self.maybe_publish()
+
+    def clear(self, reason: str) -> None:
+        before = self.snapshot().reserved
+        self.backend.synchronize()  # queued kernels are not the clear's cost
+        t0 = time.perf_counter()
+        self.backend.empty_cache()
+        self.backend.synchronize()
+        dt = time.perf_counter() - t0
+        after = self.snapshot().reserved
+        freed = max(0, before - after)
+        s = self.stats
+        s.cache_clears += 1
+        s.cache_clear_seconds_total += dt
+        s.last_clear_time = self.wall()
+        s.last_clear_freed_bytes = freed
+        self.last_clear_reason = reason
+        self.policy.record_clear(self.clock(), reason, freed)
+
+    def maybe_publish(self, force: bool = False) -> bool:
+        now = self.clock()
+        if not force and now - self._last_write < self.stats_interval_s:
+            return False
+        self._last_write = now
+        self._fill_stats(self.backend.memory_stats())
+        write_stats(self.stats_dir, self.stats)
+        return True
+
+    # --- runtime override ----------------------------------------------------------------
+    def _maybe_reload_override(self, now: float) -> None:
+        if now - self._override_checked < 1.0:
+            return
+        self._override_checked = now
+        path = Path(self.stats_dir) / OVERRIDE_FILE
+        try:
+            mtime: float | None = path.stat().st_mtime
+        except OSError:
+            mtime = None
+        if mtime == self._override_mtime:
+            return
+        self._override_mtime = mtime
+        if mtime is None:
+            every, frag, unused, interval = self._base_policy
+            self.policy.reconfigure(_Rules(every, frag, unused, interval))
+            log.info("cache-clear override removed: back to the configured policy")
+            return
+        from service.settings import CacheClearSettings
+
+        rules = CacheClearSettings.model_validate_json(path.read_text())
+        self.policy.reconfigure(rules)
+        log.info("cache-clear override applied: %s", rules.model_dump())
+
+
+class _Rules:
+    def __init__(self, every: int, frag: float | None, unused: int | None, interval: float):
+        self.every_n_batches = every
+        self.fragmentation_ratio = frag
+        self.unused_reserve_bytes = unused
+        self.min_interval_s = interval
+
+
+_monitor: Monitor | None = None
+_disabled = False
+_errors = 0
+
+
+def _get_monitor() -> Monitor | None:
+    """Created lazily in the process that runs batches (the scheduler), never at import."""
+    global _monitor, _disabled
+    if _monitor is not None or _disabled:
+        return _monitor
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            _disabled = True
+            log.info("embedserve plugin: no CUDA in this process, statistics disabled")
+            return None
+        from service.settings import Settings
+
+        eng = Settings().engine
+        _monitor = Monitor(
+            CudaBackend(), CachePolicy.from_settings(eng.cache_clear),
+            eng.stats_dir, eng.stats_interval_s,
+        )
+        log.info(
+            "embedserve plugin active in pid %d: cache clear %s, stats to %s every %.1fs",
+            os.getpid(), eng.cache_clear.model_dump(), eng.stats_dir, eng.stats_interval_s,
+        )
+    except Exception:
+        _disabled = True
+        log.exception("embedserve plugin: could not start; the engine runs without it")
+    return _monitor
+
+
+def _guarded(method: str) -> None:
+    global _errors
+    try:
+        mon = _get_monitor()
+        if mon is not None:
+            getattr(mon, method)()
+    except Exception:
+        _errors += 1
+        if _errors <= _MAX_LOGGED_ERRORS:
+            log.exception("embedserve plugin: %s failed (error %d; engine continues)", method, _errors)
+
+
+def after_batch(_result: Any, *_args: Any, **_kwargs: Any) -> None:
+    """AFTER hook on ``Scheduler.process_batch_result``; returns None (result unchanged)."""
+    _guarded("on_batch")
+
+
+def after_idle(_result: Any, *_args: Any, **_kwargs: Any) -> None:
+    """AFTER hook on ``Scheduler.on_idle``."""
+    _guarded("on_idle")
+
+
+def plugin_enabled() -> bool:
+    try:
+        from service.settings import Settings
+
+        return Settings().engine.kind == "sglang"
+    except Exception:
+        log.exception("embedserve plugin: settings unreadable; plugin off")
+        return False
+
+
+def register() -> None:
+    """Entry point (group ``sglang.srt.plugins``): register the hooks; SGLang applies them."""
+    if not plugin_enabled():
+        log.info("embedserve plugin: not an embedserve-launched engine; no hooks")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(BATCH_HOOK_TARGET, after_batch, HookType.AFTER)
+    HookRegistry.register(IDLE_HOOK_TARGET, after_idle, HookType.AFTER)

@@ -1,0 +1,211 @@
+"""The launcher: one max-seq-len drives every SGLang size; every flag exists in 0.5.17."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from service import sglang_launch
+from service.settings import Settings
+from service.sglang_launch import (
+    LaunchConfigError,
+    build_launch,
+    default_kv_pool_tokens,
+    main,
+)
+
+FLAGS_FIXTURE = Path(__file__).parent / "fixtures" / "sglang_0.5.17_flags.json"
+SGLANG_FLAGS = set(json.loads(FLAGS_FIXTURE.read_text())["flags"])
+
+
+@pytest.fixture()
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "m4"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "max_position_embeddings": 32768, "hidden_size": 2560}))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8192}))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for k in list(os.environ):
+        if k.startswith("EMBEDSERVE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)  # no stray .env
+
+
+def make(model_dir: Path, **engine: object) -> Settings:
+    model = engine.pop("model", {})
+    assert isinstance(model, dict)
+    return Settings(model={"path": str(model_dir), **model}, engine=engine)  # type: ignore[arg-type]
+
+
+def arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def flags_of(argv: list[str]) -> list[str]:
+    return [a for a in argv if a.startswith("--")]
+
+
+def test_every_flag_exists_in_pinned_sglang(model_dir: Path) -> None:
+    s = make(model_dir, extra_args=[], model={"matryoshka_dimensions": [256, 1024]})
+    argv = build_launch(s, python="python3").argv
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    unknown = [f for f in flags_of(argv) if f not in SGLANG_FLAGS]
+    assert unknown == []
+    assert json.loads(FLAGS_FIXTURE.read_text())["sglang"] == sglang_launch.SGLANG_VERSION
+
+
+def test_fixture_knows_flags_that_do_not_exist() -> None:
+    # the design notes: these were never real; the fixture must not contain them
+    assert "--flashinfer-max-seq-len" not in SGLANG_FLAGS
+    assert "--enable-flashinfer" not in SGLANG_FLAGS
+    assert {"--is-embedding", "--skip-tokenizer-init", "--max-total-tokens"} <= SGLANG_FLAGS
+
+
+def test_embedding_mode_and_attention(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir)).argv
+    for f in ("--is-embedding", "--skip-tokenizer-init", "--enable-metrics",
+              "--disable-overlap-schedule"):
+        assert f in argv
+    assert arg(argv, "--attention-backend") == "flashinfer"
+    assert arg(argv, "--model-path") == str(model_dir)
+    assert arg(argv, "--served-model-name") == "m4"
+    assert arg(argv, "--port") == "30000"
+
+
+def test_cap_drives_context_prefill_and_pool(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir)).argv  # cap from sentence_bert_config: 8192
+    assert arg(argv, "--context-length") == "8193"  # SGLang rejects len == context
+    assert arg(argv, "--chunked-prefill-size") == "16384"
+    assert arg(argv, "--max-prefill-tokens") == "16384"
+    assert arg(argv, "--max-total-tokens") == "65536"  # 4 x budget, not 0.8 of the GPU
+
+
+@pytest.mark.parametrize("cap", [512, 8192, 20000, 32768])
+def test_cap_changes_everything_together(model_dir: Path, cap: int) -> None:
+    s = make(model_dir, model={"max_seq_len": cap})
+    argv = build_launch(s).argv
+    assert s.model.effective_max_seq_len() == cap  # the gateway truncates to this
+    assert int(arg(argv, "--context-length")) == cap + 1
+    budget = int(arg(argv, "--chunked-prefill-size"))
+    assert budget == max(16384, cap) == int(arg(argv, "--max-prefill-tokens"))
+    pool = int(arg(argv, "--max-total-tokens"))
+    assert pool >= 2 * cap and pool >= budget
+    assert pool == default_kv_pool_tokens(cap, budget)
+
+
+def test_budget_raised_to_cap_with_note(model_dir: Path) -> None:
+    spec = build_launch(make(model_dir, batch_token_budget=4096))
+    assert arg(spec.argv, "--chunked-prefill-size") == "8192"
+    assert any("batch_token_budget" in n for n in spec.notes)
+
+
+def test_explicit_pool_and_too_small_pool(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir, kv_pool_tokens=131072)).argv
+    assert arg(argv, "--max-total-tokens") == "131072"
+    with pytest.raises(LaunchConfigError):
+        build_launch(make(model_dir, kv_pool_tokens=8000))
+
+
+def test_memory_budget_lowers_fraction(model_dir: Path) -> None:
+    s = make(model_dir, gpu_memory_budget_gb=25)
+    spec = build_launch(s, gpu_bytes=int(143.8e9))
+    assert float(arg(spec.argv, "--mem-fraction-static")) == pytest.approx(25 / 143.8, abs=1e-3)
+    # no GPU visible: keep the configured fraction and say so
+    spec = build_launch(s, gpu_bytes=None)
+    if sglang_launch.gpu_total_bytes() is None:
+        assert arg(spec.argv, "--mem-fraction-static") == "0.85"
+        assert any("gpu_memory_budget_gb" in n for n in spec.notes)
+    # a budget above the fraction does not raise it
+    spec = build_launch(make(model_dir, gpu_memory_budget_gb=140), gpu_bytes=int(143.8e9))
+    assert arg(spec.argv, "--mem-fraction-static") == "0.85"
+
+
+def test_matryoshka_override(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir)).argv
+    assert "--json-model-override-args" not in argv
+    argv = build_launch(make(model_dir, model={"matryoshka_dimensions": [1024, 256, 256]})).argv
+    assert json.loads(arg(argv, "--json-model-override-args")) == {
+        "matryoshka_dimensions": [256, 1024]}
+
+
+def test_extra_args_appended_last(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir, extra_args=["--random-seed", "7"])).argv
+    assert argv[-2:] == ["--random-seed", "7"]
+
+
+def test_env_allocator_flashinfer_and_plugin_config(model_dir: Path, tmp_path: Path) -> None:
+    s = make(model_dir, flashinfer_cache_dir=str(tmp_path / "fi"), stats_dir="/run/es",
+             stats_interval_s=2.0, cache_clear={"every_n_batches": 8, "fragmentation_ratio": None})
+    env = build_launch(s).env
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "fi")
+    assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / "fi"))
+    assert env["EMBEDSERVE_ENGINE__KIND"] == "sglang"
+    assert env["EMBEDSERVE_ENGINE__STATS_DIR"] == "/run/es"
+    # the scheduler process reads the same policy back with Settings()
+    child = dict(env)
+    for k, v in child.items():
+        os.environ[k] = v
+    try:
+        eng = Settings().engine
+    finally:
+        for k in child:
+            os.environ.pop(k, None)
+    assert eng.kind == "sglang"
+    assert eng.stats_interval_s == 2.0
+    assert eng.cache_clear.every_n_batches == 8
+    assert eng.cache_clear.fragmentation_ratio is None
+    assert "FLASHINFER_WORKSPACE_BASE" not in build_launch(make(model_dir)).env
+
+
+def test_dry_run_prints_exact_command(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(model_dir))
+    monkeypatch.setenv("EMBEDSERVE_MODEL__MAX_SEQ_LEN", "4096")
+    assert main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out
+    cmd = [ln for ln in out.splitlines() if "sglang.launch_server" in ln]
+    assert len(cmd) == 1
+    argv = shlex.split(cmd[0])
+    assert argv == build_launch(Settings()).argv
+    assert arg(argv, "--context-length") == "4097"
+
+    assert main(["--dry-run", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["argv"] == argv
+    assert data["env"]["EMBEDSERVE_ENGINE__KIND"] == "sglang"
+
+
+def test_dry_run_reports_bad_config(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(model_dir))
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KV_POOL_TOKENS", "100")
+    assert main(["--dry-run"]) == 2
+    assert "kv_pool_tokens" in capsys.readouterr().err
+
+
+def test_run_execs_sglang(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(model_dir))
+    seen: dict[str, object] = {}
+
+    def fake_exec(path: str, argv: list[str], env: dict[str, str]) -> None:
+        seen.update(path=path, argv=argv, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(sglang_launch.os, "execvpe", fake_exec)
+    with pytest.raises(SystemExit):
+        main([])
+    assert seen["argv"] == build_launch(Settings()).argv
+    env = seen["env"]
+    assert isinstance(env, dict) and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PATH" in env  # the parent's environment is kept

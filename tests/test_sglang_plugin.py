@@ -1,0 +1,273 @@
+"""Cache-clearing policy and the plugin's monitor, on CPU with a fake allocator."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service import sglang_plugin
+from service.cache_policy import AllocatorSnapshot, CachePolicy
+from service.settings import CacheClearSettings
+from service.sglang_plugin import OVERRIDE_FILE, Monitor
+from service.stats_file import read_all_stats
+
+GB = 1 << 30
+
+
+def snap(alloc: float, reserved: float, split: float = 0) -> AllocatorSnapshot:
+    return AllocatorSnapshot(int(alloc * GB), int(reserved * GB), int(split * GB))
+
+
+# --- policy --------------------------------------------------------------------------------
+def test_every_n_batches() -> None:
+    p = CachePolicy(every_n_batches=4, fragmentation_ratio=None, unused_reserve_bytes=None)
+    due = [b for b in range(1, 17) if p.decide(b, float(b), None)]
+    assert due == [4, 8, 12, 16]
+    assert not p.needs_snapshot
+
+
+def test_every_batch_and_never() -> None:
+    every = CachePolicy(every_n_batches=1, fragmentation_ratio=None, unused_reserve_bytes=None)
+    assert all(every.decide(b, 0.0, None) == "every_n_batches" for b in range(1, 10))
+    never = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
+    assert not never.enabled
+    assert all(never.decide(b, 0.0, snap(1, 100, 90)) is None for b in range(1, 10))
+
+
+def test_fragmentation_threshold() -> None:
+    p = CachePolicy(every_n_batches=0, fragmentation_ratio=0.25, unused_reserve_bytes=None)
+    assert p.decide(1, 10.0, snap(10, 20, 4)) is None  # 0.2
+    assert p.decide(1, 10.0, snap(10, 20, 6)) == "fragmentation"  # 0.3
+
+
+def test_unused_reserve_counts_only_reclaimable() -> None:
+    p = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=4 * GB)
+    assert p.decide(1, 0.0, snap(10, 20, 0)) == "unused_reserve"  # 10 GB free segments
+    # 10 GB unused but 7 GB of it inside split segments: empty_cache can return only 3
+    assert p.decide(1, 0.0, snap(10, 20, 7)) is None
+
+
+def test_min_interval_throttles_thresholds_not_every_n() -> None:
+    p = CachePolicy(every_n_batches=5, fragmentation_ratio=0.1, unused_reserve_bytes=None,
+                    min_interval_s=2.0)
+    bad = snap(1, 10, 5)
+    assert p.decide(1, 100.0, bad) == "fragmentation"
+    p.record_clear(100.0, "fragmentation", 2 * GB)
+    assert p.decide(2, 101.0, bad) is None
+    assert not p.thresholds_due(101.0)
+    assert p.decide(5, 101.5, bad) == "every_n_batches"  # rhythm is not throttled
+    p.record_clear(101.5, "every_n_batches", 0)
+    assert p.decide(6, 103.6, bad) == "fragmentation"
+
+
+def test_ineffective_clears_back_off_and_recover() -> None:
+    p = CachePolicy(every_n_batches=0, fragmentation_ratio=0.1, unused_reserve_bytes=None,
+                    min_interval_s=1.0, max_backoff=8)
+    t = 0.0
+    intervals = []
+    for _ in range(6):
+        p.record_clear(t, "fragmentation", 0)  # freed nothing
+        intervals.append(p.threshold_interval_s())
+    assert intervals == [2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
+    p.record_clear(t, "fragmentation", GB)
+    assert p.threshold_interval_s() == 1.0
+
+
+def test_from_settings_and_reconfigure() -> None:
+    cs = CacheClearSettings(every_n_batches=3, fragmentation_ratio=None,
+                            unused_reserve_bytes=GB, min_interval_s=0.5)
+    p = CachePolicy.from_settings(cs)
+    assert (p.every_n_batches, p.fragmentation_ratio, p.unused_reserve_bytes,
+            p.min_interval_s) == (3, None, GB, 0.5)
+    p.backoff = 4
+    p.reconfigure(CacheClearSettings(every_n_batches=0, fragmentation_ratio=None,
+                                     unused_reserve_bytes=None))
+    assert not p.enabled and p.backoff == 1
+
+
+def test_snapshot_properties() -> None:
+    s = snap(2, 10, 3)
+    assert s.unused == 8 * GB and s.reclaimable == 5 * GB
+    assert s.fragmentation == pytest.approx(0.3)
+    assert AllocatorSnapshot(0, 0, 0).fragmentation == 0.0
+
+
+# --- monitor with a fake allocator ------------------------------------------------------
+class FakeCuda:
+    """reserved grows with each batch; empty_cache returns the free whole segments."""
+
+    device = 0
+
+    def __init__(self) -> None:
+        self.allocated = 10 * GB
+        self.reserved = 12 * GB
+        self.split = 1 * GB
+        self.calls: list[str] = []
+        self.stats_calls = 0
+
+    def memory_stats(self) -> dict[str, Any]:
+        self.stats_calls += 1
+        return {
+            "allocated_bytes": {"all": {"current": self.allocated}},
+            "reserved_bytes": {"all": {"current": self.reserved, "peak": 20 * GB}},
+            "inactive_split_bytes": {"all": {"current": self.split}},
+            "num_alloc_retries": 2,
+            "num_ooms": 0,
+        }
+
+    def synchronize(self) -> None:
+        self.calls.append("sync")
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty")
+        self.reserved = self.allocated + self.split
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_monitor(tmp_path: Path, policy: CachePolicy, interval: float = 1.0):
+    fake, clock = FakeCuda(), Clock()
+    mon = Monitor(fake, policy, str(tmp_path), interval, clock=clock, wall=lambda: 5.0)
+    return mon, fake, clock
+
+
+def test_monitor_clears_every_n_and_publishes(tmp_path: Path) -> None:
+    policy = CachePolicy(every_n_batches=3, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon, fake, clock = make_monitor(tmp_path, policy, interval=10.0)
+    for _ in range(7):
+        fake.reserved += GB
+        clock.t += 0.01
+        mon.on_batch()
+    assert mon.stats.batches == 7
+    assert mon.stats.cache_clears == 2
+    assert fake.calls == ["sync", "empty", "sync"] * 2  # synchronised both sides
+    assert mon.stats.last_clear_freed_bytes == 3 * GB  # grew 3 GB since the first clear
+    assert mon.stats.cache_clear_seconds_total >= 0
+    (st,) = read_all_stats(tmp_path)
+    assert st.pid == os.getpid() and st.source == "torch.cuda"
+    assert st.cache_clears == 2 and st.batches == 6  # written at the forced clear
+    assert st.allocated_bytes == 10 * GB and st.inactive_split_bytes == GB
+    assert st.max_reserved_bytes == 20 * GB and st.num_alloc_retries == 2
+    assert st.last_clear_time == 5.0
+
+
+def test_monitor_rate_limits_stats(tmp_path: Path) -> None:
+    policy = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon, fake, clock = make_monitor(tmp_path, policy, interval=1.0)
+    writes = 0
+    for _ in range(100):
+        clock.t += 0.05
+        mon.on_batch()
+    for _ in range(100):
+        clock.t += 0.05
+        writes += mon.maybe_publish()
+    assert writes == 5  # 5 s of idle at 1 write/s
+    assert fake.stats_calls <= 12  # no allocator query per batch when no threshold rule
+    assert json.loads((tmp_path / f"engine-{os.getpid()}.json").read_text())["batches"] == 100
+
+
+def test_monitor_threshold_rule_reads_stats(tmp_path: Path) -> None:
+    policy = CachePolicy(every_n_batches=0, fragmentation_ratio=None,
+                         unused_reserve_bytes=4 * GB, min_interval_s=1.0)
+    mon, fake, clock = make_monitor(tmp_path, policy)
+    mon.on_batch()
+    assert mon.stats.cache_clears == 0
+    fake.reserved = 20 * GB  # 9 GB reclaimable
+    clock.t += 0.1
+    mon.on_batch()
+    assert mon.stats.cache_clears == 1 and mon.last_clear_reason == "unused_reserve"
+    assert fake.reserved == 11 * GB
+
+
+def test_override_file_switches_policy_at_runtime(tmp_path: Path) -> None:
+    policy = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon, _fake, clock = make_monitor(tmp_path, policy)
+    (tmp_path / OVERRIDE_FILE).write_text(json.dumps({"every_n_batches": 1,
+                                                      "fragmentation_ratio": None,
+                                                      "unused_reserve_bytes": None}))
+    clock.t += 2
+    mon.on_batch()
+    assert mon.policy.every_n_batches == 1 and mon.stats.cache_clears == 1
+    (tmp_path / OVERRIDE_FILE).unlink()
+    clock.t += 2
+    mon.on_batch()
+    assert mon.policy.every_n_batches == 0 and mon.stats.cache_clears == 1
+
+
+# --- hooks and registration -----------------------------------------------------------------
+def test_hooks_never_raise(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Boom(FakeCuda):
+        def memory_stats(self) -> dict[str, Any]:
+            raise RuntimeError("allocator exploded")
+
+    policy = CachePolicy(every_n_batches=1, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon = Monitor(Boom(), policy, str(tmp_path), 1.0)
+    monkeypatch.setattr(sglang_plugin, "_monitor", mon)
+    assert sglang_plugin.after_batch("result", object(), "batch", "res") is None
+    assert sglang_plugin.after_idle(None, object()) is None
+
+
+def test_no_cuda_is_a_clean_noop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang_plugin, "_monitor", None)
+    monkeypatch.setattr(sglang_plugin, "_disabled", False)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sglang_plugin._get_monitor() is None
+    assert sglang_plugin._disabled
+    sglang_plugin.after_batch(None, object(), "batch", "res")
+
+
+def _fake_sglang(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, Any]]:
+    registered: list[tuple[str, Any, Any]] = []
+
+    class HookType:
+        AFTER = "after"
+
+    class HookRegistry:
+        @classmethod
+        def register(cls, target: str, hook: Any, hook_type: Any = "after") -> None:
+            registered.append((target, hook, hook_type))
+
+    mod = types.ModuleType("sglang.srt.plugins.hook_registry")
+    mod.HookRegistry = HookRegistry  # type: ignore[attr-defined]
+    mod.HookType = HookType  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", mod)
+    return registered
+
+
+def test_register_hooks_only_for_embedserve_engines(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    registered = _fake_sglang(monkeypatch)
+    monkeypatch.delenv("EMBEDSERVE_ENGINE__KIND", raising=False)
+    sglang_plugin.register()
+    assert registered == []
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
+    sglang_plugin.register()
+    assert [(t, h) for t, h, _ in registered] == [
+        ("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+         sglang_plugin.after_batch),
+        ("sglang.srt.managers.scheduler.Scheduler.on_idle", sglang_plugin.after_idle),
+    ]
+    assert all(ht == "after" for _, _, ht in registered)
+
+
+def test_entry_point_declared() -> None:
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '[project.entry-points."sglang.srt.plugins"]' in text
+    assert 'embedserve = "service.sglang_plugin:register"' in text
