@@ -14,8 +14,7 @@ from typing import Any
 FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gpu_bytes": (
         ("resources.gpu:0.used_bytes", "gpu.used_bytes"),
-        (r"^resources\.gpu[^.]*\.used_bytes$", r"gpu.*used.*bytes$",
-         r"allocator.*reserved_bytes$"),
+        (r"^resources\.gpu[^.]*\.used_bytes$", r"gpu.*used.*bytes$"),
     ),
     "gpu_limit_bytes": (
         ("resources.gpu:0.limit_bytes", "gpu.total_bytes"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +67,15 @@ def throughput(res: dict[str, Any], path: Path) -> None:
 
 
 def memory(res: dict[str, Any], path: Path) -> None:
-    hm = (res["memory"].get("health_memory") or {}).get("samples", [])
+    hmem = res["memory"].get("health_memory") or {}
+    hm = hmem.get("samples", [])
     watched = res["memory"].get("watched_pids", {})
     client = res["memory"].get("client", [])
     fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     gpu, host, fc = axes
-    _series(gpu, hm, "gpu_bytes", "target GPU memory")
-    _limit(gpu, hm, "gpu_limit_bytes")
-    gpu.set(ylabel="GiB", title="GPU memory (target /health/memory)")
-    _series(host, hm, "host_bytes", "target host memory")
-    _limit(host, hm, "host_limit_bytes")
+    _series(gpu, hm, "gpu_bytes", "target GPU memory", "gpu_slope_bytes_per_hour")
+    gpu.set(ylabel="GiB", title="GPU memory (target /health/memory)" + _limit(gpu, hm, "gpu"))
+    _series(host, hm, "host_bytes", "target host memory", "host_slope_bytes_per_hour")
     _series(host, hm, "engine_rss_bytes", "target engine RSS")
     _series(host, hm, "gateway_rss_bytes", "target gateway RSS")
     for pid, samples in watched.items():
@@ -84,7 +84,7 @@ def memory(res: dict[str, Any], path: Path) -> None:
     if client:
         host.plot(_minutes([s["t"] for s in client]),
                   [s["rss_bytes"] / GIB for s in client], ls=":", label="load generator RSS")
-    host.set(ylabel="GiB", title="Host memory")
+    host.set(ylabel="GiB", title="Host memory" + _limit(host, hm, "host"))
     pts = [s for s in hm if s.get("hours_to_oom") is not None]
     if pts:
         xs = _minutes([s["t"] for s in pts])
@@ -96,28 +96,47 @@ def memory(res: dict[str, Any], path: Path) -> None:
         fc.set_yscale("log")
     fc.set(xlabel="minutes since start", ylabel="hours",
            title="Forecast hours to OOM (target /health/memory)")
+    last = hmem.get("last_answer") if isinstance(hmem.get("last_answer"), dict) else {}
+    empty_note = {gpu: "no GPU figures", host: "no host figures",
+                  fc: "no forecast: " + str((last or {}).get("reason") or hmem.get("status")
+                                            or "no /health/memory")}
     for ax in axes:
+        if not ax.lines and not ax.collections:
+            ax.text(0.5, 0.5, "\n".join(textwrap.wrap(empty_note[ax], 90)), ha="center",
+                    va="center", transform=ax.transAxes, fontsize=9)
         _warmup_line(ax, res)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-        if not ax.lines and not ax.collections:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _series(ax: Any, samples: list[dict[str, Any]], key: str, label: str) -> None:
+def _series(ax: Any, samples: list[dict[str, Any]], key: str, label: str,
+            slope_key: str | None = None) -> None:
+    """A memory line; with ``slope_key``, the target's own fitted trend drawn ahead."""
     pts = [(s["t"], s[key]) for s in samples if s.get(key) is not None]
-    if pts:
-        ax.plot(_minutes([p[0] for p in pts]), [p[1] / GIB for p in pts], label=label)
+    if not pts:
+        return
+    (line,) = ax.plot(_minutes([p[0] for p in pts]), [p[1] / GIB for p in pts], label=label)
+    slope = samples[-1].get(slope_key) if slope_key else None
+    if slope is not None and len(pts) > 1:
+        t1, y1 = pts[-1]
+        ahead = max((t1 - pts[0][0]) * 0.25, 60.0)
+        ax.plot([t1 / 60.0, (t1 + ahead) / 60.0], [y1 / GIB, (y1 + slope * ahead / 3600) / GIB],
+                ls="--", color=line.get_color(), label=f"{label}: forecast trend")
 
 
-def _limit(ax: Any, samples: list[dict[str, Any]], key: str) -> None:
-    vals = [s[key] for s in samples if s.get(key)]
-    if vals:
+def _limit(ax: Any, samples: list[dict[str, Any]], kind: str) -> str:
+    """Draw the limit when it is on the same scale as the data; else name it in the title."""
+    vals = [s[f"{kind}_limit_bytes"] for s in samples if s.get(f"{kind}_limit_bytes")]
+    if not vals:
+        return ""
+    top = max((max(ln.get_ydata(), default=0.0) for ln in ax.lines), default=0.0)
+    if top and vals[-1] / GIB <= 2.5 * top:
         ax.axhline(vals[-1] / GIB, color="C3", ls="--", lw=1, label="limit")
+    return f" (limit {vals[-1] / GIB:.1f} GiB)"
 
 
 def write_all(res: dict[str, Any], out: Path) -> list[str]:
