@@ -54,9 +54,7 @@ class ControllerSettings(BaseModel):
     namespace: str | None = Field(
         None, description="namespace of the pods; default: the service account's own"
     )
-    label_selector: str = Field(
-        "app.kubernetes.io/name=embedserve", description="selects the serving pods"
-    )
+    label_selector: str = Field("app.kubernetes.io/name=embedserve", description="selects the serving pods")
     health_port: int = Field(8000, description="the gateway port that serves /health/memory")
     health_path: str = "/health/memory"
     health_scheme: Literal["http", "https"] = "http"
@@ -132,8 +130,7 @@ class PodState:
         meta = obj.get("metadata", {})
         status = obj.get("status", {})
         ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or []
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
         )
         created = _parse_time(meta.get("creationTimestamp"))
         return cls(
@@ -240,9 +237,7 @@ def parse_health_memory(body: Any) -> MemoryVerdict:
     recommends = body.get("recommends_restart")
     if not isinstance(recommends, bool):
         forecast = body.get("forecast")
-        recommends = bool(
-            isinstance(forecast, Mapping) and forecast.get("recommends_restart") is True
-        )
+        recommends = bool(isinstance(forecast, Mapping) and forecast.get("recommends_restart") is True)
     reason = body.get("reason")
     return MemoryVerdict(
         reachable=True,
@@ -302,8 +297,7 @@ def decide(observations: list[Observation], policy: Policy) -> Decision:
     if not old_enough:
         return Decision(
             "wait",
-            "candidates are younger than min_pod_age_s: "
-            + ", ".join(o.pod.name for o in candidates),
+            "candidates are younger than min_pod_age_s: " + ", ".join(o.pod.name for o in candidates),
             candidates=tuple(sorted(candidate_names)),
         )
     # Unready (already drained) pods first: evicting them costs no serving capacity.
@@ -391,9 +385,7 @@ class KubeApi:
         }
         if dry_run:
             body["deleteOptions"] = {"dryRun": ["All"]}
-        r = await self._client.post(
-            f"/api/v1/namespaces/{self.namespace}/pods/{pod}/eviction", json=body
-        )
+        r = await self._client.post(f"/api/v1/namespaces/{self.namespace}/pods/{pod}/eviction", json=body)
         if r.status_code == 429:
             raise EvictionBlocked(_message(r))
         if r.status_code == 404:
@@ -451,9 +443,7 @@ async def observe(
     return list(await asyncio.gather(*(one(p) for p in pods)))
 
 
-async def run_once(
-    api: KubeApi, fetch: HealthFetcher, cfg: ControllerSettings, policy: Policy
-) -> Decision:
+async def run_once(api: KubeApi, fetch: HealthFetcher, cfg: ControllerSettings, policy: Policy) -> Decision:
     observations = await observe(api, fetch, cfg.label_selector)
     for o in observations:
         m = o.memory

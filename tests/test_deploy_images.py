@@ -68,7 +68,9 @@ def test_gateway_image_has_no_torch():
 def test_cpu_engine_takes_torch_from_the_cpu_index():
     text = _text("Dockerfile.engine-cpu")
     assert "download.pytorch.org/whl/cpu" in text
-    pinned = re.search(r"ARG TORCH_VERSION=(\S+)", text).group(1)
+    m = re.search(r"ARG TORCH_VERSION=(\S+)", text)
+    assert m, "Dockerfile.engine-cpu: no TORCH_VERSION"
+    pinned = m.group(1)
     assert f"\"torch=={pinned}; python_version == '3.11'\"" in (ROOT / "pyproject.toml").read_text()
 
 
@@ -81,7 +83,9 @@ def test_constraints_pin_every_base_dependency():
             name, _, version = line.partition("==")
             pins[re.sub(r"[-_.]+", "-", name.lower())] = version
     for dep in deps:
-        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", dep).group(0).lower())
+        head = re.match(r"[A-Za-z0-9_.-]+", dep)
+        assert head, dep
+        name = re.sub(r"[-_.]+", "-", head.group(0).lower())
         assert name in pins, f"{name} not pinned in deploy/docker/constraints.txt"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from typing import Any
 
 import httpx
 import pytest
@@ -245,7 +246,7 @@ def test_threshold_defaults_to_readiness_horizon(monkeypatch):
 
 def test_pod_state_from_api():
     now = 1_700_000_000.0
-    raw = {
+    raw: dict[str, Any] = {
         "metadata": {"name": "embedserve-abc", "creationTimestamp": "2023-11-14T22:13:20Z"},
         "status": {
             "phase": "Running",
@@ -291,10 +292,7 @@ class FakeApiServer:
             if self.eviction_status == 429:
                 return httpx.Response(
                     429,
-                    json={
-                        "message": "Cannot evict pod as it would violate the pod's "
-                        "disruption budget."
-                    },
+                    json={"message": "Cannot evict pod as it would violate the pod's disruption budget."},
                 )
             return httpx.Response(self.eviction_status, json={"kind": "Status"})
         return httpx.Response(404, json={"message": "not found"})
@@ -354,9 +352,7 @@ def test_pdb_refusal_is_a_wait_not_a_crash():
     async def go() -> Decision:
         api = _api(server)
         try:
-            return await run_once(
-                api, _fetcher({"10.0.0.1": GPU_LEAK_WARNING}), ControllerSettings(), POLICY
-            )
+            return await run_once(api, _fetcher({"10.0.0.1": GPU_LEAK_WARNING}), ControllerSettings(), POLICY)
         finally:
             await api.aclose()
 
@@ -394,8 +390,73 @@ def test_http_fetcher_reads_the_gateway(monkeypatch):
         lambda **kw: real(transport=httpx.MockTransport(handler), **kw),
     )
     fetch = rc.http_health_fetcher(ControllerSettings(health_port=8000))
-    v = asyncio.run(fetch(pod("a")))
+
+    async def get(p: PodState) -> MemoryVerdict:
+        return await fetch(p)
+
+    v = asyncio.run(get(pod("a")))
     assert seen == ["http://10.0.0.1:8000/health/memory"]
     assert v.recommends_restart and v.hours_until_oom == pytest.approx(4.2)
-    v = asyncio.run(fetch(PodState("x", None, "Running", True, False, 1e6)))
+    v = asyncio.run(get(PodState("x", None, "Running", True, False, 1e6)))
     assert not v.reachable
+
+
+# ---------------------------------------------------------------- the real producer
+
+
+def _forecast(resource: str, status: str, hours: float | None, lower: float | None) -> Any:
+    from health.forecast import ResourceForecast
+
+    return ResourceForecast(
+        resource=resource,
+        status=status,  # type: ignore[arg-type]
+        used_bytes=50e9,
+        limit_bytes=80e9,
+        limit_source="nvml",
+        headroom_bytes=30e9,
+        peak_bytes=50e9,
+        slope_bytes_per_hour=None if hours is None else 30e9 / hours,
+        slope_low_bytes_per_hour=None,
+        slope_high_bytes_per_hour=None,
+        window_start=0.0,
+        window_s=21600.0,
+        samples=4000,
+        estimated_hours_until_oom=hours,
+        hours_lower=lower,
+        hours_upper=None,
+        capped=False,
+        reason=f"{resource} reason",
+    )
+
+
+@pytest.mark.parametrize(
+    ("gpu_hours", "host_hours", "expect_evict"),
+    [(4.2, None, True), (None, None, False), (30.0, 5.5, True), (12.0, 40.0, False)],
+)
+def test_documents_built_by_health_itself(gpu_hours, host_hours, expect_evict):
+    """The document health/monitor.py serves, from health's own functions, parses right."""
+    pytest.importorskip("health.report")
+    from health.report import advice
+
+    forecasts = {
+        "gpu:0": _forecast(
+            "gpu:0",
+            "growing" if gpu_hours else "not_growing",
+            gpu_hours,
+            None if gpu_hours is None else gpu_hours * 0.8,
+        ),
+        "host": _forecast("host", "growing" if host_hours else "not_growing", host_hours, None),
+    }
+    verdict = advice(forecasts, warning_hours=6.0, critical_hours=1.0)
+    document = {
+        **verdict,
+        "resources": {k: f.as_dict() for k, f in forecasts.items()},
+        "gpu": {"devices": []},
+    }
+    v = parse_health_memory(json.loads(json.dumps(document)))
+    assert v.reachable
+    assert v.recommends_restart == verdict["recommends_restart"]
+    assert v.hours_until_oom == verdict["estimated_hours_until_oom"]
+    d = decide([obs(pod("a"), document)], POLICY)
+    assert (d.action == "evict") == expect_evict
+    assert (d.action == "evict") == verdict["recommends_restart"]

@@ -295,8 +295,7 @@ def build() -> dict[str, Any]:
             ],
             (0, 33, 12, 9),
             "bytes",
-            "NVML device memory and the engine's allocator statistics (allocated, "
-            "reserved, inactive split).",
+            "NVML device memory and the engine's allocator statistics (allocated, reserved, inactive split).",
         )
     )
     add(

@@ -43,9 +43,7 @@ def shared_groups() -> list[dict[str, Any]]:
 
 
 def _uses_hours(groups: list[dict[str, Any]]) -> bool:
-    return any(
-        HOURS_METRIC in str(rule.get("expr", "")) for g in groups for rule in g.get("rules") or []
-    )
+    return any(HOURS_METRIC in str(rule.get("expr", "")) for g in groups for rule in g.get("rules") or [])
 
 
 def _fmt(x: float) -> str:
@@ -66,8 +64,7 @@ def probe_group(warning: float, critical: float) -> dict[str, Any]:
                 "for": "5m",
                 "labels": {"severity": "warning"},
                 "annotations": {
-                    "summary": "{{ $labels.pod }}: {{ $value | humanize }} h to OOM "
-                    "({{ $labels.resource }})",
+                    "summary": "{{ $labels.pod }}: {{ $value | humanize }} h to OOM ({{ $labels.resource }})",
                     "description": f"Under {w} h (health.warning_hours) the pod's readiness "
                     "probe drains it and the restart controller evicts it, one pod at a "
                     "time. If this keeps firing, the controller is blocked (PDB, pending "
@@ -80,8 +77,7 @@ def probe_group(warning: float, critical: float) -> dict[str, Any]:
                 "for": "2m",
                 "labels": {"severity": "critical"},
                 "annotations": {
-                    "summary": "{{ $labels.pod }}: {{ $value | humanize }} h to OOM "
-                    "({{ $labels.resource }})",
+                    "summary": "{{ $labels.pod }}: {{ $value | humanize }} h to OOM ({{ $labels.resource }})",
                     "description": f"Under {c} h (health.critical_hours) the liveness probe "
                     "restarts the engine container without waiting for the controller.",
                 },
