@@ -39,7 +39,10 @@ def _spec_schema() -> dict[str, Any]:
 def test_compose_validates_against_the_compose_spec():
     jsonschema = pytest.importorskip("jsonschema")
     schema = _spec_schema()
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(_compose()), key=lambda e: list(e.path))
+    errors = sorted(
+        jsonschema.validators.validator_for(schema)(schema).iter_errors(_compose()),
+        key=lambda e: list(e.path),
+    )
     assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
 
 
@@ -48,7 +51,7 @@ def test_the_schema_check_catches_mistakes():
     schema = _spec_schema()
     bad = _compose()
     bad["services"]["gateway"]["healthcheck"]["intervall"] = "5s"
-    assert list(jsonschema.Draft7Validator(schema).iter_errors(bad))
+    assert list(jsonschema.validators.validator_for(schema)(schema).iter_errors(bad))
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
