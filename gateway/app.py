@@ -32,7 +32,7 @@ from gateway.pipeline import EmbeddingPipeline
 from gateway.schemas import EmbeddingRequest
 from gateway.tokenization import ModelTokenizer
 from health import create_health
-from health.engine_view import EngineView
+from health.engine_view import EngineStatus, EngineView
 from service.settings import Settings
 
 
@@ -104,6 +104,10 @@ def create_app(
             last_success_age_s=pool.last_success_age_s(),
             oldest_inflight_age_s=pool.oldest_inflight_age_s(),
             detail=(sup.detail + "; " if sup and sup.detail else "") + detail,
+            engines=tuple(
+                EngineStatus(e.url, e.ready, e.outstanding_tokens, e.calls, e.last_error)
+                for e in pool.engines
+            ),
         )
 
     def process_pids() -> dict[str, int]:

@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class EngineStatus:
+    """One engine behind the gateway, as /health/memory reports it."""
+
+    url: str
+    ready: bool
+    outstanding_tokens: int = 0
+    calls: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
 class EngineView:
     """A cheap snapshot the gateway keeps up to date; probes only read it.
 
@@ -21,3 +32,4 @@ class EngineView:
     last_success_age_s: float | None = None
     oldest_inflight_age_s: float | None = None
     detail: str = ""
+    engines: tuple[EngineStatus, ...] = ()

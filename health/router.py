@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -45,6 +46,7 @@ def build_router(
             )
         body = dict(state.document)
         body["age_s"] = max(time.time() - state.time, 0.0)
+        body["engines"] = [asdict(e) for e in _view(engine_view).engines]
         return JSONResponse(body)
 
     @router.get("/health/live")

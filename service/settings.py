@@ -121,6 +121,9 @@ class EngineSettings(BaseModel):
     )
     host: str = "127.0.0.1"
     port: int = 30000
+    replicas: int = Field(
+        1, ge=1, description="local engines to start, on port, port+1, ...; SGLang gets GPU i each"
+    )
     batch_token_budget: int = Field(
         16384, ge=64, description="tokens per engine batch (prefill chunk, prefill budget)"
     )
@@ -211,7 +214,13 @@ class Settings(BaseSettings):
         return self
 
     def engine_urls(self) -> list[str]:
-        return self.engine.urls or [f"http://{self.engine.host}:{self.engine.port}"]
+        e = self.engine
+        return e.urls or [f"http://{e.host}:{e.port + i}" for i in range(e.replicas)]
+
+    def for_replica(self, index: int) -> Settings:
+        """The same settings as seen by local engine ``index`` (its own port)."""
+        engine = self.engine.model_copy(update={"port": self.engine.port + index, "replicas": 1})
+        return self.model_copy(update={"engine": engine})
 
     def redacted(self) -> dict[str, object]:
         """For logging: secrets stay hidden (SecretStr dumps as '**********')."""

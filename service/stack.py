@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 
 import httpx
 import uvicorn
@@ -40,13 +42,19 @@ def resolve_engine_kind(settings: Settings) -> str:
     return "sglang" if importlib.util.find_spec("sglang") and gpu_present() else "cpu"
 
 
-def engine_launch(settings: Settings, kind: str) -> LaunchSpec:
+def engine_launch(settings: Settings, kind: str, index: int) -> LaunchSpec:
+    """Local engine ``index`` listens on ``engine.port + index``; SGLang replicas get a GPU each."""
+    own = settings.for_replica(index)
     if kind == "cpu":
-        return LaunchSpec([sys.executable, "-m", "service.cpu_engine"], {"HF_HUB_OFFLINE": "1"})
+        env = {"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__PORT": str(own.engine.port)}
+        return LaunchSpec([sys.executable, "-m", "service.cpu_engine"], env)
     from service.sglang_launch import build_launch
 
-    spec = build_launch(settings)
-    return LaunchSpec(list(spec.argv), dict(spec.env))
+    spec = build_launch(own)
+    env = dict(spec.env)
+    if settings.engine.replicas > 1:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    return LaunchSpec(list(spec.argv), env)
 
 
 async def warm_up(settings: Settings) -> None:
@@ -55,11 +63,11 @@ async def warm_up(settings: Settings) -> None:
     cap = settings.model.effective_max_seq_len()
     n = max(1, settings.engine.batch_token_budget // cap)
     body = {"model": settings.model.served_name, "input": [[1] * cap for _ in range(n)]}
-    url = settings.engine_urls()[0] + "/v1/embeddings"
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
-        r = await client.post(url, json=body)
-        if r.status_code != 200:
-            raise EngineStartError(f"warm-up failed: {r.status_code} {r.text[:300]}")
+        for url in settings.engine_urls():
+            r = await client.post(url + "/v1/embeddings", json=body)
+            if r.status_code != 200:
+                raise EngineStartError(f"warm-up of {url} failed: {r.status_code} {r.text[:300]}")
 
 
 def _banner(settings: Settings) -> str:
@@ -74,36 +82,54 @@ def _banner(settings: Settings) -> str:
     )
 
 
+class _StackServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill this
+    process before it stops the engines it started (they would be orphaned). Here the
+    signal only starts the shutdown; ``run_stack`` then stops the engines and returns."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
 async def run_stack(settings: Settings) -> int:
     from gateway.app import SupervisorView, create_app
 
     kind = resolve_engine_kind(settings)
-    supervisor: ProcessSupervisor | None = None
+    supervisors: list[ProcessSupervisor] = []
     if kind != "external":
-        spec = engine_launch(settings, kind)
-        supervisor = ProcessSupervisor(
-            kind,
-            spec,
-            settings.engine_urls()[0] + "/health",
-            startup_timeout_s=settings.engine.startup_timeout_s,
-            backoff_s=settings.engine.restart_backoff_s,
-            backoff_max_s=settings.engine.restart_backoff_max_s,
-        )
-        await supervisor.start()
+        for index, url in enumerate(settings.engine_urls()):
+            supervisors.append(
+                ProcessSupervisor(
+                    f"{kind}-{index}",
+                    engine_launch(settings, kind, index),
+                    url + "/health",
+                    startup_timeout_s=settings.engine.startup_timeout_s,
+                    backoff_s=settings.engine.restart_backoff_s,
+                    backoff_max_s=settings.engine.restart_backoff_max_s,
+                )
+            )
+        for sup in supervisors:
+            await sup.start()
 
     def view() -> SupervisorView:
-        assert supervisor is not None
-        detail = f"{supervisor.name} engine exited ({supervisor.last_exit})" if not supervisor.alive else ""
+        dead = [s for s in supervisors if not s.alive]
+        pids = {("engine" if i == 0 else f"engine-{i}"): s.pid for i, s in enumerate(supervisors) if s.pid}
         return SupervisorView(
-            alive=supervisor.alive,
-            restarts=supervisor.restarts,
-            pids={"engine": supervisor.pid} if supervisor.pid else {},
-            detail=detail,
+            alive=len(dead) < len(supervisors),
+            restarts=sum(s.restarts for s in supervisors),
+            pids=pids,
+            detail="; ".join(f"{s.name} exited ({s.last_exit})" for s in dead),
         )
 
-    app = create_app(settings, supervisor=view if supervisor else None)
+    app = create_app(settings, supervisor=view if supervisors else None)
     g = settings.gateway
-    server = uvicorn.Server(
+    server = _StackServer(
         uvicorn.Config(
             app,
             host=g.host,
@@ -117,8 +143,8 @@ async def run_stack(settings: Settings) -> int:
 
     async def announce() -> None:
         try:
-            if supervisor:
-                await supervisor.wait_ready()
+            if supervisors:
+                await asyncio.gather(*(s.wait_ready() for s in supervisors))
                 await warm_up(settings)
             while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
@@ -135,6 +161,5 @@ async def run_stack(settings: Settings) -> int:
         announcer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await announcer
-        if supervisor:
-            await supervisor.stop(settings.gateway.graceful_shutdown_s)
-    return 1 if supervisor and supervisor.failed else 0
+        await asyncio.gather(*(s.stop(settings.gateway.graceful_shutdown_s) for s in supervisors))
+    return 1 if any(s.failed for s in supervisors) else 0
