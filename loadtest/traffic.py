@@ -19,7 +19,8 @@ InputKind = Literal["text", "ids"]
 class Builder(Protocol):
     """What the factory needs from a text builder (``TextBuilder`` or ``WordBuilder``)."""
 
-    min_len: int
+    @property
+    def min_len(self) -> int: ...
 
     def count(self, text: str) -> int: ...
 
