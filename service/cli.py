@@ -17,6 +17,7 @@ _DELEGATED = {
     "health": "health.cli",
     "loadtest": "loadtest.cli",
     "synth-model": "service.synthetic",
+    "restart-controller": "service.restart_controller",
 }
 
 _FLAGS = {  # flag -> environment variable

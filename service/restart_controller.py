@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, Field, SecretStr
 
-from service.settings import Settings
+from service.settings import ControllerSettings, Settings
 
 log = logging.getLogger("embedserve.restart_controller")
 
@@ -46,42 +45,6 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 # --------------------------------------------------------------------------- config
-
-
-class ControllerSettings(BaseModel):
-    """The restart controller (``EMBEDSERVE_CONTROLLER__<FIELD>``)."""
-
-    namespace: str | None = Field(
-        None, description="namespace of the pods; default: the service account's own"
-    )
-    label_selector: str = Field("app.kubernetes.io/name=embedserve", description="selects the serving pods")
-    health_port: int = Field(8000, description="the gateway port that serves /health/memory")
-    health_path: str = "/health/memory"
-    health_scheme: Literal["http", "https"] = "http"
-    health_timeout_s: float = Field(2.0, gt=0)
-    health_api_key: SecretStr | None = Field(
-        None, description="bearer token when gateway.protect_health is on"
-    )
-    threshold_hours: float | None = Field(
-        None,
-        gt=0,
-        description="evict at or under this many hours to OOM; default health.warning_hours",
-    )
-    follow_recommendation: bool = Field(
-        True, description="also evict when /health/memory says recommends_restart"
-    )
-    min_pod_age_s: float = Field(
-        600.0, ge=0, description="never evict a pod younger than this (fresh forecasts)"
-    )
-    api_url: str | None = Field(None, description="API server; default: in-cluster")
-    api_timeout_s: float = Field(10.0, gt=0)
-    dry_run: bool = False
-
-
-class _ControllerEnv(Settings):
-    """Settings plus the controller section, read from the same environment."""
-
-    controller: ControllerSettings = Field(default_factory=ControllerSettings)
 
 
 # --------------------------------------------------------------------------- model
@@ -475,7 +438,7 @@ async def run_once(api: KubeApi, fetch: HealthFetcher, cfg: ControllerSettings, 
     return decision
 
 
-def policy_from(settings: _ControllerEnv) -> Policy:
+def policy_from(settings: Settings) -> Policy:
     c = settings.controller
     return Policy(
         threshold_hours=c.threshold_hours or settings.health.warning_hours,
@@ -485,7 +448,7 @@ def policy_from(settings: _ControllerEnv) -> Policy:
 
 
 async def _amain(once: bool, interval_s: float) -> int:
-    settings = _ControllerEnv()
+    settings = Settings()
     cfg = settings.controller
     policy = policy_from(settings)
     api = KubeApi.in_cluster(cfg)

@@ -194,6 +194,36 @@ class HealthSettings(BaseModel):
     host_memory_limit_bytes: int | None = None
 
 
+class ControllerSettings(BaseModel):
+    """The restart controller (``EMBEDSERVE_CONTROLLER__<FIELD>``): evicts pods running out of memory."""
+
+    namespace: str | None = Field(
+        None, description="namespace of the pods; default: the service account's own"
+    )
+    label_selector: str = Field("app.kubernetes.io/name=embedserve", description="selects the serving pods")
+    health_port: int = Field(8000, description="the gateway port that serves /health/memory")
+    health_path: str = "/health/memory"
+    health_scheme: Literal["http", "https"] = "http"
+    health_timeout_s: float = Field(2.0, gt=0)
+    health_api_key: SecretStr | None = Field(
+        None, description="bearer token when gateway.protect_health is on"
+    )
+    threshold_hours: float | None = Field(
+        None,
+        gt=0,
+        description="evict at or under this many hours to OOM; default health.warning_hours",
+    )
+    follow_recommendation: bool = Field(
+        True, description="also evict when /health/memory says recommends_restart"
+    )
+    min_pod_age_s: float = Field(
+        600.0, ge=0, description="never evict a pod younger than this (fresh forecasts)"
+    )
+    api_url: str | None = Field(None, description="API server; default: in-cluster")
+    api_timeout_s: float = Field(10.0, gt=0)
+    dry_run: bool = False
+
+
 class Settings(BaseSettings):
     """Everything, read once at start."""
 
@@ -205,6 +235,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
+    controller: ControllerSettings = Field(default_factory=ControllerSettings)
     log_level: str = "INFO"
 
     @model_validator(mode="after")

@@ -19,12 +19,12 @@ from service.restart_controller import (
     Observation,
     PodState,
     Policy,
-    _ControllerEnv,
     decide,
     parse_health_memory,
     policy_from,
     run_once,
 )
+from service.settings import Settings
 
 # ---------------------------------------------------------------- recorded answers
 # Shapes of GET /health/memory as issue 4 specifies them: the binding estimate at the
@@ -237,10 +237,10 @@ def test_recommendation_can_be_ignored():
 def test_threshold_defaults_to_readiness_horizon(monkeypatch):
     monkeypatch.setenv("EMBEDSERVE_HEALTH__WARNING_HOURS", "9")
     monkeypatch.setenv("EMBEDSERVE_HEALTH__CRITICAL_HOURS", "2")
-    assert policy_from(_ControllerEnv()).threshold_hours == 9.0
+    assert policy_from(Settings()).threshold_hours == 9.0
     monkeypatch.setenv("EMBEDSERVE_CONTROLLER__THRESHOLD_HOURS", "7.5")
     monkeypatch.setenv("EMBEDSERVE_CONTROLLER__MIN_POD_AGE_S", "60")
-    p = policy_from(_ControllerEnv())
+    p = policy_from(Settings())
     assert p.threshold_hours == 7.5 and p.min_pod_age_s == 60
 
 
