@@ -84,3 +84,18 @@ def test_rule_file_uses_exported_names() -> None:
     }
     used = set(re.findall(r"\bembedserve_[a-z_]+", exprs))
     assert used <= exported, used - exported
+
+
+def test_on_a_step_predict_linear_false_alarms_and_the_endpoint_does_not() -> None:
+    # Reserved memory jumps once by 6 GiB (a new largest shape) to 4 GiB under the limit.
+    # OLS over a 6 h window that straddles the jump invents a trend; the envelope and
+    # Theil-Sen do not. This is why the pod's own forecast drives the probes.
+    from health.synthetic import one_step
+
+    s = one_step(level=70 * GiB, at=3.0)
+    ols_alarms = ours = 0
+    for at in np.arange(1.0, 12.01, 0.25) * HOUR:
+        ols_alarms += predict_linear(s.t, s.y, at, 6 * HOUR, 6 * HOUR) > LIMIT
+        ours += verdict(replay(s, LIMIT, at, PARAMS))["recommends_restart"]
+    assert ols_alarms > 10
+    assert ours == 0
