@@ -25,6 +25,7 @@ from gateway.admission import TokenAdmission
 from gateway.batcher import Coalescer
 from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, error_response, install_error_handlers, validation_error
+from gateway.jsonbody import parse_object
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from gateway.model_card import ModelCard
@@ -165,13 +166,7 @@ def create_app(
             raise APIError(
                 415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
             )
-        raw = await request.body()
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise APIError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from exc
-        if not isinstance(obj, dict):
-            raise APIError(400, "The body must be a JSON object", code="invalid_json")
+        obj = parse_object(await request.body())
         try:
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:

@@ -58,6 +58,9 @@ class EngineState:
     ever_ready: bool = False
     calls: int = 0
     inflight_since: dict[int, float] = field(default_factory=dict)
+    # start of the oldest call that timed out with no success since: a call gives up after
+    # the deadline, so without this a hung engine would never look older than one deadline
+    stalled_since: float | None = None
 
 
 class EnginePool:
@@ -102,6 +105,7 @@ class EnginePool:
 
     def oldest_inflight_age_s(self) -> float | None:
         starts = [t for e in self.engines for t in e.inflight_since.values()]
+        starts += [e.stalled_since for e in self.engines if e.stalled_since is not None]
         return time.monotonic() - min(starts) if starts else None
 
     def last_success_age_s(self) -> float | None:
@@ -173,6 +177,7 @@ class EnginePool:
                 headers={"content-type": "application/json"},
             )
         except httpx.TimeoutException as exc:
+            engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
             raise EngineTimeout("the engine did not answer in time", engine.url) from exc
         except httpx.HTTPError as exc:
             self._mark_down(engine, f"call failed: {type(exc).__name__}")
@@ -187,6 +192,7 @@ class EnginePool:
         if r.status_code >= 400:
             raise EngineRejected(_engine_message(r.content), engine.url)
         engine.last_success = time.monotonic()
+        engine.stalled_since = None
         engine.calls += 1
         return _parse_vectors(r.content, len(batch))
 

@@ -83,6 +83,8 @@ def validation_error(exc: RequestValidationError | Any) -> APIError:
     first = errors[0] if errors else {}
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid request")
+    if param == "input" and first.get("type") != "missing":  # pydantic reports one union branch
+        msg = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
     where = f"'{param}': " if param else ""
     return APIError(400, f"Invalid request: {where}{msg}", param=param, code="invalid_value")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -23,7 +23,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[StrictInt, Field(description="Matryoshka: keep the first N")] | None = None
     user: StrictStr | None = None
-    truncate: bool = Field(
+    truncate: StrictBool = Field(
         True, description="cut over-long inputs (keeping special tokens); false: 400 instead"
     )
     input_type: Literal["query", "document"] | None = Field(

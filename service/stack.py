@@ -137,6 +137,9 @@ async def run_stack(settings: Settings) -> int:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
+            # h11, not httptools: httptools has no header-size limit (a 100 MB header was
+            # buffered whole); h11 answers 400 past this many bytes of request head.
+            http="h11",
             h11_max_incomplete_event_size=65536,
         )
     )
