@@ -16,7 +16,7 @@ from tests.conftest import start_stack, wait_until
 
 
 def engines(url: str) -> list[dict[str, Any]]:
-    return httpx.get(url + "/health/memory", timeout=5).json()["engines"]  # type: ignore[no-any-return]
+    return httpx.get(url + "/health/memory", timeout=5).json()["engines"]
 
 
 def test_two_engines_share_work_and_survive_one_death(tmp_path: Path) -> None:
