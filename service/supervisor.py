@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -17,6 +18,14 @@ from dataclasses import dataclass, field
 import httpx
 
 log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the supervisor is killed outright (SIGKILL, OOM
+    killer), the kernel sends the engine SIGTERM instead of leaving it orphaned."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EngineStartError(RuntimeError):
@@ -80,6 +89,7 @@ class ProcessSupervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group: we signal all its children
+            preexec_fn=_die_with_parent,
         )
         self._started_at = time.monotonic()
         log.info("engine started", extra={"engine": self.name, "pid": self.proc.pid})
