@@ -59,12 +59,14 @@ class SourceConfig:
 def take_reading(nvml: NvmlSource, cfg: SourceConfig, pids: dict[str, int]) -> Reading:
     """Blocking (file and driver reads, a few ms): call it from a worker thread."""
     t0 = time.perf_counter()
+    allocator = read_allocator(cfg.stats_dir, cfg.check_pid)
     procs, missing = read_processes(pids)
+    _add_engine_processes(procs, missing, allocator)
     total, used = machine_memory()
     reading = Reading(
         time=time.time(),
         gpu=nvml.read(),
-        allocator=read_allocator(cfg.stats_dir, cfg.check_pid),
+        allocator=allocator,
         processes=procs,
         processes_missing=missing,
         cgroup=read_cgroup(cfg.cgroup_root, cfg.proc_cgroup),
@@ -74,6 +76,19 @@ def take_reading(nvml: NvmlSource, cfg: SourceConfig, pids: dict[str, int]) -> R
     reading.resources = derive_resources(reading, cfg)
     reading.duration_s = time.perf_counter() - t0
     return reading
+
+
+def _add_engine_processes(
+    procs: dict[str, ProcessMemory], missing: dict[str, str], allocator: AllocatorReading
+) -> None:
+    """Engines that publish stats count even when the gateway did not start them (an
+    engine container sharing the pod's PID namespace): ``engine[<pid>]``."""
+    known = {pid for p in procs.values() for pid in p.pids}
+    extra = {f"engine[{e.pid}]": e.pid for e in allocator.engines if e.pid not in known}
+    if extra:
+        found, lost = read_processes(extra)
+        procs.update(found)
+        missing.update(lost)
 
 
 def derive_resources(r: Reading, cfg: SourceConfig) -> dict[str, ResourceLevel]:

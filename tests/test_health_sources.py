@@ -157,3 +157,22 @@ def test_monitor_sees_restart_and_cache_clear(tmp_path: Path) -> None:
     # no NVML here: the GPU forecast falls back to allocator reserved, without a limit
     if doc["gpu"] is None:
         assert doc["resources"]["gpu:0"]["status"] == "no_limit"
+
+
+def test_engines_from_stats_files_count_in_host_memory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        write_stats(tmp_path, EngineStats(pid=child.pid, source="cpu"))
+        m = _monitor(tmp_path)
+        m.process_pids = dict  # the gateway did not start this engine
+        state = m.tick()
+        assert state.reading.processes[f"engine[{child.pid}]"].rss_bytes > 0
+        # an engine that is a child of a named process is not counted twice
+        m.process_pids = lambda: {"gateway": os.getpid()}
+        assert list(m.tick().reading.processes) == ["gateway"]
+    finally:
+        child.kill()
+        child.wait()
