@@ -158,7 +158,7 @@ class EmbeddingPipeline:
             if req.input_type == "query" or req.instruction is not None:
                 raise APIError(
                     400,
-                    "instructions apply to text input, not token ids",
+                    "'input_type' query and 'instruction' apply to text input, not token ids",
                     param="input_type",
                     code="invalid_value",
                 )
