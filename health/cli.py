@@ -54,8 +54,7 @@ def render(doc: dict[str, Any], url: str) -> str:
     else:
         for d in doc["gpu"]["devices"]:
             lines.append(
-                f"gpu {d['index']} {d['name']}: {_gib(d['used_bytes'])} / "
-                f"{_gib(d['total_bytes'])} GiB used"
+                f"gpu {d['index']} {d['name']}: {_gib(d['used_bytes'])} / {_gib(d['total_bytes'])} GiB used"
             )
     if doc.get("allocator"):
         frag = doc.get("fragmentation")

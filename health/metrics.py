@@ -38,9 +38,7 @@ class HealthCollector(Collector):
         gpu_used = _g("gpu_memory_used_bytes", "NVML device memory used", ["gpu"])
         gpu_total = _g("gpu_memory_total_bytes", "NVML device memory total", ["gpu"])
         gpu_res = _g("gpu_memory_reserved_bytes", "NVML driver-reserved memory", ["gpu"])
-        gpu_proc = _g(
-            "gpu_process_memory_used_bytes", "NVML memory per process", ["gpu", "process"]
-        )
+        gpu_proc = _g("gpu_process_memory_used_bytes", "NVML memory per process", ["gpu", "process"])
         names = {pid: n for n, p in r.processes.items() for pid in p.pids}
         for d in r.gpu.devices:
             g = str(d.index)
@@ -101,9 +99,7 @@ class HealthCollector(Collector):
                     yield GaugeMetricFamily(
                         P + f"cgroup_memory_{key}_bytes", f"cgroup memory {key}", value=value
                     )
-        yield GaugeMetricFamily(
-            P + "machine_memory_total_bytes", "RAM", value=r.machine_total_bytes
-        )
+        yield GaugeMetricFamily(P + "machine_memory_total_bytes", "RAM", value=r.machine_total_bytes)
         yield GaugeMetricFamily(
             P + "machine_memory_used_bytes", "RAM total - available", value=r.machine_used_bytes
         )
@@ -114,9 +110,7 @@ class HealthCollector(Collector):
         used = _g("memory_used_bytes", "forecast input: used memory", ["resource"])
         limit = _g("memory_limit_bytes", "forecast input: the limit", ["resource"])
         peak = _g("memory_peak_bytes", "peak envelope, latest value", ["resource"])
-        slope = _g(
-            "memory_growth_bytes_per_second", "Theil-Sen slope of the peak", ["resource", "bound"]
-        )
+        slope = _g("memory_growth_bytes_per_second", "Theil-Sen slope of the peak", ["resource", "bound"])
         hours = _g(
             "hours_until_oom",
             f"forecast hours to out-of-memory, capped at {cap:g} (= none foreseen); "

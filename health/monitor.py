@@ -105,9 +105,7 @@ class MemoryMonitor:
         clears = reading.allocator.cache_clears
         if self._clears is not None and clears > self._clears:
             when = reading.allocator.last_clear_time or reading.time
-            self.history.add_event(
-                Event(min(when, reading.time), "cache_clear", f"{clears - self._clears}")
-            )
+            self.history.add_event(Event(min(when, reading.time), "cache_clear", f"{clears - self._clears}"))
         self._identity, self._clears = identity, clears
 
     def tick(self) -> MemoryState:
@@ -119,9 +117,7 @@ class MemoryMonitor:
         pids = self.process_pids()
         reading = take_reading(self.nvml, self.source_cfg, pids)
         self._note_events(reading)
-        self.history.append(
-            Sample(reading.time, {k: v.used_bytes for k, v in reading.resources.items()})
-        )
+        self.history.append(Sample(reading.time, {k: v.used_bytes for k, v in reading.resources.items()}))
         forecasts: dict[str, ResourceForecast] = {}
         for name, level in reading.resources.items():
             start, why = fit_start(self.history, self.params, name.startswith("gpu"))
@@ -134,8 +130,7 @@ class MemoryMonitor:
             "time": reading.time,
             **verdict,
             "resources": {
-                k: {**f.as_dict(), "measure": reading.resources[k].measure}
-                for k, f in forecasts.items()
+                k: {**f.as_dict(), "measure": reading.resources[k].measure} for k, f in forecasts.items()
             },
             **reading_figures(reading),
             "thresholds": {

@@ -41,9 +41,7 @@ def readiness(view: EngineView, advice: dict[str, Any] | None, warning_hours: fl
         return ProbeResult(False, f"engine not ready: {view.detail or 'no detail'}", checks)
     if hours is not None and hours <= warning_hours:
         why = advice.get("reason", "") if advice else ""
-        return ProbeResult(
-            False, f"out of memory forecast within {warning_hours:g} h: {why}", checks
-        )
+        return ProbeResult(False, f"out of memory forecast within {warning_hours:g} h: {why}", checks)
     return ProbeResult(True, "ready", checks)
 
 
@@ -77,7 +75,5 @@ def liveness(
             checks,
         )
     if hours is not None and hours <= critical_hours:
-        return ProbeResult(
-            False, f"out of memory forecast within {critical_hours:g} h (critical)", checks
-        )
+        return ProbeResult(False, f"out of memory forecast within {critical_hours:g} h (critical)", checks)
     return ProbeResult(True, "alive", checks)

@@ -103,13 +103,9 @@ def derive_resources(r: Reading, cfg: SourceConfig) -> dict[str, ResourceLevel]:
                     ours, cfg.gpu_limit_bytes, "settings", "NVML memory of our processes"
                 )
             else:
-                out[name] = ResourceLevel(
-                    dev.used_bytes, cfg.gpu_limit_bytes, "settings", "NVML device used"
-                )
+                out[name] = ResourceLevel(dev.used_bytes, cfg.gpu_limit_bytes, "settings", "NVML device used")
         else:
-            out[name] = ResourceLevel(
-                dev.used_bytes, dev.total_bytes, "device total", "NVML device used"
-            )
+            out[name] = ResourceLevel(dev.used_bytes, dev.total_bytes, "device total", "NVML device used")
     if not r.gpu.available:
         # No NVML: the allocator's reserved memory is the best GPU figure there is.
         per_device: dict[int, float] = {}

@@ -50,9 +50,8 @@ def advice(
     else:
         pct = 100.0 * (first.used_bytes or 0.0) / (first.limit_bytes or 1.0)
         lead = "no forecast yet" if level == "unknown" else "no out-of-memory foreseen"
-        reason = (
-            f"{lead}; closest to its limit: {first.resource} at {pct:.0f}%. "
-            + "; ".join(f.reason for f in forecasts.values())
+        reason = f"{lead}; closest to its limit: {first.resource} at {pct:.0f}%. " + "; ".join(
+            f.reason for f in forecasts.values()
         )
     return {
         "status": level,

@@ -65,9 +65,7 @@ def build_router(
     async def ready() -> JSONResponse:
         state = monitor.state
         return _respond(
-            probes.readiness(
-                _view(engine_view), state.advice if state else None, health.warning_hours
-            )
+            probes.readiness(_view(engine_view), state.advice if state else None, health.warning_hours)
         )
 
     @router.get("/health/startup")

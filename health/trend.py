@@ -29,9 +29,7 @@ def _tie_term(values: FloatArray) -> float:
     return float(np.sum(k * (k - 1) * (2 * k + 5)))
 
 
-def theil_sen(
-    t: FloatArray, y: FloatArray, confidence: float = 0.95, n_eff: float | None = None
-) -> Slope:
+def theil_sen(t: FloatArray, y: FloatArray, confidence: float = 0.95, n_eff: float | None = None) -> Slope:
     """Median of pairwise slopes, with Sen's distribution-free interval.
 
     ``n_eff`` (< len(t)) widens the interval for serially correlated points, such as a
