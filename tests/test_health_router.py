@@ -153,13 +153,14 @@ def test_endpoints_answer_fast(tmp_path: Any, no_nvml: None) -> None:
     client, (components, _) = make(tmp_path, {"v": GOOD})
     for _ in range(40):
         components.monitor.tick()
-    paths = ["/health/memory", "/health/live", "/health/ready", "/health/startup"]
-    for path in paths:
+    for path in ["/health/memory", "/health/live", "/health/ready", "/health/startup"]:
         client.get(path)  # warm
-    worst = 0.0
-    for _ in range(20):
-        for path in paths:
+        took = []
+        for _ in range(40):
             t0 = time.perf_counter()
             assert client.get(path).status_code in (200, 503)
-            worst = max(worst, time.perf_counter() - t0)
-    assert worst < 0.050, f"slowest answer {worst * 1000:.1f} ms"
+            took.append(time.perf_counter() - t0)
+        took.sort()
+        # Percentiles, not the maximum: other jobs on a shared CI box preempt single calls.
+        assert took[len(took) // 2] < 0.010, f"{path}: median {took[len(took) // 2] * 1e3:.1f} ms"
+        assert took[int(len(took) * 0.9)] < 0.050, f"{path}: p90 {took[int(len(took) * 0.9)] * 1e3:.1f} ms"
