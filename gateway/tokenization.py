@@ -78,7 +78,7 @@ class ModelTokenizer:
         budget = self.content_budget
         frame = len(self.prefix) + len(self.suffix)
         out: list[TokenizedInput] = []
-        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
+        for enc in self._tok.encode_batch_fast(texts, add_special_tokens=False):
             ids = enc.ids
             out.append(TokenizedInput(self.prefix + ids[:budget] + self.suffix, len(ids) + frame))
         return out
@@ -86,7 +86,7 @@ class ModelTokenizer:
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Untruncated lengths, special tokens included (for strict ``truncate=false``)."""
         frame = len(self.prefix) + len(self.suffix)
-        return [len(e.ids) + frame for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [len(e.ids) + frame for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
         """Client-sent ids are embedded as sent; when over-long, a leading prefix and a
