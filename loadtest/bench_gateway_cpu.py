@@ -33,9 +33,9 @@ from gateway.engine_pool import _parse_vectors
 from gateway.postprocess import encode_base64, shape_vectors
 from gateway.schemas import EmbeddingRequest
 from gateway.tokenization import ModelTokenizer
+from loadtest.instant_engine import reply
 from service.settings import BUNDLED_MODEL, resolve_model_path
 
-DIM = 384
 SHORT = "How do I keep GPU memory flat when inputs vary in length?"
 LONG = " ".join(["the embedding service truncates long inputs and keeps the EOS token"] * 30)
 
@@ -46,27 +46,6 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "1 long text (~300 tok), base64": {"input": LONG, "encoding_format": "base64"},
     "8 token-id inputs, float": {"input": [[101, *range(2000, 2100), 102]] * 8, "encoding_format": "float"},
 }
-
-FAKE_ENGINE = r'''
-import orjson, sys, uvicorn
-VEC = orjson.dumps([0.05] * %d)
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    body = b""
-    while True:
-        m = await receive(); body += m.get("body", b"")
-        if not m.get("more_body"): break
-    if scope["path"] == "/health":
-        out = b""
-    else:
-        n = len(orjson.loads(body)["input"])
-        items = b",".join(b'{"object":"embedding","index":%%d,"embedding":%%s}' %% (i, VEC) for i in range(n))
-        out = b'{"object":"list","data":[' + items + b']}'
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": out})
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-''' % DIM
 
 
 def median_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> float:
@@ -79,34 +58,34 @@ def median_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> 
     return statistics.median(times) * 1e6
 
 
+def scenario_stages(tok: ModelTokenizer, fields: dict[str, Any]) -> dict[str, float]:
+    """Median µs per request for each CPU stage of the pipeline, for one request shape."""
+    body = orjson.dumps({"model": "m", **fields})
+    req = EmbeddingRequest.model_validate(orjson.loads(body))
+    raw = req.input
+    texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
+    n = 1 if isinstance(raw, str) or isinstance(raw[0], int) else len(raw)
+    engine_reply = reply(n)
+    vectors = _parse_vectors(engine_reply, n)
+
+    def respond() -> bytes:
+        shaped = shape_vectors(vectors, None, True)
+        payload = encode_base64(shaped) if req.encoding_format == "base64" else list(shaped)
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)]
+        return orjson.dumps({"object": "list", "data": data}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    stages = {
+        "parse+validate": median_us(lambda: EmbeddingRequest.model_validate(orjson.loads(body))),
+        "tokenize": median_us(lambda: tok.encode_texts(texts)) if texts else 0.0,  # type: ignore[arg-type]
+        "engine reply parse": median_us(lambda: _parse_vectors(engine_reply, n)),
+        "normalise+encode response": median_us(respond),
+    }
+    stages["total"] = sum(stages.values())
+    return {k: round(v, 1) for k, v in stages.items()}
+
+
 def stage_profile(tok: ModelTokenizer) -> dict[str, dict[str, float]]:
-    """Median µs per request for each CPU stage of the pipeline."""
-    out: dict[str, dict[str, float]] = {}
-    for name, fields in SCENARIOS.items():
-        body = orjson.dumps({"model": "m", **fields})
-        req = EmbeddingRequest.model_validate(orjson.loads(body))
-        raw = req.input
-        n = len(raw) if isinstance(raw, list) and raw and not isinstance(raw[0], int) else 1
-        texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
-        engine_reply = orjson.dumps({"data": [{"index": i, "embedding": [0.05] * DIM} for i in range(n)]})
-        vectors = _parse_vectors(engine_reply, n)
-        fmt = req.encoding_format
-
-        def respond() -> bytes:
-            shaped = shape_vectors(vectors, None, True)
-            payload = encode_base64(shaped) if fmt == "base64" else list(shaped)
-            data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)]
-            return orjson.dumps({"object": "list", "data": data}, option=orjson.OPT_SERIALIZE_NUMPY)
-
-        stages = {
-            "parse+validate": median_us(lambda: EmbeddingRequest.model_validate(orjson.loads(body))),
-            "tokenize": median_us(lambda: tok.encode_texts(texts)) if texts else 0.0,  # type: ignore[arg-type]
-            "engine reply parse": median_us(lambda: _parse_vectors(engine_reply, n)),
-            "normalise+encode response": median_us(respond),
-        }
-        stages["total"] = sum(stages.values())
-        out[name] = {k: round(v, 1) for k, v in stages.items()}
-    return out
+    return {name: scenario_stages(tok, fields) for name, fields in SCENARIOS.items()}
 
 
 async def _closed_loop(url: str, body: bytes, concurrency: int, seconds: float) -> tuple[int, int]:
@@ -141,12 +120,19 @@ def _wait_http(url: str, timeout: float = 60) -> None:
 
 def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
     engine_port, gw_port = 30991, 8991
-    env = {**os.environ, "EMBEDSERVE_GATEWAY__PORT": str(gw_port), "EMBEDSERVE_LOG_LEVEL": "WARNING",
-           "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}
-    engine = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE, str(engine_port)])
+    env = {
+        **os.environ,
+        "EMBEDSERVE_GATEWAY__PORT": str(gw_port),
+        "EMBEDSERVE_LOG_LEVEL": "WARNING",
+        "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
+    }
+    engine = subprocess.Popen([sys.executable, "-m", "loadtest.instant_engine", str(engine_port)])
     gateway = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "gateway", "--engine-url", f"http://127.0.0.1:{engine_port}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     results: dict[str, dict[str, float]] = {}
     try:
         _wait_http(f"http://127.0.0.1:{engine_port}/health")
@@ -161,10 +147,14 @@ def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
             ok, errors = asyncio.run(_closed_loop(url, body, concurrency, seconds))
             wall = time.monotonic() - t0
             cpu = sum(proc.cpu_times()[:2]) - cpu0
-            results[name] = {"requests": ok, "errors": errors, "req_per_s": round(ok / wall, 1),
-                             "gateway_cpu_s": round(cpu, 2),
-                             "req_per_gateway_cpu_s": round(ok / cpu, 1) if cpu else float("nan"),
-                             "gateway_cpu_ms_per_req": round(1000 * cpu / max(ok, 1), 3)}
+            results[name] = {
+                "requests": ok,
+                "errors": errors,
+                "req_per_s": round(ok / wall, 1),
+                "gateway_cpu_s": round(cpu, 2),
+                "req_per_gateway_cpu_s": round(ok / cpu, 1) if cpu else float("nan"),
+                "gateway_cpu_ms_per_req": round(1000 * cpu / max(ok, 1), 3),
+            }
     finally:
         for p in (gateway, engine):
             p.terminate()
@@ -172,24 +162,43 @@ def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def to_markdown(stages: dict[str, dict[str, float]], http: dict[str, dict[str, float]], meta: dict[str, Any]) -> str:
-    lines = ["# Gateway efficiency on CPU (fake engine that answers instantly)", "",
-             f"Machine: {meta['cpus']} cores; {meta['seconds']} s per scenario, concurrency {meta['concurrency']}; "
-             "load generator, gateway and fake engine share the machine.", "",
-             "## Requests per CPU-second of the gateway process", "",
-             "| scenario | req/s (wall) | req per gateway CPU-s | gateway CPU ms/req | errors |",
-             "|---|---|---|---|---|"]
+def to_markdown(
+    stages: dict[str, dict[str, float]], http: dict[str, dict[str, float]], meta: dict[str, Any]
+) -> str:
+    lines = [
+        "# Gateway efficiency on CPU (fake engine that answers instantly)",
+        "",
+        f"Machine: {meta['cpus']} cores; {meta['seconds']} s per scenario, "
+        f"concurrency {meta['concurrency']}; "
+        "load generator, gateway and fake engine share the machine.",
+        "",
+        "## Requests per CPU-second of the gateway process",
+        "",
+        "| scenario | req/s (wall) | req per gateway CPU-s | gateway CPU ms/req | errors |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in http.items():
-        lines.append(f"| {name} | {r['req_per_s']} | {r['req_per_gateway_cpu_s']} | "
-                     f"{r['gateway_cpu_ms_per_req']} | {r['errors']} |")
-    lines += ["", "## Where the time goes (in-process, median µs per request)", "",
-              "| scenario | parse+validate | tokenize | engine reply parse | normalise+encode | sum of stages |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {r['req_per_s']} | {r['req_per_gateway_cpu_s']} | "
+            f"{r['gateway_cpu_ms_per_req']} | {r['errors']} |"
+        )
+    lines += [
+        "",
+        "## Where the time goes (in-process, median µs per request)",
+        "",
+        "| scenario | parse+validate | tokenize | engine reply parse | normalise+encode | sum of stages |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, s in stages.items():
-        lines.append(f"| {name} | {s['parse+validate']} | {s['tokenize']} | {s['engine reply parse']} | "
-                     f"{s['normalise+encode response']} | {s['total']} |")
-    lines += ["", "The rest of the gateway CPU per request (HTTP parsing, FastAPI routing, middleware, asyncio "
-              "scheduling, the engine call's HTTP client) is the difference between the two tables."]
+        lines.append(
+            f"| {name} | {s['parse+validate']} | {s['tokenize']} | {s['engine reply parse']} | "
+            f"{s['normalise+encode response']} | {s['total']} |"
+        )
+    lines += [
+        "",
+        "The rest of the gateway CPU per request (HTTP parsing, FastAPI routing, middleware, asyncio "
+        "scheduling, the engine call's HTTP client) is the difference between the two tables.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -202,13 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     tok = ModelTokenizer(resolve_model_path(BUNDLED_MODEL), 256)
     stages = stage_profile(tok)
     http = http_runs(a.seconds, a.concurrency)
-    meta = {"cpus": os.cpu_count(), "seconds": a.seconds, "concurrency": a.concurrency,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = {
+        "cpus": os.cpu_count(),
+        "seconds": a.seconds,
+        "concurrency": a.concurrency,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     md = to_markdown(stages, http, meta)
     print(md)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "results.json").write_text(json.dumps({"meta": meta, "stages_us": stages, "http": http}, indent=1))
+        (a.out / "results.json").write_text(
+            json.dumps({"meta": meta, "stages_us": stages, "http": http}, indent=1)
+        )
         (a.out / "results.md").write_text(md)
     return 0
 

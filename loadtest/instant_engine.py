@@ -1,0 +1,38 @@
+"""An engine that answers instantly with fixed vectors: raw ASGI, no framework, so that a
+benchmark of the gateway measures the gateway. ``python -m loadtest.instant_engine PORT``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import orjson
+
+DIM = 384
+_VEC = orjson.dumps([0.05] * DIM)
+
+
+def reply(n: int) -> bytes:
+    items = b",".join(b'{"object":"embedding","index":%d,"embedding":%s}' % (i, _VEC) for i in range(n))
+    return b'{"object":"list","data":[' + items + b"]}"
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    out = b"" if scope["path"] == "/health" else reply(len(orjson.loads(body)["input"]))
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": out})
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
