@@ -76,7 +76,7 @@ def scenario_stages(tok: ModelTokenizer, fields: dict[str, Any]) -> dict[str, fl
 
     stages = {
         "parse+validate": median_us(lambda: EmbeddingRequest.model_validate(orjson.loads(body))),
-        "tokenize": median_us(lambda: tok.encode_texts(texts)) if texts else 0.0,  # type: ignore[arg-type]
+        "tokenize": median_us(lambda: tok.encode_texts(texts)) if texts else 0.0,
         "engine reply parse": median_us(lambda: _parse_vectors(engine_reply, n)),
         "normalise+encode response": median_us(respond),
     }
