@@ -1,0 +1,205 @@
+"""Engine faults and shutdown on the real stack: a killed engine, a hung engine, SIGTERM
+under load. One stack serves the module (start-up dominates the cost); the shutdown test
+runs last because it ends the stack.
+
+Figures asserted: waiting clients of a killed engine are answered 503 + Retry-After within
+seconds; a hung engine gives 504 at the deadline and fails liveness; SIGTERM loses no
+admitted request and exits within the grace period.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from service.settings import BUNDLED_MODEL
+from tests.conftest import RunningStack, start_stack, wait_until
+
+TIMEOUT_S = 5.0  # per-request deadline of this stack; liveness calls it hung after 4 of them
+GRACE_S = 15
+KEY = "fault-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    work = tmp_path_factory.mktemp("fault-stack")
+    keys = work / "keys.txt"
+    keys.write_text(f"# one key per line\n{KEY}\n")
+    env = {
+        "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": str(TIMEOUT_S),
+        "EMBEDSERVE_GATEWAY__GRACEFUL_SHUTDOWN_S": str(GRACE_S),
+        "EMBEDSERVE_GATEWAY__API_KEYS_FILE": str(keys),
+        "EMBEDSERVE_GATEWAY__PROTECT_METRICS": "true",
+        "EMBEDSERVE_ENGINE__RESTART_BACKOFF_S": "0.5",
+        "EMBEDSERVE_ENGINE__CPU_THREADS": "1",
+    }
+    s = start_stack(BUNDLED_MODEL, work, env)
+    yield s
+    for p in engine_procs(s):  # never leave a stopped engine behind
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGCONT)
+    s.stop()
+
+
+def engine_procs(stack: RunningStack) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(stack.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in children if "service.cpu_engine" in " ".join(p.cmdline())]
+
+
+def engine_pid(stack: RunningStack) -> int:
+    procs = engine_procs(stack)
+    assert len(procs) == 1, procs
+    return procs[0].pid
+
+
+def embed(stack: RunningStack, n_inputs: int = 1, timeout: float = 30) -> httpx.Response:
+    body = {"model": stack.model_name, "input": [f"fault test sentence {i} " * 12 for i in range(n_inputs)]}
+    return httpx.post(stack.url + "/v1/embeddings", json=body, headers=AUTH, timeout=timeout)
+
+
+def probe(stack: RunningStack, which: str) -> int:
+    return httpx.get(f"{stack.url}/health/{which}", timeout=5).status_code
+
+
+def test_keys_from_file_and_separately_protected_endpoints(stack: RunningStack) -> None:
+    body = {"model": stack.model_name, "input": "hi"}
+    r = httpx.post(stack.url + "/v1/embeddings", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-request-id"]
+    assert httpx.get(stack.url + "/metrics").status_code == 401  # protect_metrics
+    assert httpx.get(stack.url + "/metrics", headers=AUTH).status_code == 200
+    assert probe(stack, "live") == 200  # health stays open: Kubernetes probes carry no key
+    assert embed(stack).status_code == 200
+
+
+def test_killed_engine_answers_waiting_clients_503_then_recovers(stack: RunningStack) -> None:
+    old = engine_pid(stack)
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(embed, stack, 8) for _ in range(12)]
+        time.sleep(0.5)  # the requests are queued and in the engine
+        os.kill(old, signal.SIGKILL)
+        killed_at = time.monotonic()
+        answers: list[tuple[int, float, str | None]] = []
+        for f in futures:
+            r = f.result()
+            answers.append((r.status_code, time.monotonic() - killed_at, r.headers.get("retry-after")))
+    statuses = [a[0] for a in answers]
+    assert set(statuses) <= {200, 503}, answers
+    failed = [a for a in answers if a[0] == 503]
+    assert failed, f"no request was waiting when the engine died: {answers}"
+    assert all(a[2] for a in failed), "503 without Retry-After"
+    assert max(a[1] for a in answers) < 5, f"clients waited too long: {answers}"
+
+    wait_until(lambda: probe(stack, "ready") == 503, timeout=5, interval=0.05)
+    r = embed(stack)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "engine_unavailable"
+
+    wait_until(lambda: engine_procs(stack) and engine_pid(stack) != old, timeout=30)
+    wait_until(lambda: probe(stack, "ready") == 200, timeout=90, interval=0.2)
+    assert embed(stack).status_code == 200
+    assert probe(stack, "live") == 200
+    memory = httpx.get(stack.url + "/health/memory", timeout=5).text
+    assert "restart" in memory or "engine" in memory
+
+
+def test_hung_engine_gives_504_and_fails_liveness(stack: RunningStack) -> None:
+    wait_until(lambda: probe(stack, "ready") == 200, timeout=60, interval=0.2)
+    pid = engine_pid(stack)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = embed(stack)
+        took = time.monotonic() - t0
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "engine_timeout"
+        assert TIMEOUT_S - 0.2 < took < TIMEOUT_S + 2, took
+        # liveness fails once work has waited 4 deadlines with nothing completing
+        wait_until(lambda: probe(stack, "live") == 503, timeout=4 * TIMEOUT_S + 10, interval=0.2)
+        live = httpx.get(stack.url + "/health/live", timeout=5).json()
+        assert "hung" in live["reason"], live
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: embed(stack, timeout=10).status_code == 200, timeout=60, interval=0.5)
+    wait_until(lambda: probe(stack, "live") == 200, timeout=10)
+
+
+def test_client_disconnects_are_counted_on_the_real_stack(stack: RunningStack) -> None:
+    def metric() -> float:
+        text = httpx.get(stack.url + "/metrics", headers=AUTH).text
+        line = next(ln for ln in text.splitlines() if ln.startswith("embedserve_client_disconnects_total"))
+        return float(line.split()[-1])
+
+    before = metric()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda _: _abandon(stack), range(6)))
+    wait_until(lambda: metric() >= before + 6, timeout=15)
+    wait_until(lambda: embed(stack).status_code == 200, timeout=30)  # after the dispatched work
+
+
+def _abandon(stack: RunningStack) -> None:
+    with contextlib.suppress(httpx.TimeoutException):
+        embed(stack, 16, timeout=0.05)
+
+
+def test_sigterm_under_load_loses_no_admitted_request(stack: RunningStack) -> None:
+    """Runs last: it ends the stack."""
+    wait_until(lambda: probe(stack, "ready") == 200, timeout=60, interval=0.2)
+    engine = engine_pid(stack)
+    no_keepalive = httpx.Limits(max_keepalive_connections=0)
+
+    def call(n_inputs: int) -> tuple[int | str, float]:
+        texts = [f"shutdown {i} under load " * 4 for i in range(n_inputs)]
+        try:
+            with httpx.Client(limits=no_keepalive, timeout=GRACE_S + 30) as c:
+                r = c.post(
+                    stack.url + "/v1/embeddings",
+                    json={"model": stack.model_name, "input": texts},
+                    headers=AUTH,
+                )
+            return r.status_code, time.monotonic()
+        except httpx.ConnectError:
+            return "refused", time.monotonic()
+        except httpx.HTTPError as exc:
+            return type(exc).__name__, time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        admitted = [pool.submit(call, 6) for _ in range(16)]
+        wait_until(lambda: _in_flight_tokens(stack) > 0, timeout=10, interval=0.02)
+        time.sleep(0.3)  # all 16 connected and queued
+        stack.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        late = [pool.submit(call, 1) for _ in range(8)]
+        admitted_results = [f.result() for f in admitted]
+        late_results = [f.result()[0] for f in late]
+    rc = stack.proc.wait(GRACE_S + 20)
+    took = time.monotonic() - t0
+    lost = [r for r, _ in admitted_results if r != 200]
+    assert not lost, f"admitted requests lost: {admitted_results}"
+    finished_after_sigterm = sum(done > t0 for _, done in admitted_results)
+    assert finished_after_sigterm >= 2, "the load was over before SIGTERM: nothing was tested"
+    assert set(late_results) <= {"refused", 503}, late_results
+    assert rc == 0 and took < GRACE_S + 5, (rc, took)
+    assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
+    log = stack.log_text()
+    assert "timeout graceful shutdown exceeded" not in log
+    assert '"level": "error"' not in log.split("Shutting down")[-1], log[-2000:]
+
+
+def _in_flight_tokens(stack: RunningStack) -> float:
+    text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=5).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("embedserve_tokens_in_flight"))
+    return float(line.split()[-1])
