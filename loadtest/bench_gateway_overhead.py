@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,16 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {level} | {name} | {s['requests_per_s']} | {s['tokens_per_s']:.0f} | "
                 f"{_ms(lat['p50'])} | {_ms(lat['p95'])} | {rel} | {d50} | {d95} | "
                 f"{s['errors']} |")
+    lines += ["", "Throughput ratio per round (same round, same load, so the same neighbours):", ""]
+    for level, modes in doc["levels"].items():
+        base = modes["engine (ids)"]["per_round_rps"]
+        for name, s in modes.items():
+            if name == "engine (ids)":
+                continue
+            ratios = [g / b for g, b in zip(s["per_round_rps"], base, strict=True) if b]
+            med = f"{float(np.median(ratios)):.3f}" if ratios else "-"
+            lines.append(f"- {level}, {name}: median {med} of "
+                         f"{', '.join(f'{r:.2f}' for r in ratios)}")
     lines += ["", m["note"], ""]
     return "\n".join(lines)
 
@@ -171,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write bench.json and bench.md here")
     a = ap.parse_args(argv)
-    a.command = "python -m loadtest.bench_gateway_overhead " + " ".join(argv or [])
+    args = sys.argv[1:] if argv is None else argv
+    a.command = "python -m loadtest.bench_gateway_overhead " + " ".join(args)
     doc = asyncio.run(run(a))
     md = markdown(doc)
     print(md)

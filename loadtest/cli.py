@@ -25,7 +25,7 @@ import numpy as np
 
 from loadtest import plots, report
 from loadtest.mixes import parse_count, parse_mix
-from loadtest.runner import RunConfig, Runner
+from loadtest.runner import RunConfig, Runner, RunOutcome
 from loadtest.sampling import MemorySampler, ProcessSampler
 from loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from loadtest.traffic import RequestFactory
@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = ap.add_argument_group("output and verdict")
     o.add_argument("--out", type=Path, help="results folder (default loadtest-results/TIME)")
     o.add_argument("--window", type=parse_seconds, help="window for percentiles (default auto)")
+    o.add_argument("--checkpoint-every", type=parse_seconds,
+                   help="rewrite results.json and summary.md this often while running")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--max-error-rate", type=float, help="fail above this (0.001 = 0.1%%)")
@@ -232,6 +234,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
     progress = Progress(runner, not a.no_progress)
     runner.on_tick = progress
     t0_wall = time.time()
+    out = a.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
     mem: MemorySampler | None = None
     procs: ProcessSampler | None = None
 
@@ -243,7 +246,28 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         if health_url:
             mem = MemorySampler(health_url, a.sample_interval, runner.t0, overrides)
             tasks.append(mem.run(session, stop))
+        if a.checkpoint_every:
+            tasks.append(checkpoints(stop))
         return tasks
+
+    def results(outcome: RunOutcome) -> dict[str, Any]:
+        traffic = (f"closed loop, concurrency {cfg.concurrency}" if cfg.mode == "closed"
+                   else f"open loop, Poisson {cfg.rate:g} req/s")
+        meta = {"url": url, "model": model, "traffic": traffic, "mix": info["mix"],
+                "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
+                "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
+                "started_at": t0_wall, "argv": sys.argv[1:]}
+        targets = Targets(a.max_error_rate, a.max_p95_drift, a.max_memory_growth_mib,
+                          a.max_p95_ms, a.max_429_rate, a.min_rps)
+        return report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
+                                    procs.to_json() if procs else {}, a.window)
+
+    async def checkpoints(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), a.checkpoint_every)
+            if not stop.is_set():
+                report.write(results(runner.snapshot()), out, [])
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -256,17 +280,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
-    traffic = (f"closed loop, concurrency {cfg.concurrency}" if cfg.mode == "closed"
-               else f"open loop, Poisson {cfg.rate:g} req/s")
-    meta = {"url": url, "model": model, "traffic": traffic, "mix": info["mix"],
-            "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
-            "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
-            "started_at": t0_wall, "argv": sys.argv[1:]}
-    targets = Targets(a.max_error_rate, a.max_p95_drift, a.max_memory_growth_mib, a.max_p95_ms,
-                      a.max_429_rate, a.min_rps)
-    res = report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
-                               procs.to_json() if procs else {}, a.window)
-    out = a.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
+    res = results(outcome)
     names = [] if a.no_plots else plots.write_all(res, out)
     jp, mp = report.write(res, out, names)
     m = res["measured"]

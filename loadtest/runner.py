@@ -301,6 +301,14 @@ class Runner:
             self.on_tick(self)
         return self._outcome()
 
+    def snapshot(self) -> RunOutcome:
+        """The run so far (for periodic checkpoints while it is still going)."""
+        start = self._measured_start if self._measured_start is not None else self.cfg.warmup_s
+        now = self.now()
+        return RunOutcome(self.rec, start, max(now, start), "running (checkpoint)",
+                          self.dropped, round(self.lag_max * 1000, 3),
+                          dict(self.error_samples), now)
+
     def _outcome(self) -> RunOutcome:
         rec = self.rec
         start = self._measured_start if self._measured_start is not None else self.cfg.warmup_s
