@@ -27,7 +27,12 @@ from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, error_response, install_error_handlers, validation_error
 from gateway.jsonbody import parse_object
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from gateway.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    HeadLimitMiddleware,
+    RequestContextMiddleware,
+)
 from gateway.model_card import ModelCard
 from gateway.pipeline import EmbeddingPipeline
 from gateway.schemas import EmbeddingRequest
@@ -224,5 +229,6 @@ def create_app(
         )
     app.add_middleware(ApiKeyMiddleware, keys=keys, protected_prefixes=protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
+    app.add_middleware(HeadLimitMiddleware)
     app.add_middleware(RequestContextMiddleware)
     return app

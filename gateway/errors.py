@@ -25,6 +25,7 @@ _TYPES = {
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable_error",

@@ -1,4 +1,4 @@
-"""ASGI middleware: request ids and access logs, body-size cap, API keys.
+"""ASGI middleware: request ids and access logs, head- and body-size caps, API keys.
 
 Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched and a
 client disconnect is not turned into an exception.
@@ -79,6 +79,29 @@ class RequestContextMiddleware:
                 },
             )
             request_id_var.reset(token)
+
+
+# Request line plus headers. The HTTP parser's own cap is loose (uvloop reads up to 256 KiB
+# at once and h11 checks only unfinished heads), so the exact limit is enforced here.
+MAX_HEAD_BYTES = 32 * 1024
+
+
+class HeadLimitMiddleware:
+    """431 in the OpenAI envelope for a request head (URL and headers) over ``max_bytes``."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_HEAD_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
+            if size > self.max_bytes:
+                message = f"Request headers and URL exceed the limit of {self.max_bytes} bytes"
+                await _send_error(send, 431, message, "request_header_fields_too_large")
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

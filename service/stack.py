@@ -138,9 +138,10 @@ async def run_stack(settings: Settings) -> int:
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
             # h11, not httptools: httptools has no header-size limit (a 100 MB header was
-            # buffered whole); h11 answers 400 past this many bytes of request head.
+            # buffered whole). h11 answers 400 once an unfinished request head passes this
+            # size; reads come in 64 KiB chunks, so no head over 64 KiB is ever accepted.
             http="h11",
-            h11_max_incomplete_event_size=65536,
+            h11_max_incomplete_event_size=16384,
         )
     )
 
