@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extra)")
+
 from loadtest.cli import main
 from loadtest.fake_target import FakeConfig, FakeServer
 from loadtest.textbuild import load_tokenizer

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extra)")
+
 from loadtest.cli import embeddings_url, parse_seconds, same_origin_url
 from loadtest.memfields import extract
 from loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
