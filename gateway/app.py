@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from gateway.admission import TokenAdmission
@@ -171,7 +172,12 @@ def create_app(
             raise APIError(
                 415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
             )
-        obj = parse_object(await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone mid-upload: nobody to answer, nothing to log as an error
+            metrics.client_disconnects.inc()
+            return Response(status_code=499)
+        obj = parse_object(raw)
         try:
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:

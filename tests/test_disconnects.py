@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -88,3 +89,24 @@ def test_abandoned_requests_are_dropped_before_the_engine(
     # and the gateway still serves
     r = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": [[1, 2, 3]]}, timeout=10)
     assert r.status_code == 200
+
+
+def test_disconnect_mid_upload_is_counted_not_an_error(
+    served: tuple[str, FakeEngine, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, engine, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    before = _metric(url, "embedserve_client_disconnects_total")
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(
+                    b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b'Content-Length: 1000\r\n\r\n{"model": "' + MODEL.encode() + b'", "input": "ab'
+                )
+                time.sleep(0.1)
+        wait_until(lambda: _metric(url, "embedserve_client_disconnects_total") >= before + 3, timeout=5)
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not noisy, [r.getMessage() for r in noisy][:5]
+    assert 'embedserve_requests_total{status="500"}' not in httpx.get(f"{url}/metrics").text
+    assert not engine.calls
