@@ -38,6 +38,7 @@ class FakeConfig:
     delay_per_token_s: float = 0.0
     health_memory: bool = True
     host_growth_bytes_per_s: float = 0.0
+    redirect_to: str | None = None  # answer every POST with a 307 to this URL
 
 
 @dataclass
@@ -76,6 +77,8 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
             n = counters.requests
             counters.inputs += len(items)
             counters.tokens += tokens
+        if cfg.redirect_to:
+            return Response(status_code=307, headers={"Location": cfg.redirect_to})
         if cfg.fail_every and n % cfg.fail_every == 0:
             with counters.lock:
                 counters.failed_503 += 1

@@ -101,3 +101,35 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert main(["ftp://x", "--out", str(tmp_path)]) == 2
     assert main(["http://127.0.0.1:1", "--health-url", "http://evil:80/h"]) == 2
     assert main(["http://127.0.0.1:1", "--input", "ids"]) == 2  # ids need a tokenizer
+
+
+def test_redirects_are_not_followed(tmp_path: Path) -> None:
+    with FakeServer() as other:
+        cfg = FakeConfig(redirect_to=f"{other.url}/v1/embeddings")
+        with FakeServer(cfg) as srv:
+            _, res = _run([srv.url, "--requests", "3", "--concurrency", "1",
+                           "--mix", "fixed:5", "--health-url", "none"], tmp_path)
+        assert other.counters.requests == 0  # only the given target was ever contacted
+    assert res["totals"]["by_status"] == {"307": 3}
+
+
+def test_retry_after_pauses_sending(tmp_path: Path) -> None:
+    import asyncio
+
+    from loadtest.mixes import parse_mix
+    from loadtest.runner import RunConfig, Runner
+    from loadtest.textbuild import WordBuilder
+    from loadtest.traffic import RequestFactory
+
+    cfg = FakeConfig(throttle_every=3, retry_after_s=0.4)
+    with FakeServer(cfg) as srv:
+        factory = RequestFactory(parse_mix("fixed:5"), WordBuilder(), model="m")
+        run_cfg = RunConfig(url=f"{srv.url}/v1/embeddings", concurrency=1, requests=6)
+        out = asyncio.run(Runner(run_cfg).run(factory.make))
+        seen = srv.counters.requests
+    codes = list(out.rec.code)
+    assert codes == [200, 200, 429, 200, 200, 429, 200, 200]  # each 429 resent once
+    assert seen == len(codes)
+    for i, code in enumerate(codes[:-1]):
+        gap = out.rec.t[i + 1] - out.rec.t[i]
+        assert gap >= (0.39 if code == 429 else 0.0)
