@@ -74,8 +74,11 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     """A one-page summary an operator can read at a glance."""
     m, meta, v = res["measured"], res["meta"], res["verdict"]
     lat = m["latency_ms"]
+    verdict = "PASS" if v["passed"] else "FAIL"
+    if str(meta.get("stop_reason", "")).startswith("running"):
+        verdict = f"running, {meta['wall_s'] / 60:.0f} min in (checkpoint; so far: {verdict})"
     lines = [
-        f"# Load test: {'PASS' if v['passed'] else 'FAIL'}",
+        f"# Load test: {verdict}",
         "",
         f"Target `{meta['url']}` · {meta['traffic']} · mix: {meta['mix']} · "
         f"inputs/request {meta['inputs_per_request']} · sent as {meta['input_kind']} · "
