@@ -109,6 +109,11 @@ def test_killed_engine_answers_waiting_clients_503_then_recovers(stack: RunningS
 
     wait_until(lambda: engine_procs(stack) and engine_pid(stack) != old, timeout=30)
     wait_until(lambda: probe(stack, "ready") == 200, timeout=90, interval=0.2)
+    print(
+        f"\nFIGURES kill: {len(failed)}/{len(answers)} in-flight requests answered 503 + Retry-After, "
+        f"slowest answer {max(a[1] for a in answers):.2f} s after the kill; "
+        f"ready again {time.monotonic() - killed_at:.1f} s after the kill"
+    )
     assert embed(stack).status_code == 200
     assert probe(stack, "live") == 200
     memory = httpx.get(stack.url + "/health/memory", timeout=5).text
@@ -128,6 +133,7 @@ def test_hung_engine_gives_504_and_fails_liveness(stack: RunningStack) -> None:
         assert TIMEOUT_S - 0.2 < took < TIMEOUT_S + 2, took
         # liveness fails once work has waited 4 deadlines with nothing completing
         wait_until(lambda: probe(stack, "live") == 503, timeout=4 * TIMEOUT_S + 10, interval=0.2)
+        print(f"\nFIGURES hang: 504 after {took:.2f} s; liveness failed {time.monotonic() - t0:.1f} s after")
         live = httpx.get(stack.url + "/health/live", timeout=5).json()
         assert "hung" in live["reason"], live
     finally:
@@ -191,6 +197,10 @@ def test_sigterm_under_load_loses_no_admitted_request(stack: RunningStack) -> No
     assert not lost, f"admitted requests lost: {admitted_results}"
     finished_after_sigterm = sum(done > t0 for _, done in admitted_results)
     assert finished_after_sigterm >= 2, "the load was over before SIGTERM: nothing was tested"
+    print(
+        f"\nFIGURES shutdown: {len(admitted_results)} admitted, {finished_after_sigterm} finished after "
+        f"SIGTERM, lost {len(lost)}; late arrivals {late_results}; exit {rc} in {took:.1f} s"
+    )
     assert set(late_results) <= {"refused", 503}, late_results
     assert rc == 0 and took < GRACE_S + 5, (rc, took)
     assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
