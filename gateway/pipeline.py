@@ -79,14 +79,17 @@ class EmbeddingPipeline:
                     code="invalid_dimensions",
                 )
 
-    def _check_texts(self, texts: list[str]) -> None:
-        if len(texts) > self.s.max_inputs:
+    def _check_count(self, count: int) -> None:
+        if count > self.s.max_inputs:
             raise APIError(
                 400,
-                f"'input' has {len(texts)} items; the limit is {self.s.max_inputs}",
+                f"'input' has {count} items; the limit is {self.s.max_inputs}",
                 param="input",
                 code="too_many_inputs",
             )
+
+    def _check_texts(self, texts: list[str]) -> None:
+        self._check_count(len(texts))
         for i, text in enumerate(texts):
             if not text.strip():
                 raise APIError(400, f"input[{i}] is empty", param="input", code="empty_input")
@@ -99,13 +102,7 @@ class EmbeddingPipeline:
                 )
 
     def _check_ids(self, batch: list[list[int]]) -> None:
-        if len(batch) > self.s.max_inputs:
-            raise APIError(
-                400,
-                f"'input' has {len(batch)} items; the limit is {self.s.max_inputs}",
-                param="input",
-                code="too_many_inputs",
-            )
+        self._check_count(len(batch))
         vocab = self.tok.vocab_size
         for i, ids in enumerate(batch):
             if not ids:

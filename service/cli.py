@@ -54,9 +54,11 @@ def _apply_flags(args: argparse.Namespace) -> None:
         os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", "external")
 
 
-def _up(argv: list[str]) -> int:
-    args = _stack_parser("embedserve up", "Start the engine and the gateway.").parse_args(argv)
+def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None) -> int:
+    args = _stack_parser(prog, doc).parse_args(argv)
     _apply_flags(args)
+    if default_kind:
+        os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", default_kind)
     from service.logging_json import setup_logging
     from service.settings import Settings
     from service.stack import run_stack
@@ -64,19 +66,14 @@ def _up(argv: list[str]) -> int:
     settings = Settings()
     setup_logging(settings.log_level)
     return asyncio.run(run_stack(settings))
+
+
+def _up(argv: list[str]) -> int:
+    return _run_stack(argv, "embedserve up", "Start the engine and the gateway.", None)
 
 
 def _gateway(argv: list[str]) -> int:
-    args = _stack_parser("embedserve gateway", "Run the gateway only (engines elsewhere).").parse_args(argv)
-    _apply_flags(args)
-    os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", "external")
-    from service.logging_json import setup_logging
-    from service.settings import Settings
-    from service.stack import run_stack
-
-    settings = Settings()
-    setup_logging(settings.log_level)
-    return asyncio.run(run_stack(settings))
+    return _run_stack(argv, "embedserve gateway", "Run the gateway only (engines elsewhere).", "external")
 
 
 def _config(argv: list[str]) -> int:
