@@ -7,27 +7,31 @@ import asyncio
 import itertools
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from service.supervisor import EngineStartError, LaunchSpec, ProcessSupervisor
 from tests.conftest import free_port
 
-# Serves GET /health, then exits with status 3 after LIFE_S: a crash after a good start.
+# Serves GET /health, then exits with status 3: a crash after a good start. The first run
+# lives 2 s (so the supervisor sees it ready), restarts live 0.3 s.
 ENGINE = """
 import http.server, sys, threading, os
+first = not os.path.exists(sys.argv[2])
+open(sys.argv[2], "a").close()
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
     def log_message(self, *a): pass
 srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
 threading.Thread(target=srv.serve_forever, daemon=True).start()
-threading.Timer(float(sys.argv[2]), lambda: os._exit(3)).start()
+threading.Timer(2.0 if first else 0.3, lambda: os._exit(3)).start()
 """
 
 
-def _supervisor(port: int, life_s: float) -> ProcessSupervisor:
-    spec = LaunchSpec([sys.executable, "-c", ENGINE, str(port), str(life_s)])
+def _supervisor(port: int, marker: Path) -> ProcessSupervisor:
+    spec = LaunchSpec([sys.executable, "-c", ENGINE, str(port), str(marker)])
     return ProcessSupervisor(
         "fake",
         spec,
@@ -38,14 +42,14 @@ def _supervisor(port: int, life_s: float) -> ProcessSupervisor:
     )
 
 
-def test_restarts_with_doubling_backoff() -> None:
+def test_restarts_with_doubling_backoff(tmp_path: Path) -> None:
     async def run() -> tuple[list[float], list[int]]:
-        sup = _supervisor(free_port(), life_s=0.3)
+        sup = _supervisor(free_port(), tmp_path / "started-once")
         await sup.start()
         await sup.wait_ready()
         spawns, pids = [time.monotonic()], [sup.pid or 0]
-        deadline = time.monotonic() + 8
-        while sup.restarts < 4 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 15
+        while len(pids) < 5 and time.monotonic() < deadline:
             if sup.pid != pids[-1]:
                 spawns.append(time.monotonic())
                 pids.append(sup.pid or 0)
@@ -55,13 +59,11 @@ def test_restarts_with_doubling_backoff() -> None:
         return spawns, pids
 
     spawns, pids = asyncio.run(run())
-    assert len(set(pids)) >= 4, pids
-    # gap = life (0.3 s) + backoff 0.2, 0.4, 0.8, 0.8 (+ process start)
-    gaps = [b - a for a, b in itertools.pairwise(spawns)]
-    backoffs = [g - 0.3 for g in gaps]
-    assert backoffs[0] == pytest.approx(0.2, abs=0.25)
-    assert backoffs[1] > backoffs[0] + 0.1 and backoffs[2] > backoffs[1] + 0.2, gaps
-    assert all(b < 0.8 + 0.5 for b in backoffs), gaps  # capped
+    assert len(set(pids)) == 5, pids
+    # between restarts: start-up + 0.3 s of life + backoff 0.2, 0.4, 0.8, then capped at 0.8
+    g12, g23, g34 = (b - a for a, b in itertools.pairwise(spawns[1:]))
+    assert 0.15 < g23 - g12 < 0.7, (g12, g23, g34)  # doubled (0.4 -> 0.8)
+    assert abs(g34 - g23) < 0.3, (g12, g23, g34)  # capped, not 1.6
 
 
 def test_crash_before_ready_fails_loudly() -> None:
