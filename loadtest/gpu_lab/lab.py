@@ -557,6 +557,70 @@ def step_cache(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, 
     return {"phases": phases}
 
 
+# --- variants: is the launch's choice the right one? (one launch each, warm JIT ~65-80 s) --------
+def launch_variant(tag: str, port: int, *, overlap: bool = False, expandable: bool = True) -> int:
+    """The 4B engine as our launcher builds it, but with one choice flipped."""
+    from service.settings import Settings
+    from service.sglang_launch import build_launch
+
+    os.environ.update(engine_env("4b"))
+    os.environ["EMBEDSERVE_ENGINE__PORT"] = str(port)
+    os.environ["EMBEDSERVE_ENGINE__STATS_DIR"] = str(LAB / f"stats-{port}")
+    spec = build_launch(Settings(), python=sys.executable)
+    argv = [x for x in spec.argv if not (overlap and x == "--disable-overlap-schedule")]
+    env = child_env(dict(spec.env))
+    if not expandable:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    return spawn_detached(argv, LAB / f"engine-4b-{tag}.log", env)
+
+
+def step_variants(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
+    """Cache clearing with torch's default allocator (no expandable segments), and the
+    overlap scheduler on (the launcher turns it off for sglang#22518)."""
+    step_stop(res, "4b", budget_end)
+    pa = launch_variant("noexp", ENGINES["4b"]["port"], expandable=False)
+    pb = launch_variant("overlap", 30002, overlap=True)
+    t0 = time.time()
+    ra = asyncio.run(wait_ready(ENGINES["4b"]["port"], 300))
+    rb = asyncio.run(wait_ready(30002, 300))
+    res["engines"]["4b"] = {**res["engines"]["4b"], "pid": pa, "stopped": False}
+    out: dict[str, Any] = {"ready_s": [ra and ra - t0, rb and rb - t0]}
+    out["cache_noexp"] = step_cache(res, "4b", budget_end)
+    out["overlap_on"] = [
+        asyncio.run(closed_loop("http://127.0.0.1:30002/v1/embeddings", "m4", load, bs, conc, 25.0,
+                                seed=21 + i))
+        for i, (load, bs, conc) in enumerate([("16-512", 1, 64), ("16-512", 1, 64), ("16-512", 32, 16)])
+    ]
+    out["noexp_short"] = [asyncio.run(closed_loop(
+        f"http://127.0.0.1:{ENGINES['4b']['port']}/v1/embeddings", "m4", "16-512", 1, 64, 25.0, seed=31))]
+    out["nvml"] = nvml_usage({"noexp": os.getpgid(pa), "overlap": os.getpgid(pb)})
+    return out
+
+
+def step_ab(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
+    """Short single inputs are noisy: alternate the three launches, two rounds."""
+    gw = res.get("gateway", {}).get("pid")
+    if gw:
+        with contextlib.suppress(OSError):
+            os.killpg(gw, signal.SIGTERM)  # its /health polling must not add load
+    launch_variant("default2", 30003)
+    t0 = time.time()
+    r = asyncio.run(wait_ready(30003, 300))
+    out: dict[str, Any] = {"ready_s": r and r - t0, "runs": []}
+    variants = ((30003, "expandable (default launch)"), (ENGINES["4b"]["port"], "no expandable_segments"),
+                (30002, "expandable + overlap on"))
+    for rnd in range(2):
+        for port, tag in variants:
+            row = asyncio.run(closed_loop(f"http://127.0.0.1:{port}/v1/embeddings", "m4", "16-512",
+                                          1, 64, 20.0, seed=40 + rnd))
+            out["runs"].append({**row, "variant": tag, "round": rnd})
+    for port, tag in variants[:2]:
+        row = asyncio.run(closed_loop(f"http://127.0.0.1:{port}/v1/embeddings", "m4", "512-2048",
+                                      1, 64, 20.0, seed=50))
+        out["runs"].append({**row, "variant": tag})
+    return out
+
+
 STEPS: list[tuple[str, str, Any, float]] = [  # name, engine, function, seconds it needs
     ("ready-4b", "4b", step_wait, 30),
     ("ready-0.6b", "0.6b", step_wait, 30),
@@ -568,6 +632,8 @@ STEPS: list[tuple[str, str, Any, float]] = [  # name, engine, function, seconds 
     ("throughput-4b", "4b", step_throughput, 125),
     ("cache-clearing-4b", "4b", step_cache, 150),
     ("memory-4b-after", "4b", step_memory, 5),
+    ("variants-noexp-overlap", "4b", step_variants, 340),
+    ("variants-ab", "4b", step_ab, 230),
 ]
 
 
@@ -666,6 +732,43 @@ def cmd_report(_: argparse.Namespace) -> int:
                       f"{r['end_inactive_split_gb']} | {r['max_reserved_gb']} | "
                       f"{r['engine_gpu_peak_gb']} |")
         md.append("")
+    var = st.get("variants-noexp-overlap", {})
+    if var.get("ok"):
+        md += ["### Same run with torch's default allocator (no `expandable_segments`)", "",
+               "| phase | s | tok/s | p50 ms | p95 ms | batches | clears | ms/clear | "
+               "end reserved-allocated GB | max reserved-allocated GB | end inactive-split GB | "
+               "max reserved GB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in var["cache_noexp"]["phases"]:
+            md.append(f"| {r['phase']} | {r['seconds']} | {r['tok_s']:,} | {r['p50_ms']} | "
+                      f"{r['p95_ms']} | {r['batches']} | {r['clears']} | {r['clear_ms_mean']} | "
+                      f"{r['end_unused_gb']} | {r['max_unused_gb']} | {r['end_inactive_split_gb']} | "
+                      f"{r['max_reserved_gb']} |")
+        md.append("")
+    runs: list[tuple[str, dict[str, Any]]] = []
+    for r in thr.get("rows", []) + thr.get("reruns_short", []):
+        if r["load"] == "16-512" and r["bs"] == 1:
+            runs.append(("expandable (default launch)", r))
+    for r in var.get("overlap_on", []):
+        runs.append(("expandable + overlap on", r))
+    for r in var.get("noexp_short", []):
+        runs.append(("no expandable_segments", r))
+    for r in st.get("variants-ab", {}).get("runs", []):
+        runs.append((r["variant"], r))
+    if runs:
+        md += ["## Launch variants, every run (4B, random token ids, closed loop)", "",
+               "| variant | load | bs | conc | s | tok/s | p50 ms | p95 ms |",
+               "|---|---|---|---|---|---|---|---|"]
+        for tag, r in runs:
+            md.append(f"| {tag} | {r['load']} | {r['bs']} | {r['conc']} | {r['seconds']} | "
+                      f"{r['tok_s']:,} | {r['p50_ms']} | {r['p95_ms']} |")
+        md.append("")
+        short = [r["tok_s"] for t, r in runs if t.startswith("expandable (default") and r["load"] == "16-512"
+                 and r["bs"] == 1]
+        if short:
+            md.append(f"16-512 tokens, bs 1, conc 64 with the default launch: {len(short)} runs, mean "
+                      f"{statistics.fmean(short):,.0f} tok/s, median {statistics.median(short):,.0f} "
+                      f"(README default pool: 59,870), range {min(short):,}-{max(short):,}.")
+            md.append("")
     failed = {k: v.get("error") for k, v in st.items() if not v.get("ok")}
     if failed:
         md += ["## Failed steps", ""] + [f"- {k}: `{v}`" for k, v in failed.items()] + [""]
