@@ -312,7 +312,9 @@ def cmd_correctness(a: argparse.Namespace) -> int:
 
     model_dir = Path(a.model)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
+    eos_id = tok.token_to_id("<|endoftext|>")
+    assert eos_id is not None, "tokenizer without <|endoftext|>"
+    eos: int = eos_id
     rng = random.Random(1)
     cases: list[tuple[str, list[int]]] = []
     if a.gateway:
@@ -472,7 +474,7 @@ def step_throughput(res: dict[str, Any], shape: str, budget_end: float) -> dict[
     url = f"http://127.0.0.1:{eng['port']}/v1/embeddings"
     name = Path(eng["model"]).name
     asyncio.run(closed_loop(url, name, "16-512", 1, 64, 8.0, seed=99))  # warm-up
-    rows = []
+    rows: list[dict[str, Any]] = []
     for load, bs, conc, dur in LOADS:
         peaks: dict[str, int] = {}
         row = asyncio.run(closed_loop(url, name, load, bs, conc, dur,
