@@ -103,7 +103,10 @@ class CacheClearSettings(BaseModel):
         0.25, gt=0, le=1, description="clear when inactive-split / reserved exceeds this"
     )
     unused_reserve_bytes: int | None = Field(
-        4 << 30, gt=0, description="clear when reserved - allocated exceeds this"
+        4 << 30,
+        gt=0,
+        description="clear when the memory empty_cache() can return (reserved - allocated - "
+        "inactive split) exceeds this",
     )
     min_interval_s: float = Field(
         1.0, ge=0, description="never clear more often than this (threshold rules only)"
