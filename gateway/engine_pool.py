@@ -211,8 +211,16 @@ def _engine_message(content: bytes) -> str:
 
 
 def _parse_vectors(content: bytes, expected: int) -> Matrix:
-    data = orjson.loads(content)["data"]
-    if len(data) != expected:
-        raise EngineUnavailable(f"engine returned {len(data)} vectors for {expected} inputs")
-    data.sort(key=lambda d: d["index"])
-    return np.asarray([d["embedding"] for d in data], dtype=np.float32)
+    """A malformed answer is the engine's fault: 503 to the client, never a 500."""
+    try:
+        data = orjson.loads(content)["data"]
+        if len(data) != expected:
+            raise EngineUnavailable(f"engine returned {len(data)} vectors for {expected} inputs")
+        data.sort(key=lambda d: d["index"])
+        with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
+            vectors = np.asarray([d["embedding"] for d in data], dtype=np.float32)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise EngineUnavailable(f"the engine returned an invalid response ({type(exc).__name__})") from exc
+    if vectors.ndim != 2 or not np.isfinite(vectors).all():
+        raise EngineUnavailable("the engine returned vectors of mixed sizes or non-finite values")
+    return vectors
