@@ -117,15 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rewrite results.json and summary.md this often while running")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--no-plots", action="store_true")
+    add_target_args(o)
+    return ap
+
+
+def add_target_args(o: Any) -> None:
+    """The verdict's options (shared with ``loadtest.rescore``)."""
     o.add_argument("--max-error-rate", type=float, help="fail above this (0.001 = 0.1%%)")
     o.add_argument("--max-p95-drift", type=float,
                    help="fail if the last window's P95 exceeds the first's by this fraction")
     o.add_argument("--max-memory-growth-mib", type=float,
                    help="fail if any memory series grows more than this after warm-up")
+    o.add_argument("--memory-series", metavar="REGEX",
+                   help="judge growth only for matching series, e.g. 'engine|gateway|pid' "
+                        "(default: all; 'target host' is machine-wide without a cgroup limit)")
     o.add_argument("--max-p95-ms", type=float)
     o.add_argument("--max-429-rate", type=float)
     o.add_argument("--min-rps", type=float, help="fail below this many successful req/s")
-    return ap
+
+
+def targets_from(a: argparse.Namespace) -> Targets:
+    """The verdict's targets from parsed arguments."""
+    return Targets(a.max_error_rate, a.max_p95_drift, a.max_memory_growth_mib, a.max_p95_ms,
+                   a.max_429_rate, a.min_rps, a.memory_series)
 
 
 def _headers(a: argparse.Namespace) -> dict[str, str]:
@@ -257,8 +271,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
                 "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
                 "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
                 "started_at": t0_wall, "argv": sys.argv[1:]}
-        targets = Targets(a.max_error_rate, a.max_p95_drift, a.max_memory_growth_mib,
-                          a.max_p95_ms, a.max_429_rate, a.min_rps)
+        targets = targets_from(a)
         return report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
                                     procs.to_json() if procs else {}, a.window)
 

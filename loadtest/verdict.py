@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,9 +22,14 @@ class Targets:
     max_p95_ms: float | None = None
     max_throttle_rate: float | None = None
     min_requests_per_s: float | None = None
+    memory_series: str | None = None  # regex: only matching series count for growth
+
+    def counts(self, series: str) -> bool:
+        """Whether a memory series' growth is judged (all, unless ``memory_series`` is set)."""
+        return self.memory_series is None or re.search(self.memory_series, series) is not None
 
     def any(self) -> bool:
-        return any(v is not None for v in asdict(self).values())
+        return any(v is not None for k, v in asdict(self).items() if k != "memory_series")
 
 
 def growth(ts: list[float], values: list[float], start: float) -> dict[str, float] | None:
@@ -60,7 +67,7 @@ def _check(name: str, value: float | None, target: float | None, ok: bool | None
 
 
 def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]],
-             memory_series: dict[str, dict[str, float] | None]) -> dict[str, Any]:
+             memory_series: Mapping[str, Mapping[str, float] | None]) -> dict[str, Any]:
     """The verdict: each requested check, and ``passed`` when none failed."""
     checks: list[dict[str, Any]] = []
     attempts = measured["attempts"]
@@ -91,6 +98,7 @@ def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]]
         checks.append(_check("P95 drift", v, t.max_p95_drift,
                              v is not None and v <= t.max_p95_drift, detail))
     if t.max_memory_growth_mib is not None:
+        memory_series = {k: g for k, g in memory_series.items() if t.counts(k)}
         if not any(memory_series.values()):
             checks.append(_check("memory growth MiB", None, t.max_memory_growth_mib, None,
                                  "no memory series (no /health/memory and no --watch-pid)"))

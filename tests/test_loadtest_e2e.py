@@ -133,3 +133,17 @@ def test_retry_after_pauses_sending(tmp_path: Path) -> None:
     for i, code in enumerate(codes[:-1]):
         gap = out.rec.t[i + 1] - out.rec.t[i]
         assert gap >= (0.39 if code == 429 else 0.0)
+
+
+def test_rescore_rejudges_a_finished_run(tmp_path: Path) -> None:
+    from loadtest.rescore import main as rescore
+
+    with FakeServer() as srv:
+        rc, _ = _run([srv.url, "--requests", "20", "--mix", "fixed:5", "--no-plots",
+                      "--max-p95-ms", "0.001"], tmp_path)
+    assert rc == 1
+    assert rescore([str(tmp_path), "--no-plots", "--max-p95-ms", "60000"]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["verdict"]["passed"] and not res["verdict_history"][0]["passed"]
+    assert "# Load test: PASS" in (tmp_path / "summary.md").read_text()
+    assert rescore([str(tmp_path / "nowhere")]) == 2

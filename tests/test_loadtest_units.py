@@ -179,12 +179,12 @@ def test_verdict() -> None:
     wins = [_win(0, 10.0), _win(5, None), _win(10, 11.0)]
     mem = {"host": {"growth_mib": 20.0, "first_mib": 1.0, "last_mib": 21.0, "span_s": 9.0,
                     "growth_mib_per_hour": 1.0}}
-    v = evaluate(t, _measured(errors=1), wins, mem)  # type: ignore[arg-type]
+    v = evaluate(t, _measured(errors=1), wins, mem)
     assert v["passed"] and [c["status"] for c in v["checks"]] == ["pass"] * 3
-    v = evaluate(t, _measured(errors=2), [_win(0, 10.0), _win(5, 12.5)], mem)  # type: ignore[arg-type]
+    v = evaluate(t, _measured(errors=2), [_win(0, 10.0), _win(5, 12.5)], mem)
     assert not v["passed"] and v["failed"] == ["error rate", "P95 drift"]
     mem["host"]["growth_mib"] = 150.0
-    v = evaluate(t, _measured(), wins, mem)  # type: ignore[arg-type]
+    v = evaluate(t, _measured(), wins, mem)
     assert v["failed"] == ["memory growth MiB: host"]
     v = evaluate(t, _measured(), [_win(0, 10.0)], {})
     assert v["passed"] and v["no_data"] == ["P95 drift", "memory growth MiB"]
@@ -235,3 +235,16 @@ def test_memory_fields() -> None:
     assert values["host_bytes"] == 3
     values, _ = extract({"gpu": None})
     assert values["gpu_bytes"] is None
+
+
+def test_memory_series_filter() -> None:
+    g = {"growth_mib": 500.0, "first_mib": 1.0, "last_mib": 501.0, "span_s": 9.0,
+         "growth_mib_per_hour": 1.0}
+    small = {**g, "growth_mib": 1.0}
+    mem = {"target host": g, "target engine RSS": small}
+    t = Targets(max_memory_growth_mib=100)
+    assert evaluate(t, _measured(), [], mem)["failed"] == ["memory growth MiB: target host"]
+    t = Targets(max_memory_growth_mib=100, memory_series="engine|gateway")
+    v = evaluate(t, _measured(), [], mem)
+    assert v["passed"] and [c["check"] for c in v["checks"]] == [
+        "memory growth MiB: target engine RSS"]
