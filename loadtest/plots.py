@@ -77,7 +77,7 @@ def memory(res: dict[str, Any], path: Path) -> None:
     gpu.set(ylabel="GiB", title="GPU memory (target /health/memory)" + _limit(gpu, hm, "gpu"))
     _series(host, hm, "host_bytes", "target host memory", "host_slope_bytes_per_hour")
     _series(host, hm, "engine_rss_bytes", "target engine RSS")
-    _series(host, hm, "gateway_rss_bytes", "target gateway RSS")
+    _series(host, hm, "gateway_rss_bytes", "target gateway tree RSS (incl. engine)")
     for pid, samples in watched.items():
         host.plot(_minutes([s["t"] for s in samples]),
                   [s["tree_rss_bytes"] / GIB for s in samples], label=f"pid {pid} tree RSS")

@@ -19,7 +19,7 @@ def memory_series(memory: dict[str, Any] | None, processes: dict[str, Any]
     out: dict[str, tuple[list[float], list[float]]] = {}
     for key, label in (("gpu_bytes", "target GPU"), ("host_bytes", "target host"),
                        ("engine_rss_bytes", "target engine RSS"),
-                       ("gateway_rss_bytes", "target gateway RSS")):
+                       ("gateway_rss_bytes", "target gateway tree RSS (incl. engine)")):
         pts = [(s["t"], s[key]) for s in (memory or {}).get("samples", [])
                if s.get(key) is not None]
         if pts:
