@@ -43,7 +43,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def make(model_dir: Path, **engine: object) -> Settings:
     model = engine.pop("model", {})
     assert isinstance(model, dict)
-    return Settings(model={"path": str(model_dir), **model}, engine=engine)  # type: ignore[arg-type]
+    return Settings(model={"path": str(model_dir), **model}, engine=engine)
 
 
 def arg(argv: list[str], flag: str) -> str:

@@ -24,7 +24,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         m = _Stub(spec.name)
         m.__path__ = []
-        m.__version__ = "0.26.0"
+        m.__version__ = "0.26.0"  # type: ignore[attr-defined]
         return m
 
     def exec_module(self, module):
