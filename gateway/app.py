@@ -235,6 +235,6 @@ def create_app(
         )
     app.add_middleware(ApiKeyMiddleware, keys=keys, protected_prefixes=protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
-    app.add_middleware(HeadLimitMiddleware)
+    app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes)
     app.add_middleware(RequestContextMiddleware)
     return app

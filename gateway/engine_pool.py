@@ -62,6 +62,13 @@ class EngineState:
     # the deadline, so without this a hung engine would never look older than one deadline
     stalled_since: float | None = None
 
+    def stuck_for_s(self, now: float) -> float | None:
+        """How long the oldest unanswered (or timed-out, unrecovered) call has waited."""
+        starts = list(self.inflight_since.values())
+        if self.stalled_since is not None:
+            starts.append(self.stalled_since)
+        return now - min(starts) if starts else None
+
 
 class EnginePool:
     def __init__(
@@ -104,9 +111,9 @@ class EnginePool:
         return any(e.ready for e in self.engines)
 
     def oldest_inflight_age_s(self) -> float | None:
-        starts = [t for e in self.engines for t in e.inflight_since.values()]
-        starts += [e.stalled_since for e in self.engines if e.stalled_since is not None]
-        return time.monotonic() - min(starts) if starts else None
+        now = time.monotonic()
+        ages = [a for e in self.engines if (a := e.stuck_for_s(now)) is not None]
+        return max(ages) if ages else None
 
     def last_success_age_s(self) -> float | None:
         done = [e.last_success for e in self.engines if e.last_success is not None]

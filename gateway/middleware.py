@@ -81,15 +81,14 @@ class RequestContextMiddleware:
             request_id_var.reset(token)
 
 
-# Request line plus headers. The HTTP parser's own cap is loose (uvloop reads up to 256 KiB
-# at once and h11 checks only unfinished heads), so the exact limit is enforced here.
-MAX_HEAD_BYTES = 32 * 1024
 
 
 class HeadLimitMiddleware:
-    """431 in the OpenAI envelope for a request head (URL and headers) over ``max_bytes``."""
+    """431 in the OpenAI envelope for a request head (URL and headers) over ``max_bytes``.
+    The HTTP parser's own cap is loose (uvloop reads up to 256 KiB at once and h11 checks
+    only unfinished heads), so the exact limit is enforced here."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_HEAD_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 

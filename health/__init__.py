@@ -26,10 +26,6 @@ from service.settings import Settings
 
 __all__ = ["EngineView", "HealthComponents", "MemoryState", "create_health"]
 
-# A request that waited this many request deadlines while nothing completed means a hung
-# engine (SGLang #22518 deadlocks this way); liveness then restarts the pod.
-HANG_AFTER_DEADLINES = 4.0
-
 
 @dataclass
 class HealthComponents:
@@ -70,5 +66,5 @@ def create_health(
         process_pids,
     )
     registry.register(HealthCollector(monitor))
-    hang = hang_after_s or HANG_AFTER_DEADLINES * settings.gateway.request_timeout_s
+    hang = hang_after_s or settings.hang_after_s()
     return HealthComponents(router=build_router(monitor, engine_view, hang), monitor=monitor)

@@ -161,6 +161,7 @@ class GatewaySettings(BaseModel):
     max_inputs: int = 2048
     max_tokens_per_request: int = 300_000
     max_body_bytes: int = 16 << 20
+    max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
     max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
     batch_max_wait_ms: float = Field(2.0, ge=0, description="coalescing window")
     max_tokens_in_flight: int = Field(
@@ -192,6 +193,12 @@ class HealthSettings(BaseModel):
     warning_hours: float = Field(6.0, gt=0, description="readiness fails (pod drained) under this many hours")
     critical_hours: float = Field(
         1.0, gt=0, description="liveness fails (pod restarted) under this many hours"
+    )
+    hang_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="an engine call older than this means a hung engine: liveness "
+        "fails and `up` restarts it; default 4 x gateway.request_timeout_s",
     )
     gpu_memory_limit_bytes: int | None = None
     host_memory_limit_bytes: int | None = None
@@ -246,6 +253,9 @@ class Settings(BaseSettings):
         if self.health.critical_hours >= self.health.warning_hours:
             raise ValueError("health.critical_hours must be below health.warning_hours")
         return self
+
+    def hang_after_s(self) -> float:
+        return self.health.hang_after_s or 4 * self.gateway.request_timeout_s
 
     def engine_urls(self) -> list[str]:
         e = self.engine

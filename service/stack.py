@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -158,12 +159,29 @@ async def run_stack(settings: Settings) -> int:
             print(f"embedserve: the engine did not start:\n{exc}", file=sys.stderr, flush=True)
             server.should_exit = True
 
+    async def restart_hung_engines() -> None:
+        """Liveness fails at ``hang_after_s`` so Kubernetes restarts a hung pod; without
+        Kubernetes `up` restarts the engine itself, a little later so the two never race."""
+        hang_after = 1.5 * settings.hang_after_s()
+        while True:
+            await asyncio.sleep(min(5.0, hang_after / 4))
+            now = time.monotonic()
+            for sup, engine in zip(supervisors, app.state.pool.engines, strict=True):
+                stuck = engine.stuck_for_s(now)
+                if stuck is not None and stuck > hang_after:
+                    sup.kill(f"a call has waited {stuck:.0f} s (limit {hang_after:.0f} s)")
+                    engine.inflight_since.clear()
+                    engine.stalled_since = None
+
     announcer = asyncio.create_task(announce())
+    watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None
     try:
         await server.serve()
     finally:
-        announcer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await announcer
+        for task in (announcer, watchdog):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await asyncio.gather(*(s.stop(settings.gateway.graceful_shutdown_s) for s in supervisors))
     return 1 if any(s.failed for s in supervisors) else 0

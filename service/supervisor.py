@@ -156,6 +156,13 @@ class ProcessSupervisor:
             self.restarts += 1
             await self._spawn()
 
+    def kill(self, why: str) -> None:
+        """SIGKILL a hung engine's process group; the watch loop restarts it with backoff."""
+        if self.proc and self.proc.returncode is None:
+            log.error("killing hung engine", extra={"engine": self.name, "pid": self.proc.pid, "why": why})
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
     async def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the whole group (SGLang has children), SIGKILL after ``grace_s``."""
         self._stopping = True
