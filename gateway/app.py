@@ -90,7 +90,11 @@ def create_app(
         settings.engine_urls(), card.name, request_timeout_s=gw.request_timeout_s, transport=engine_transport
     )
     coalescer = Coalescer(
-        pool, token_budget=settings.engine.batch_token_budget, max_wait_s=gw.batch_max_wait_ms / 1000
+        pool,
+        token_budget=settings.engine.batch_token_budget,
+        max_wait_s=gw.batch_max_wait_ms / 1000,
+        max_concurrent_calls=gw.engine_calls_per_engine * len(pool.engines),
+        max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
     admission = TokenAdmission(gw.max_tokens_in_flight)
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")

@@ -164,6 +164,13 @@ class GatewaySettings(BaseModel):
     max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
     max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
     batch_max_wait_ms: float = Field(2.0, ge=0, description="coalescing window")
+    engine_calls_per_engine: int = Field(
+        8,
+        ge=1,
+        description="coalesced calls in flight per engine; while all are busy, "
+        "inputs of concurrent requests gather into the next call",
+    )
+    max_inputs_per_engine_call: int = Field(256, ge=1)
     max_tokens_in_flight: int = Field(
         262_144, ge=1, description="admission control: beyond this, 429 with Retry-After"
     )
