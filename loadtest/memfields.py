@@ -36,6 +36,12 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "hours_low": (("hours_lower",), (r"hours.*(lower|low)$",)),
     "hours_high": (("hours_upper",), (r"hours.*(upper|high)$",)),
+    "host_hours_to_oom": (("resources.host.estimated_hours_until_oom",), ()),
+    "host_hours_low": (("resources.host.hours_lower",), ()),
+    "host_hours_high": (("resources.host.hours_upper",), ()),
+    "gpu_hours_to_oom": (("resources.gpu:0.estimated_hours_until_oom",), ()),
+    "gpu_hours_low": (("resources.gpu:0.hours_lower",), ()),
+    "gpu_hours_high": (("resources.gpu:0.hours_upper",), ()),
     "host_slope_bytes_per_hour": (("resources.host.slope_bytes_per_hour",), ()),
     "gpu_slope_bytes_per_hour": (("resources.gpu:0.slope_bytes_per_hour",), ()),
     "recommends_restart": (("recommends_restart",), (r"recommends_restart$",)),
@@ -75,9 +81,9 @@ def pick(flat: dict[str, Any], name: str, overrides: dict[str, str] | None = Non
         return (overrides[name], v) if v is not None else None
     exact, patterns = FIELDS[name]
     for key in exact:
-        v = _number(flat.get(key))
-        if v is not None:
-            return key, v
+        if key in flat:  # present, even as null: authoritative (no guessing past it)
+            v = _number(flat[key])
+            return (key, v) if v is not None else None
     for pat in patterns:
         rx = re.compile(pat, re.IGNORECASE)
         for key, val in flat.items():

@@ -93,6 +93,12 @@ def memory(res: dict[str, Any], path: Path) -> None:
         hi = [s.get("hours_high") for s in pts]
         if all(v is not None for v in lo + hi):
             fc.fill_between(xs, lo, hi, alpha=0.2, label="forecast interval")
+    for kind in ("host", "gpu"):
+        worst = [(s["t"], s[f"{kind}_hours_low"]) for s in hm if s.get(f"{kind}_hours_low")]
+        if worst:
+            fc.plot(_minutes([w[0] for w in worst]), [w[1] for w in worst], ls="--",
+                    label=f"{kind}: worst case (steepest slope in the interval)")
+    if fc.lines:
         fc.set_yscale("log")
     fc.set(xlabel="minutes since start", ylabel="hours",
            title="Forecast hours to OOM (target /health/memory)")

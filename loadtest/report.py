@@ -125,6 +125,17 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
                   f"{_fmt(min(hrs))}, last {_fmt(hrs[-1])}; restart advised in "
                   f"{sum(1 for s in fc if s.get('recommends_restart'))} of {len(fc)} samples.",
                   ""]
+    elif hm.get("samples"):
+        last = hm.get("last_answer") if isinstance(hm.get("last_answer"), dict) else {}
+        lines += [f"No hours-to-OOM estimate in any sample; the target's last reason: "
+                  f"{(last or {}).get('reason', '-')!s}", ""]
+    for kind in ("host", "gpu"):
+        worst = [s[f"{kind}_hours_low"] for s in hm.get("samples", [])
+                 if s.get(f"{kind}_hours_low")]
+        if worst:
+            lines += [f"{kind.upper()} worst case (steepest slope in its interval) in "
+                      f"{len(worst)} samples: min {_fmt(min(worst))} h, last {_fmt(worst[-1])} h.",
+                      ""]
     wins = res["windows"]
     if wins:
         lines += [f"## Windows ({meta['window_s']:g} s)", "",

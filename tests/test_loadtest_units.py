@@ -224,6 +224,7 @@ def test_memory_fields() -> None:
     assert values["engine_rss_bytes"] == 3 and values["gateway_rss_bytes"] == 2
     assert values["hours_to_oom"] == 12.5 and values["hours_low"] == 10.0
     assert values["hours_high"] is None and values["recommends_restart"] == 0.0
+    assert values["host_hours_low"] is None  # not in the answer: no guess
     assert values["host_slope_bytes_per_hour"] == 1.5
     assert keys["host_bytes"] == "resources.host.used_bytes"
     other = {"gpu": {"devices": [{"used_bytes": 5, "total_bytes": 10}]},
@@ -235,6 +236,12 @@ def test_memory_fields() -> None:
     assert values["host_bytes"] == 3
     values, _ = extract({"gpu": None})
     assert values["gpu_bytes"] is None
+    # a null binding estimate is not replaced by some resource's figure
+    not_yet = {"estimated_hours_until_oom": None, "hours_lower": None,
+               "resources": {"host": {"estimated_hours_until_oom": None, "hours_lower": 2.5}}}
+    values, _ = extract(not_yet)
+    assert values["hours_to_oom"] is None and values["hours_low"] is None
+    assert values["host_hours_low"] == 2.5
 
 
 def test_memory_series_filter() -> None:
