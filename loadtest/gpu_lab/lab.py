@@ -11,8 +11,11 @@ processes that must outlive a command are started in their own session (setsid):
     lab.py run --budget-s N  # the measurement steps not done yet, until N seconds are used
     lab.py report            # results.json -> results.md
 
+``--visit`` picks the step list: ``engine`` (the first visits: correctness, memory, cache
+clearing), or ``soak``, ``perf``, ``scale`` (labsteps.py; runbook: docs/LAB-RUNBOOK.md).
 State lives in /tmp/lab (results.json, logs); each sub-command copies results and log tails
-to $OUT when set.
+to $OUT when set. ``LAB_DEVICE=cpu`` rehearses everything on a CPU box: tiny checkpoints,
+the CPU engine in SGLang's place, durations scaled by ``LAB_TIME_SCALE``.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ RESULTS = LAB / "results.json"
 SITE = os.environ.get("LAB_SITE", "/tmp/site")
 CAP = int(os.environ.get("LAB_CAP", "8192"))  # the service cap (smaller for CPU smoke tests)
 DEVICE = os.environ.get("LAB_DEVICE", "cuda")
+_MODELS = LAB if DEVICE == "cpu" else Path("/tmp")  # CPU rehearsals keep everything in LAB_DIR
 ENGINES: dict[str, dict[str, Any]] = {
-    "4b": {"model": "/tmp/m4", "port": 30000},
-    "0.6b": {"model": "/tmp/m06", "port": 30001},
+    "4b": {"model": str(_MODELS / "m4"), "port": 30000},
+    "0.6b": {"model": str(_MODELS / "m06"), "port": 30001},
 }
+FI_CACHE = os.environ.get("LAB_FI_CACHE", str(_MODELS / "fi-cache"))
 GATEWAY_PORT = 8000
 GB = 1e9
 
@@ -83,6 +88,8 @@ def spawn_detached(argv: list[str], log: Path, env: dict[str, str]) -> int:
 
 
 def export_out() -> None:
+    """results.json/.md, log tails, and the files a visit lists under ``export``
+    (name in $OUT -> path; at most 8 files come back from a device call, all told)."""
     out = os.environ.get("OUT")
     if not out:
         return
@@ -90,6 +97,9 @@ def export_out() -> None:
     for name in ("results.json", "results.md"):
         if (LAB / name).exists():
             shutil.copy(LAB / name, Path(out) / name)
+    for name, path in load().get("export", {}).items():
+        if Path(path).is_file():
+            shutil.copy(path, Path(out) / name)
     tails = []
     for log in sorted(LAB.glob("*.log")):
         data = log.read_bytes()[-6000:].decode(errors="replace")
@@ -103,7 +113,8 @@ def cmd_models(_: argparse.Namespace) -> int:
         done = LAB / f"model-{shape}.done"
         if done.exists():
             continue
-        script = (f"{sys.executable} -m service.synthetic {shape} {eng['model']} --device cuda "
+        kind = "tiny" if DEVICE == "cpu" else shape
+        script = (f"{sys.executable} -m service.synthetic {kind} {eng['model']} --device {DEVICE} "
                   f"--max-seq-length {CAP} && touch {done}")
         env = child_env()
         env["PYTHONPATH"] = str(ROOT)  # the host's own transformers is fine here
@@ -119,8 +130,28 @@ def engine_env(shape: str) -> dict[str, str]:
         "EMBEDSERVE_ENGINE__PORT": str(eng["port"]),
         "EMBEDSERVE_ENGINE__STATS_DIR": str(LAB / f"stats-{eng['port']}"),
         "EMBEDSERVE_ENGINE__STATS_INTERVAL_S": "0.5",
-        "EMBEDSERVE_ENGINE__FLASHINFER_CACHE_DIR": "/tmp/fi-cache",
+        "EMBEDSERVE_ENGINE__FLASHINFER_CACHE_DIR": FI_CACHE,
+        "EMBEDSERVE_MODEL__MAX_SEQ_LEN": str(CAP),
     }
+
+
+def launch_engine(shape: str, log: Path) -> dict[str, Any]:
+    """One raw engine for ``shape``, detached: SGLang through our launcher (plugin included),
+    or on a CPU rehearsal the CPU engine, which speaks the same token-id protocol."""
+    os.environ.update(engine_env(shape))
+    if DEVICE == "cpu":
+        argv = [sys.executable, "-m", "service.cpu_engine", "--port", str(ENGINES[shape]["port"])]
+        extra: dict[str, str] = {"HF_HUB_OFFLINE": "1"}
+        notes: list[str] = []
+    else:
+        from service.settings import Settings
+        from service.sglang_launch import build_launch
+
+        spec = build_launch(Settings(), python=sys.executable)
+        argv, extra, notes = spec.argv, dict(spec.env), spec.notes
+    pid = spawn_detached(argv, log, child_env({**engine_env(shape), **extra}))
+    return {"pid": pid, "launched_at": time.time(), "argv": argv, "env": extra, "notes": notes,
+            "port": ENGINES[shape]["port"]}
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
@@ -133,18 +164,9 @@ def cmd_launch(a: argparse.Namespace) -> int:
                 export_out()
                 return 1
             time.sleep(2)
-        os.environ.update(engine_env(shape))
-        from service.settings import Settings
-        from service.sglang_launch import build_launch
-
-        spec = build_launch(Settings(), python=sys.executable)
-        env = child_env({**engine_env(shape), **spec.env})
-        pid = spawn_detached(spec.argv, LAB / f"engine-{shape}.log", env)
-        res.setdefault("engines", {})[shape] = {
-            "pid": pid, "launched_at": time.time(), "argv": spec.argv, "env": spec.env,
-            "notes": spec.notes, "port": ENGINES[shape]["port"],
-        }
-        note(res, f"launched {shape} pid {pid}: {' '.join(spec.argv[3:])}")
+        info = launch_engine(shape, LAB / f"engine-{shape}.log")
+        res.setdefault("engines", {})[shape] = info
+        note(res, f"launched {shape} pid {info['pid']}: {' '.join(info['argv'][3:])}")
     save(res)
     export_out()
     return 0
@@ -639,19 +661,29 @@ STEPS: list[tuple[str, str, Any, float]] = [  # name, engine, function, seconds 
 ]
 
 
+def visit_steps(visit: str) -> list[tuple[str, str, Any, float]]:
+    """The step list of a visit; a step's engine ("" = none) must have been launched."""
+    if visit == "engine":
+        return STEPS
+    import labsteps
+
+    return labsteps.VISITS[visit]
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     res = load()
+    res["visit"] = a.visit
     t_end = time.time() + a.budget_s
     only = set(a.only or [])
-    for name, shape, fn, need in STEPS:
+    for name, shape, fn, need in visit_steps(a.visit):
         if only and name not in only:
             continue
         if name in res["steps"] and res["steps"][name].get("ok"):
             continue
-        if shape not in res.get("engines", {}):
+        if shape and shape not in res.get("engines", {}):
             continue
         left = t_end - time.time()
-        if fn is not step_wait and left < need:
+        if fn is not step_wait and need > 0 and left < need:
             note(res, f"stopping before {name}: {left:.0f}s left, needs ~{need:.0f}s")
             break
         note(res, f"step {name}")
@@ -676,6 +708,12 @@ def cmd_run(a: argparse.Namespace) -> int:
 # --- report --------------------------------------------------------------------------------
 def cmd_report(_: argparse.Namespace) -> int:
     res = load()
+    if res.get("visit", "engine") != "engine":
+        import labsteps
+
+        (LAB / "results.md").write_text(labsteps.report(res))
+        export_out()
+        return 0
     st = res.get("steps", {})
     md = ["# GPU lab: embedserve on SGLang 0.5.17 + FlashInfer (H200)", "",
           "Produced by `loadtest/gpu_lab/lab.py` (random-weight Qwen3-Embedding-shaped "
@@ -790,6 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run")
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--only", nargs="*")
+    p.add_argument("--visit", default="engine", choices=["engine", "soak", "perf", "scale"])
     sub.add_parser("report")
     p = sub.add_parser("correctness")
     p.add_argument("--model", required=True)
@@ -804,4 +843,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("lab", sys.modules[__name__])  # labsteps shares this module's state
     raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""Pure figures and tables for the lab's soak, perf and scale visits (no I/O, no GPU), so the
+arithmetic behind each verdict is unit-tested on CPU before a device minute is spent.
+
+A *row* is one ``embedserve loadtest`` run condensed by :func:`row_from`; the visits
+(labsteps.py) tag each row with ``case``, ``side`` (``raw`` / ``gateway``) and knobs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+# issue 7's targets: gateway tok/s over raw SGLang tok/s per case; added P50 at low load
+RATIO_TARGETS = {"short": 1.2, "medium": 0.97, "long": 0.97}
+ADDED_P50_MS_MAX = 3.0
+SCALE_TARGET = 1.9  # issue 8: two engines behind one gateway vs one
+SOAK_FRACTION = 0.85  # issue 3 asks for >= 80% of capacity; a margin for Poisson arrivals
+
+
+def row_from(doc: dict[str, Any], **tags: Any) -> dict[str, Any]:
+    """The figures of one loadtest ``results.json`` that the tables use."""
+    m = doc["measured"]
+    lat = m.get("latency_ms", {})
+    wins = [w for w in doc.get("windows", []) if w.get("latency_ms", {}).get("p95") is not None]
+    return {
+        **tags,
+        "seconds": m.get("duration_s"),
+        "requests": m.get("ok", 0),
+        "tok_s": round(float(m.get("tokens_per_s") or 0.0)),
+        "req_s": round(float(m.get("requests_per_s") or 0.0), 2),
+        "p50_ms": lat.get("p50"),
+        "p95_ms": lat.get("p95"),
+        "p99_ms": lat.get("p99"),
+        "errors": m.get("errors", 0),
+        "throttled_429": m.get("throttled_429", 0),
+        "error_rate": m.get("error_rate", 0.0),
+        "p95_first_window_ms": wins[0]["latency_ms"]["p95"] if wins else None,
+        "p95_last_window_ms": wins[-1]["latency_ms"]["p95"] if wins else None,
+    }
+
+
+def soak_rate(capacity_req_s: float, fraction: float = SOAK_FRACTION) -> float:
+    """Open-loop arrival rate for the soak: ``fraction`` of the closed-loop capacity."""
+    if capacity_req_s <= 0:
+        raise ValueError("capacity must be positive (did the capacity run answer anything?)")
+    return round(capacity_req_s * fraction, 3)
+
+
+def pick_best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The gateway knob setting with the most tokens/s among runs without errors."""
+    clean = [r for r in rows if r.get("side") == "gateway" and not r.get("errors")]
+    return max(clean, key=lambda r: r["tok_s"], default=None)
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case, the median of the alternating raw and gateway runs, their ratio and the
+    added P50, each against issue 7's target (``pass`` is None where no target applies)."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        raw = [r for r in rows if r["case"] == case and r["side"] == "raw"]
+        gw = [r for r in rows if r["case"] == case and r["side"] == "gateway"]
+        raw_tok, gw_tok = _median(raw, "tok_s"), _median(gw, "tok_s")
+        raw_p50, gw_p50 = _median(raw, "p50_ms"), _median(gw, "p50_ms")
+        ratio = round(gw_tok / raw_tok, 3) if raw_tok and gw_tok is not None else None
+        added = round(gw_p50 - raw_p50, 2) if raw_p50 is not None and gw_p50 is not None else None
+        target: str | None = None
+        ok: bool | None = None
+        if case in RATIO_TARGETS:
+            target = f">= {RATIO_TARGETS[case]}x raw tok/s"
+            ok = ratio is not None and ratio >= RATIO_TARGETS[case]
+        elif case == "low":
+            target = f"P50 <= raw + {ADDED_P50_MS_MAX:g} ms"
+            ok = added is not None and added <= ADDED_P50_MS_MAX
+        errors = sum(int(r.get("errors") or 0) for r in raw + gw)
+        out.append({"case": case, "runs": f"{len(raw)}+{len(gw)}", "raw_tok_s": raw_tok,
+                    "gateway_tok_s": gw_tok, "ratio": ratio, "raw_p50_ms": raw_p50,
+                    "gateway_p50_ms": gw_p50, "added_p50_ms": added,
+                    "raw_p95_ms": _median(raw, "p95_ms"), "gateway_p95_ms": _median(gw, "p95_ms"),
+                    "errors": errors, "target": target, "pass": ok if not errors else False})
+    return out
+
+
+def scale_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per load, the best tok/s over the concurrencies tried with 1 and with 2 replicas."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        best = {}
+        for n in (1, 2):
+            cand = [r for r in rows if r["case"] == case and r["replicas"] == n and not r.get("errors")]
+            best[n] = max(cand, key=lambda r: r["tok_s"], default=None)
+        one, two = best[1], best[2]
+        ratio = round(two["tok_s"] / one["tok_s"], 3) if one and two and one["tok_s"] else None
+        out.append({"case": case, "one_tok_s": one and one["tok_s"], "one_conc": one and one["conc"],
+                    "two_tok_s": two and two["tok_s"], "two_conc": two and two["conc"],
+                    "ratio": ratio, "target": f">= {SCALE_TARGET}x",
+                    "pass": ratio is not None and ratio >= SCALE_TARGET})
+    return out
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:g}"
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> list[str]:
+    """Markdown table lines: ``cols`` is (key, header) pairs."""
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
+    return lines
+
+
+# --- results.md ---------------------------------------------------------------------------------
+ROW_COLS = [("name", "run"), ("tok_s", "tok/s"), ("req_s", "req/s"), ("p50_ms", "p50 ms"),
+            ("p95_ms", "p95 ms"), ("errors", "errors"), ("throttled_429", "429")]
+CMP_COLS = [("case", "case"), ("runs", "runs raw+gw"), ("raw_tok_s", "raw tok/s"),
+            ("gateway_tok_s", "gateway tok/s"), ("ratio", "ratio"), ("raw_p50_ms", "raw p50 ms"),
+            ("gateway_p50_ms", "gw p50 ms"), ("added_p50_ms", "added p50 ms"),
+            ("raw_p95_ms", "raw p95 ms"), ("gateway_p95_ms", "gw p95 ms"), ("errors", "errors"),
+            ("target", "target"), ("pass", "met")]
+
+
+def render(res: dict[str, Any], device: str = "H200") -> str:
+    """results.md of a soak, perf or scale visit, from lab.py's results.json."""
+    st, visit = res.get("steps", {}), res.get("visit", "?")
+    md = [f"# GPU lab, {visit} visit ({device})", "",
+          "Produced by `loadtest/gpu_lab/lab.py run --visit " + visit + "` (docs/LAB-RUNBOOK.md); "
+          "every load is one `embedserve loadtest` run; raw = SGLang with token ids, "
+          "gateway = our gateway with texts of the same token counts.", ""]
+    for name, s in st.items():
+        if "ready_after_s" in s:
+            md.append(f"- {name}: ready {s['ready_after_s']} s after launch"
+                      + (f", GPU used {s['gpu_used_gb']} GB" if s.get("gpu_used_gb") else ""))
+    md.append("")
+    if "soak-summary" in st and st["soak-summary"].get("ok"):
+        s = st["soak-summary"]
+        r = s["row"]
+        md += ["## Soak (4B, seed length mix, 1-16 inputs per request, open loop)", "",
+               f"- rate {s['rate']} req/s = {SOAK_FRACTION:.0%} of the closed-loop capacity's req/s; "
+               f"tokens/s {r['tok_s']:,} = {s['load_vs_capacity']} of capacity ({s['capacity_tok_s']:,})",
+               f"- measured {r['seconds']} s, {r['requests']:,} requests, errors {r['errors']} "
+               f"(rate {r['error_rate']}), 429 {r['throttled_429']}, stop: {s['stop_reason']}",
+               f"- latency p50 {r['p50_ms']} ms, p95 {r['p95_ms']} ms, p99 {r['p99_ms']} ms; P95 first "
+               f"window {r['p95_first_window_ms']} ms, last {r['p95_last_window_ms']} ms",
+               f"- verdict: {'PASS' if s['verdict'].get('passed') else 'FAIL'} "
+               f"`{json.dumps(s['verdict'].get('checks', s['verdict']))[:600]}`", "",
+               "| memory series | growth after warm-up |", "|---|---|"]
+        for k, g in s["growth_after_warmup"].items():
+            md.append(f"| {k} | `{json.dumps(g)[:200]}` |")
+        md += ["", f"Allocator (plugin, after warm-up): `{json.dumps(s['allocator'])}`", ""]
+    if "sweep-4b" in st and st["sweep-4b"].get("ok"):
+        rows = st["sweep-4b"]["rows"]
+        md += ["## Coalescing sweep (4B, 16-512 tokens, 1 input per request, conc 64)", ""]
+        md += table(rows, [("side", "side"), ("calls", "engine calls/engine"),
+                           ("wait_ms", "batch max wait ms"), *ROW_COLS[1:]])
+        md += ["", f"Best: `{st['sweep-4b']['best']}` (used for the side-by-side below).", ""]
+    for shape in ("4b", "0.6b"):
+        s = st.get(f"perf-{shape}", {})
+        if s.get("ok"):
+            md += [f"## Side by side, {shape} (gateway knobs {s['knobs']})", ""]
+            md += [*table(s["comparison"], CMP_COLS), "", "<details><summary>every run</summary>", ""]
+            md += [*table(s["rows"], ROW_COLS), "", "</details>", ""]
+    w = st.get("warm-start-4b", {})
+    if w.get("ok"):
+        md += ["## Start-up with a persisted FlashInfer cache (4B)", "",
+               f"- cold: {w['cold_ready_s']} s; warm relaunch, same `{w['flashinfer_cache_dir']}` "
+               f"({w['cache_mb']} MB): {w['warm_ready_s']} s (target <= {w['target_s']} s: "
+               f"{fmt(bool(w['warm_ready_s'] and w['warm_ready_s'] <= w['target_s']))})", ""]
+    rows = [r for k in ("load-r1", "load-r2") for r in st.get(k, {}).get("rows", [])]
+    if rows:
+        md += ["## Scale-out: one gateway, 1 then 2 SGLang engines (one GPU each)", ""]
+        md += table(scale_summary(rows), [("case", "case"), ("one_tok_s", "1 engine tok/s"),
+                                          ("one_conc", "conc"), ("two_tok_s", "2 engines tok/s"),
+                                          ("two_conc", "conc"), ("ratio", "ratio"),
+                                          ("target", "target"), ("pass", "met")])
+        md += ["", *table(rows, [("replicas", "replicas"), ("conc", "conc"), *ROW_COLS]), ""]
+        for k in ("load-r1", "load-r2"):
+            if st.get(k, {}).get("gpu_used_gb"):
+                md.append(f"- {k}: GPU used {st[k]['gpu_used_gb']} GB")
+        md.append("")
+    failed = {k: v.get("error") for k, v in st.items() if not v.get("ok")}
+    if failed:
+        md += ["## Failed steps", ""] + [f"- {k}: `{v}`" for k, v in failed.items()] + [""]
+    return "\n".join(md)
