@@ -154,11 +154,16 @@ def render(res: dict[str, Any], device: str = "H200") -> str:
                f"(rate {r['error_rate']}), 429 {r['throttled_429']}, stop: {s['stop_reason']}",
                f"- latency p50 {r['p50_ms']} ms, p95 {r['p95_ms']} ms, p99 {r['p99_ms']} ms; P95 first "
                f"window {r['p95_first_window_ms']} ms, last {r['p95_last_window_ms']} ms",
-               f"- verdict: {'PASS' if s['verdict'].get('passed') else 'FAIL'} "
-               f"`{json.dumps(s['verdict'].get('checks', s['verdict']))[:600]}`", "",
-               "| memory series | growth after warm-up |", "|---|---|"]
+               f"- verdict: {'PASS' if s['verdict'].get('passed') else 'FAIL'}", ""]
+        md += table(s["verdict"].get("checks", []), [("check", "check"), ("value", "value"),
+                                                     ("target", "target"), ("status", "status"),
+                                                     ("detail", "detail")])
+        md += ["", "| memory series | first MiB | last MiB | growth MiB | MiB/h | samples |",
+               "|---|---|---|---|---|---|"]
         for k, g in s["growth_after_warmup"].items():
-            md.append(f"| {k} | `{json.dumps(g)[:200]}` |")
+            md.append(f"| {k} | {fmt(g.get('first_mib'))} | {fmt(g.get('last_mib'))} | "
+                      f"{fmt(g.get('growth_mib'))} | {fmt(g.get('growth_mib_per_hour'))} | "
+                      f"{fmt(g.get('samples'))} |")
         md += ["", f"Allocator (plugin, after warm-up): `{json.dumps(s['allocator'])}`", ""]
     if "sweep-4b" in st and st["sweep-4b"].get("ok"):
         rows = st["sweep-4b"]["rows"]

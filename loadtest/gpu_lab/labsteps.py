@@ -171,13 +171,19 @@ def step_up(res: dict[str, Any], shape: str, budget_end: float, *, tag: str, mod
 
 
 def step_ready(res: dict[str, Any], shape: str, budget_end: float, *, tag: str) -> dict[str, Any]:
-    """Until the stack's gateway is ready (engines started, warmed up); resumable."""
+    """Until ``up`` printed its banner (every engine ready and warmed up; the gateway's
+    /health/ready already passes with one engine of several); resumable."""
     info = res["stacks"][tag]
-    t = wait_ok(f"http://127.0.0.1:{info['port']}/health/ready", budget_end - 5)
-    if t is None:
+    log = lab.LAB / f"stack-{tag}.log"
+    while "embedserve is up" not in log.read_text(errors="replace"):
         if lab.pgid_of(info["pid"]) is None:
             raise RuntimeError(f"stack {tag} exited; see stack-{tag}.log")
-        raise TimeoutError(f"stack {tag} not ready yet")
+        if time.time() > budget_end - 5:
+            raise TimeoutError(f"stack {tag} not ready yet")
+        time.sleep(1)
+    t = time.time()
+    if wait_ok(f"http://127.0.0.1:{info['port']}/health/ready", t + 30) is None:
+        raise RuntimeError(f"stack {tag}: banner printed but /health/ready fails")
     return {"ready_after_s": round(t - info["launched_at"], 1), "gpu_used_gb": gpu_used_gb()}
 
 
