@@ -108,8 +108,10 @@ def export_out() -> None:
 
 
 # --- models and engines --------------------------------------------------------------------
-def cmd_models(_: argparse.Namespace) -> int:
+def cmd_models(a: argparse.Namespace) -> int:
     for shape, eng in ENGINES.items():
+        if shape not in a.shapes:
+            continue
         done = LAB / f"model-{shape}.done"
         if done.exists():
             continue
@@ -821,7 +823,8 @@ def cmd_report(_: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("models")
+    p = sub.add_parser("models")
+    p.add_argument("--shapes", nargs="+", default=list(ENGINES))
     p = sub.add_parser("launch")
     p.add_argument("--shapes", nargs="+", default=list(ENGINES))
     p.add_argument("--wait-models-s", type=float, default=240)

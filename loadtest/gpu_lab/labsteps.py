@@ -67,8 +67,18 @@ def stack_env(shape: str, port: int, *, replicas: int = 1, urls: list[str] | Non
     return env | (extra or {})
 
 
+def port_busy(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def start_stack(res: dict[str, Any], tag: str, cmd: str, env: dict[str, str]) -> dict[str, Any]:
     """``embedserve up|gateway`` in its own session (it outlives the device call)."""
+    port = int(env["EMBEDSERVE_GATEWAY__PORT"])
+    if port_busy(port):
+        raise RuntimeError(f"port {port} is taken: a stack of an earlier step or run still holds it")
     pid = lab.spawn_detached([sys.executable, "-m", "service.cli", cmd], lab.LAB / f"stack-{tag}.log",
                              lab.child_env(env))
     info = {"pid": pid, "cmd": cmd, "launched_at": time.time(),
@@ -194,11 +204,24 @@ def step_stop(res: dict[str, Any], shape: str, budget_end: float, *, tag: str) -
     return {"clean": clean, "gpu_used_gb_after": gpu_used_gb()}
 
 
+def step_stop_all(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
+    """Every engine and stack this visit started (the device host is given back anyway;
+    a CPU rehearsal must not leave them running)."""
+    stopped = []
+    for group in ("stacks", "engines"):
+        for tag, info in res.get(group, {}).items():
+            if not info.get("stopped"):
+                stop_group(info["pid"], 60)
+                info["stopped"] = True
+                stopped.append(tag)
+    return {"stopped": stopped}
+
+
 # --- soak (issue 3) ------------------------------------------------------------------------------
 def step_capacity(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
     """Closed loop at saturation with the soak's traffic, to size the soak's rate."""
     row = loadtest("capacity", f"http://127.0.0.1:{lab.GATEWAY_PORT}", model_dir=lab.ENGINES["4b"]["model"],
-                   mix="seed", inputs="1-16", conc=32, duration=secs(45), warmup=secs(10), seed=3,
+                   mix="seed", inputs="1-16", conc=32, duration=secs(30), warmup=secs(8), seed=3,
                    tags={"case": "capacity", "side": "gateway"})
     if not row["requests"]:
         raise RuntimeError("the capacity run got no answer")
@@ -407,18 +430,20 @@ VISITS: dict[str, list[Step]] = {
     "soak": [
         ("up", "", partial(step_up, tag="soak", model="4b"), 0),
         ("ready", "", partial(step_ready, tag="soak"), 0),
-        ("capacity", "", step_capacity, secs(70)),
+        ("capacity", "", step_capacity, secs(50)),
         ("soak-start", "", step_soak_start, 5),
         ("soak-wait", "", step_soak_wait, 0),
         ("soak-summary", "", step_soak_summary, 5),
+        ("stop-all", "", step_stop_all, 0),
     ],
     "perf": [
         ("ready-4b", "4b", lab.step_wait, 30),
         ("ready-0.6b", "0.6b", lab.step_wait, 30),
-        ("sweep-4b", "4b", step_sweep, secs(240)),
-        ("perf-4b", "4b", step_perf, secs(270)),
-        ("perf-0.6b", "0.6b", step_perf, secs(270)),
+        ("sweep-4b", "4b", step_sweep, secs(260)),
+        ("perf-4b", "4b", step_perf, secs(300)),
+        ("perf-0.6b", "0.6b", step_perf, secs(300)),
         ("warm-start-4b", "4b", step_warm_start, secs(150)),
+        ("stop-all", "", step_stop_all, 0),
     ],
     "scale": [
         ("up-r1", "", partial(step_up, tag="r1", model="4b", replicas=1, extra=SCALE_EXTRA), 0),
@@ -429,6 +454,7 @@ VISITS: dict[str, list[Step]] = {
         ("ready-r2", "", partial(step_ready, tag="r2"), 0),
         ("load-r2", "", partial(step_scale_load, replicas=2), secs(160)),
         ("stop-r2", "", partial(step_stop, tag="r2"), 30),
+        ("stop-all", "", step_stop_all, 0),
     ],
 }
 
