@@ -707,6 +707,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pending(a: argparse.Namespace) -> int:
+    """Steps of the visit not done yet (exit 1 if any): drives rehearse.sh's repeated calls."""
+    done = {k for k, v in load().get("steps", {}).items() if v.get("ok")}
+    left = [name for name, *_ in visit_steps(a.visit) if name not in done]
+    print(" ".join(left) or "all done")
+    return 1 if left else 0
+
+
 # --- report --------------------------------------------------------------------------------
 def cmd_report(_: argparse.Namespace) -> int:
     res = load()
@@ -833,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*")
     p.add_argument("--visit", default="engine", choices=["engine", "soak", "perf", "scale"])
     sub.add_parser("report")
+    p = sub.add_parser("pending")
+    p.add_argument("--visit", default="engine", choices=["engine", "soak", "perf", "scale"])
     p = sub.add_parser("correctness")
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -841,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     LAB.mkdir(parents=True, exist_ok=True)
     fn = {"models": cmd_models, "launch": cmd_launch, "run": cmd_run, "report": cmd_report,
-          "correctness": cmd_correctness}[a.cmd]
+          "pending": cmd_pending, "correctness": cmd_correctness}[a.cmd]
     return int(fn(a) or 0)
 
 
