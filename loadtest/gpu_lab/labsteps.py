@@ -59,8 +59,8 @@ def stack_env(shape: str, port: int, *, replicas: int = 1, urls: list[str] | Non
            "EMBEDSERVE_ENGINE__REPLICAS": str(replicas), "EMBEDSERVE_LOG_LEVEL": "WARNING"}
     if urls:
         env |= {"EMBEDSERVE_ENGINE__KIND": "external", "EMBEDSERVE_ENGINE__URLS": json.dumps(urls)}
-    elif CPU:
-        env["EMBEDSERVE_ENGINE__KIND"] = "cpu"
+    else:  # never "auto": a soak that quietly fell back to the CPU engine would mislead
+        env["EMBEDSERVE_ENGINE__KIND"] = "cpu" if CPU else "sglang"
     if knobs:
         env |= {"EMBEDSERVE_GATEWAY__ENGINE_CALLS_PER_ENGINE": str(knobs[0]),
                 "EMBEDSERVE_GATEWAY__BATCH_MAX_WAIT_MS": str(knobs[1])}
