@@ -675,6 +675,8 @@ def visit_steps(visit: str) -> list[tuple[str, str, Any, float]]:
 def cmd_run(a: argparse.Namespace) -> int:
     res = load()
     res["visit"] = a.visit
+    for name in a.redo or []:  # e.g. the sweep again with other LAB_SWEEP knobs
+        res["steps"].pop(name, None)
     t_end = time.time() + a.budget_s
     only = set(a.only or [])
     for name, shape, fn, need in visit_steps(a.visit):
@@ -839,6 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run")
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--only", nargs="*")
+    p.add_argument("--redo", nargs="*", help="forget these steps' results and run them again")
     p.add_argument("--visit", default="engine", choices=["engine", "soak", "perf", "scale"])
     sub.add_parser("report")
     p = sub.add_parser("pending")
