@@ -79,6 +79,7 @@ def create_app(
     settings: Settings,
     supervisor: Callable[[], SupervisorView] | None = None,
     engine_transport: httpx.AsyncBaseTransport | None = None,
+    engine_kind: str = "external",
 ) -> FastAPI:
     """``engine_transport`` replaces the network to the engines (tests use a fake engine)."""
     gw = settings.gateway
@@ -96,7 +97,7 @@ def create_app(
         max_concurrent_calls=gw.engine_calls_per_engine * len(pool.engines),
         max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
-    admission = TokenAdmission(gw.max_tokens_in_flight)
+    admission = TokenAdmission(settings.tokens_in_flight_limit(engine_kind))
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
     pipeline = EmbeddingPipeline(gw, card, tokenizer, coalescer, admission, metrics, executor)
 

@@ -171,8 +171,12 @@ class GatewaySettings(BaseModel):
         "inputs of concurrent requests gather into the next call",
     )
     max_inputs_per_engine_call: int = Field(256, ge=1)
-    max_tokens_in_flight: int = Field(
-        262_144, ge=1, description="admission control: beyond this, 429 with Retry-After"
+    max_tokens_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="admission control: beyond this, 429 with Retry-After. Default: 262,144 for "
+        "a GPU engine, 32,768 for the CPU engine (tens of seconds of its work, so overload "
+        "answers 429 instead of queueing into 504s)",
     )
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline (504)")
     tokenizer_threads: int = Field(2, ge=1)
@@ -260,6 +264,11 @@ class Settings(BaseSettings):
         if self.health.critical_hours >= self.health.warning_hours:
             raise ValueError("health.critical_hours must be below health.warning_hours")
         return self
+
+    def tokens_in_flight_limit(self, engine_kind: str) -> int:
+        if self.gateway.max_tokens_in_flight is not None:
+            return self.gateway.max_tokens_in_flight
+        return 32_768 if engine_kind == "cpu" else 262_144
 
     def hang_after_s(self) -> float:
         return self.health.hang_after_s or 4 * self.gateway.request_timeout_s

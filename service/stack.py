@@ -128,7 +128,7 @@ async def run_stack(settings: Settings) -> int:
             detail="; ".join(f"{s.name} exited ({s.last_exit})" for s in dead),
         )
 
-    app = create_app(settings, supervisor=view if supervisors else None)
+    app = create_app(settings, supervisor=view if supervisors else None, engine_kind=kind)
     g = settings.gateway
     server = _StackServer(
         uvicorn.Config(
