@@ -83,11 +83,6 @@ class ModelTokenizer:
             out.append(TokenizedInput(self.prefix + ids[:budget] + self.suffix, len(ids) + frame))
         return out
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Untruncated lengths, special tokens included (for strict ``truncate=false``)."""
-        frame = len(self.prefix) + len(self.suffix)
-        return [len(e.ids) + frame for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
-
     def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
         """Client-sent ids are embedded as sent; when over-long, a leading prefix and a
         trailing suffix of special tokens that the client included are kept."""
