@@ -93,7 +93,10 @@ class EnginePool:
         self._call_ids = 0
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        # Idle connections expire before the engine's server closes them (uvicorn's and
+        # SGLang's keep-alive is 5 s, httpx's default expiry too): reusing one the server is
+        # closing at that instant fails the call and would mark a healthy engine down.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=2.0)
         self._client = httpx.AsyncClient(limits=limits, timeout=self._timeout, transport=self._transport)
         self._checker = asyncio.create_task(self._check_loop(), name="engine-health")
 

@@ -188,6 +188,13 @@ class GatewaySettings(BaseModel):
     cors_origins: list[str] = Field(default_factory=list)
     log_request_text: bool = False
     graceful_shutdown_s: float = 30.0
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description="idle keep-alive; longer than clients' pools (httpx and the OpenAI SDK 5 s, "
+        "aiohttp 15 s) and load balancers' (AWS ALB 60 s), so the server never closes a "
+        "connection a client is reusing at that instant",
+    )
 
 
 class HealthSettings(BaseModel):

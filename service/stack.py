@@ -138,6 +138,7 @@ async def run_stack(settings: Settings) -> int:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
+            timeout_keep_alive=int(g.keep_alive_s),
             # h11, not httptools: httptools has no header-size limit (a 100 MB header was
             # buffered whole). h11 answers 400 once an unfinished request head passes this
             # size; reads come in 64 KiB chunks, so no head over 64 KiB is ever accepted.
