@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,13 @@ def test_render_handles_a_partial_visit() -> None:
     md = lr.render(res)
     assert "| short | 1+1 | 50,000 | 61,000 | 1.22 |" in md
     assert "perf-0.6b: `boom`" in md
+
+
+def test_engine_visit_report_renders_the_committed_lab_results() -> None:
+    results = Path(__file__).resolve().parents[1] / "results" / "gpu-lab" / "results.json"
+    md = lr.render_engine(json.loads(results.read_text()), 8192)
+    correctness = [ln for ln in md.splitlines() if "| SGLang token ids |" in ln or "| gateway text |" in ln]
+    assert len(correctness) == 15 and all("| yes |" in ln for ln in correctness)
+    assert "| p50 ms | p95 ms | p99 ms |" in md  # cache-clearing columns in order
+    assert "5 runs, mean 58,325 tok/s, median 56,643" in md
+    assert "## Failed steps" not in md

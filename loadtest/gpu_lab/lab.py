@@ -726,106 +726,11 @@ def cmd_report(_: argparse.Namespace) -> int:
         (LAB / "results.md").write_text(labsteps.report(res))
         export_out()
         return 0
-    st = res.get("steps", {})
-    md = ["# GPU lab: embedserve on SGLang 0.5.17 + FlashInfer (H200)", "",
-          "Produced by `loadtest/gpu_lab/lab.py` (random-weight Qwen3-Embedding-shaped "
-          f"checkpoints from `service.synthetic`; cap {CAP} tokens, so `--context-length "
-          f"{CAP + 1}`).", ""]
-    for shape, info in res.get("engines", {}).items():
-        md.append(f"- {shape} engine: `{' '.join(info['argv'][1:])}`")
-        ready = st.get(f"ready-{shape}", {}).get("ready_after_s")
-        if ready:
-            md.append(f"  - ready {ready} s after launch")
-    md.append("")
-    md += ["## Correctness (cosine vs transformers forward pass, last token, L2 norm)", "",
-           "| engine | path | case | tokens | EOS last | cos vs bf16 ref | cos vs fp32 ref |",
-           "|---|---|---|---|---|---|---|"]
-    for key, path in (("correctness-0.6b", "SGLang token ids"), ("correctness-4b", "SGLang token ids"),
-                      ("gateway-4b", "gateway text")):
-        s = st.get(key)
-        if not s or not s.get("ok"):
-            continue
-        for c in s.get("cases", []):
-            md.append(f"| {key.split('-')[-1]} | {path} | {c['case']} | {c['tokens']} | "
-                      f"{c['eos_last']} | {c['cos_bfloat16']} | {c['cos_float32']} |")
-    md.append("")
-    mem = st.get("memory-4b-idle", {})
-    if mem.get("ok"):
-        nv = mem["nvml"]
-        md += ["## GPU memory (4B engine, NVML, its process group)", "",
-               f"- idle after start: engine {nv['per_engine'].get('4b', 0) / GB:.2f} GB, "
-               f"device used {nv['device_used'] / GB:.2f} of {nv['device_total'] / GB:.1f} GB"]
-        for ps in mem.get("plugin_stats", []):
-            md.append(f"- plugin (scheduler pid {ps['pid']}): allocated "
-                      f"{ps['allocated_bytes'] / GB:.2f} GB, reserved {ps['reserved_bytes'] / GB:.2f} GB")
-        md.append("")
-    thr = st.get("throughput-4b", {})
-    if thr.get("ok"):
-        md += ["## Throughput (4B, token ids straight to SGLang, closed loop)", "",
-               "| load | bs | conc | tok/s | req/s | p50 ms | p95 ms | errors | engine GPU peak GB "
-               "| README default pool tok/s | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in thr["rows"]:
-            md.append(f"| {r['load']} | {r['bs']} | {r['conc']} | {r['tok_s']:,} | {r['req_s']} | "
-                      f"{r['p50_ms']} | {r['p95_ms']} | {sum(r['errors'].values())} | "
-                      f"{r['engine_gpu_peak_gb']} | {r.get('baseline_default_pool_tok_s', '')} | "
-                      f"{r.get('vs_default_pool', '')} |")
-        md.append("")
-    cc = st.get("cache-clearing-4b", {})
-    if cc.get("ok"):
-        md += ["## Cache clearing (4B, seed length mix, 1-16 inputs/request, conc 32)", "",
-               "| phase | s | tok/s | p50 ms | p95 ms | p99 ms | batches | clears | ms/clear | "
-               "end reserved-allocated GB | max reserved-allocated GB | end inactive-split GB | "
-               "max reserved GB | engine GPU peak GB |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in cc["phases"]:
-            md.append(f"| {r['phase']} | {r['seconds']} | {r['tok_s']:,} | {r['p50_ms']} | "
-                      f"{r['p95_ms']} | {r['p99_ms']} | {r['batches']} | {r['clears']} | "
-                      f"{r['clear_ms_mean']} | {r['end_unused_gb']} | {r['max_unused_gb']} | "
-                      f"{r['end_inactive_split_gb']} | {r['max_reserved_gb']} | "
-                      f"{r['engine_gpu_peak_gb']} |")
-        md.append("")
-    var = st.get("variants-noexp-overlap", {})
-    if var.get("ok"):
-        md += ["### Same run with torch's default allocator (no `expandable_segments`)", "",
-               "| phase | s | tok/s | p50 ms | p95 ms | batches | clears | ms/clear | "
-               "end reserved-allocated GB | max reserved-allocated GB | end inactive-split GB | "
-               "max reserved GB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in var["cache_noexp"]["phases"]:
-            md.append(f"| {r['phase']} | {r['seconds']} | {r['tok_s']:,} | {r['p50_ms']} | "
-                      f"{r['p95_ms']} | {r['batches']} | {r['clears']} | {r['clear_ms_mean']} | "
-                      f"{r['end_unused_gb']} | {r['max_unused_gb']} | {r['end_inactive_split_gb']} | "
-                      f"{r['max_reserved_gb']} |")
-        md.append("")
-    runs: list[tuple[str, dict[str, Any]]] = []
-    for r in thr.get("rows", []) + thr.get("reruns_short", []):
-        if r["load"] == "16-512" and r["bs"] == 1:
-            runs.append(("expandable (default launch)", r))
-    for r in var.get("overlap_on", []):
-        runs.append(("expandable + overlap on", r))
-    for r in var.get("noexp_short", []):
-        runs.append(("no expandable_segments", r))
-    for r in st.get("variants-ab", {}).get("runs", []):
-        runs.append((r["variant"], r))
-    if runs:
-        md += ["## Launch variants, every run (4B, random token ids, closed loop)", "",
-               "| variant | load | bs | conc | s | tok/s | p50 ms | p95 ms |",
-               "|---|---|---|---|---|---|---|---|"]
-        for tag, r in runs:
-            md.append(f"| {tag} | {r['load']} | {r['bs']} | {r['conc']} | {r['seconds']} | "
-                      f"{r['tok_s']:,} | {r['p50_ms']} | {r['p95_ms']} |")
-        md.append("")
-        short = [r["tok_s"] for t, r in runs if t.startswith("expandable (default") and r["load"] == "16-512"
-                 and r["bs"] == 1]
-        if short:
-            md.append(f"16-512 tokens, bs 1, conc 64 with the default launch: {len(short)} runs, mean "
-                      f"{statistics.fmean(short):,.0f} tok/s, median {statistics.median(short):,.0f} "
-                      f"(README default pool: 59,870), range {min(short):,}-{max(short):,}.")
-            md.append("")
-    failed = {k: v.get("error") for k, v in st.items() if not v.get("ok")}
-    if failed:
-        md += ["## Failed steps", ""] + [f"- {k}: `{v}`" for k, v in failed.items()] + [""]
-    (LAB / "results.md").write_text("\n".join(md))
-    print("\n".join(md))
+    import labreport
+
+    text = labreport.render_engine(res, CAP)
+    (LAB / "results.md").write_text(text)
+    print(text)
     export_out()
     return 0
 

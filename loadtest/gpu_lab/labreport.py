@@ -132,6 +132,86 @@ CMP_COLS = [("case", "case"), ("runs", "runs raw+gw"), ("raw_tok_s", "raw tok/s"
             ("target", "target"), ("pass", "met")]
 
 
+RUN_COLS = [("tok_s", "tok/s"), ("p50_ms", "p50 ms"), ("p95_ms", "p95 ms")]
+PHASE_COLS = [("phase", "phase"), ("seconds", "s"), *RUN_COLS, ("batches", "batches"),
+              ("clears", "clears"), ("clear_ms_mean", "ms/clear"),
+              ("end_unused_gb", "end reserved-allocated GB"),
+              ("max_unused_gb", "max reserved-allocated GB"),
+              ("end_inactive_split_gb", "end inactive-split GB"), ("max_reserved_gb", "max reserved GB")]
+GB = 1e9
+
+
+def render_engine(res: dict[str, Any], cap: int) -> str:
+    """results.md of the first (engine) visit: correctness, memory, throughput, cache clearing."""
+    st = res.get("steps", {})
+    md = ["# GPU lab: embedserve on SGLang 0.5.17 + FlashInfer (H200)", "",
+          "Produced by `loadtest/gpu_lab/lab.py` (random-weight Qwen3-Embedding-shaped "
+          f"checkpoints from `service.synthetic`; cap {cap} tokens, so `--context-length "
+          f"{cap + 1}`).", ""]
+    for shape, info in res.get("engines", {}).items():
+        md.append(f"- {shape} engine: `{' '.join(info['argv'][1:])}`")
+        if ready := st.get(f"ready-{shape}", {}).get("ready_after_s"):
+            md.append(f"  - ready {ready} s after launch")
+    md.append("")
+    cases = [{"engine": key.split("-")[-1], "path": path, **c}
+             for key, path in (("correctness-0.6b", "SGLang token ids"),
+                               ("correctness-4b", "SGLang token ids"), ("gateway-4b", "gateway text"))
+             if st.get(key, {}).get("ok") for c in st[key].get("cases", [])]
+    md += ["## Correctness (cosine vs transformers forward pass, last token, L2 norm)", ""]
+    md += [*table(cases, [("engine", "engine"), ("path", "path"), ("case", "case"),
+                          ("tokens", "tokens"), ("eos_last", "EOS last"),
+                          ("cos_bfloat16", "cos vs bf16 ref"), ("cos_float32", "cos vs fp32 ref")]), ""]
+    mem = st.get("memory-4b-idle", {})
+    if mem.get("ok"):
+        nv = mem["nvml"]
+        md += ["## GPU memory (4B engine, NVML, its process group)", "",
+               f"- idle after start: engine {nv['per_engine'].get('4b', 0) / GB:.2f} GB, "
+               f"device used {nv['device_used'] / GB:.2f} of {nv['device_total'] / GB:.1f} GB"]
+        md += [f"- plugin (scheduler pid {ps['pid']}): allocated {ps['allocated_bytes'] / GB:.2f} GB, "
+               f"reserved {ps['reserved_bytes'] / GB:.2f} GB" for ps in mem.get("plugin_stats", [])]
+        md.append("")
+    thr = st.get("throughput-4b", {})
+    if thr.get("ok"):
+        rows = [{**r, "errors": sum(r["errors"].values())} for r in thr["rows"]]
+        md += ["## Throughput (4B, token ids straight to SGLang, closed loop)", ""]
+        md += [*table(rows, [("load", "load"), ("bs", "bs"), ("conc", "conc"), RUN_COLS[0],
+                             ("req_s", "req/s"), *RUN_COLS[1:], ("errors", "errors"),
+                             ("engine_gpu_peak_gb", "engine GPU peak GB"),
+                             ("baseline_default_pool_tok_s", "README default pool tok/s"),
+                             ("vs_default_pool", "ratio")]), ""]
+    cc = st.get("cache-clearing-4b", {})
+    if cc.get("ok"):
+        md += ["## Cache clearing (4B, seed length mix, 1-16 inputs/request, conc 32)", ""]
+        md += [*table(cc["phases"], [*PHASE_COLS[:5], ("p99_ms", "p99 ms"), *PHASE_COLS[5:],
+                                     ("engine_gpu_peak_gb", "engine GPU peak GB")]), ""]
+    var = st.get("variants-noexp-overlap", {})
+    if var.get("ok"):
+        md += ["### Same run with torch's default allocator (no `expandable_segments`)", ""]
+        md += [*table(var["cache_noexp"]["phases"], PHASE_COLS), ""]
+    runs = [{"variant": "expandable (default launch)", **r}
+            for r in thr.get("rows", []) + thr.get("reruns_short", [])
+            if r["load"] == "16-512" and r["bs"] == 1]
+    runs += [{"variant": "expandable + overlap on", **r} for r in var.get("overlap_on", [])]
+    runs += [{"variant": "no expandable_segments", **r} for r in var.get("noexp_short", [])]
+    runs += st.get("variants-ab", {}).get("runs", [])
+    short = [r["tok_s"] for r in runs if r["variant"].startswith("expandable (default")
+             and r["load"] == "16-512" and r["bs"] == 1]
+    if runs:
+        md += ["## Launch variants, every run (4B, random token ids, closed loop)", ""]
+        md += [*table(runs, [("variant", "variant"), ("load", "load"), ("bs", "bs"), ("conc", "conc"),
+                             ("seconds", "s"), *RUN_COLS]), ""]
+        if short:
+            md += [f"16-512 tokens, bs 1, conc 64 with the default launch: {len(short)} runs, mean "
+                   f"{statistics.fmean(short):,.0f} tok/s, median {statistics.median(short):,.0f} "
+                   f"(README default pool: 59,870), range {min(short):,}-{max(short):,}.", ""]
+    return "\n".join(md + failed_steps(st))
+
+
+def failed_steps(st: dict[str, Any]) -> list[str]:
+    failed = {k: v.get("error") for k, v in st.items() if not v.get("ok")}
+    return ["## Failed steps", "", *(f"- {k}: `{v}`" for k, v in failed.items()), ""] if failed else []
+
+
 def render(res: dict[str, Any], device: str = "H200") -> str:
     """results.md of a soak, perf or scale visit, from lab.py's results.json."""
     st, visit = res.get("steps", {}), res.get("visit", "?")
@@ -158,13 +238,11 @@ def render(res: dict[str, Any], device: str = "H200") -> str:
         md += table(s["verdict"].get("checks", []), [("check", "check"), ("value", "value"),
                                                      ("target", "target"), ("status", "status"),
                                                      ("detail", "detail")])
-        md += ["", "| memory series | first MiB | last MiB | growth MiB | MiB/h | samples |",
-               "|---|---|---|---|---|---|"]
-        for k, g in s["growth_after_warmup"].items():
-            md.append(f"| {k} | {fmt(g.get('first_mib'))} | {fmt(g.get('last_mib'))} | "
-                      f"{fmt(g.get('growth_mib'))} | {fmt(g.get('growth_mib_per_hour'))} | "
-                      f"{fmt(g.get('samples'))} |")
-        md += ["", f"Allocator (plugin, after warm-up): `{json.dumps(s['allocator'])}`", ""]
+        series = [{"series": k, **g} for k, g in s["growth_after_warmup"].items()]
+        md += ["", *table(series, [("series", "memory series"), ("first_mib", "first MiB"),
+                                   ("last_mib", "last MiB"), ("growth_mib", "growth MiB"),
+                                   ("growth_mib_per_hour", "MiB/h"), ("samples", "samples")]), "",
+               f"Allocator (plugin, after warm-up): `{json.dumps(s['allocator'])}`", ""]
     if "sweep-4b" in st and st["sweep-4b"].get("ok"):
         rows = st["sweep-4b"]["rows"]
         md += ["## Coalescing sweep (4B, 16-512 tokens, 1 input per request, conc 64)", ""]
@@ -195,7 +273,4 @@ def render(res: dict[str, Any], device: str = "H200") -> str:
             if st.get(k, {}).get("gpu_used_gb"):
                 md.append(f"- {k}: GPU used {st[k]['gpu_used_gb']} GB")
         md.append("")
-    failed = {k: v.get("error") for k, v in st.items() if not v.get("ok")}
-    if failed:
-        md += ["## Failed steps", ""] + [f"- {k}: `{v}`" for k, v in failed.items()] + [""]
-    return "\n".join(md)
+    return "\n".join(md + failed_steps(st))
