@@ -137,23 +137,32 @@ def engine_env(shape: str) -> dict[str, str]:
     }
 
 
-def launch_engine(shape: str, log: Path) -> dict[str, Any]:
+def launch_engine(shape: str, log: Path, *, port: int | None = None, gpu: int | None = None,
+                  extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """One raw engine for ``shape``, detached: SGLang through our launcher (plugin included),
-    or on a CPU rehearsal the CPU engine, which speaks the same token-id protocol."""
-    os.environ.update(engine_env(shape))
+    or on a CPU rehearsal the CPU engine, which speaks the same token-id protocol. ``port``,
+    ``gpu`` and ``extra_args`` (appended to SGLang's argv) serve A/B launches."""
+    port = port or ENGINES[shape]["port"]
+    env = engine_env(shape) | {"EMBEDSERVE_ENGINE__PORT": str(port),
+                               "EMBEDSERVE_ENGINE__STATS_DIR": str(LAB / f"stats-{port}")}
+    os.environ.update(env)
     if DEVICE == "cpu":
-        argv = [sys.executable, "-m", "service.cpu_engine", "--port", str(ENGINES[shape]["port"])]
+        argv = [sys.executable, "-m", "service.cpu_engine", "--port", str(port)]
         extra: dict[str, str] = {"HF_HUB_OFFLINE": "1"}
         notes: list[str] = []
     else:
         from service.settings import Settings
         from service.sglang_launch import build_launch
 
-        spec = build_launch(Settings(), python=sys.executable)
+        settings = Settings()
+        settings.engine.extra_args = [*settings.engine.extra_args, *extra_args]
+        spec = build_launch(settings, python=sys.executable)
         argv, extra, notes = spec.argv, dict(spec.env), spec.notes
-    pid = spawn_detached(argv, log, child_env({**engine_env(shape), **extra}))
+    if gpu is not None:
+        extra["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    pid = spawn_detached(argv, log, child_env({**env, **extra}))
     return {"pid": pid, "launched_at": time.time(), "argv": argv, "env": extra, "notes": notes,
-            "port": ENGINES[shape]["port"]}
+            "port": port}
 
 
 def cmd_launch(a: argparse.Namespace) -> int:

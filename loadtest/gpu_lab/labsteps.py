@@ -424,6 +424,59 @@ def step_scale_load(res: dict[str, Any], shape: str, budget_end: float, *, repli
     return {"rows": rows, "gpu_used_gb": gpu_used_gb()}
 
 
+# --- prefill CUDA graphs on/off (scale visit, one engine per GPU) ---------------------------------
+# SGLang 0.5.17 captures prefill CUDA graphs for embedding models too: most of the 4-5 min
+# cold start ("Capturing num tokens ... 74 sizes"). Does turning them off cost anything?
+AB_FLAG = "--disable-prefill-cuda-graph"
+AB_PLAN: list[tuple[str, str, str, int, float]] = [  # case, mix, inputs/request, conc, seconds
+    ("low", "uniform:16-512", "1", 1, 10),
+    ("short", "uniform:16-512", "1", 64, 15),
+    ("seed mix", "seed", "1-16", 32, 15),
+]
+
+
+def step_ab_launch(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
+    """Two raw 4B engines at once, the last GPU without prefill CUDA graphs (same warm JIT cache)."""
+    last_gpu = max(0, len(gpu_used_gb()) - 1)
+    engines = res.setdefault("engines", {})
+    engines["ab-graphs"] = lab.launch_engine("4b", lab.LAB / "engine-ab-graphs.log", port=30010, gpu=0)
+    engines["ab-eager"] = lab.launch_engine("4b", lab.LAB / "engine-ab-eager.log", port=30011,
+                                            gpu=last_gpu, extra_args=(AB_FLAG,))
+    return {"gpus": [0, last_gpu], "eager_argv_has_flag": AB_FLAG in engines["ab-eager"]["argv"] or CPU}
+
+
+def step_ab_ready(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
+    """Time to /health 200 of each (resumable: times count from each launch)."""
+    out = {}
+    for tag in ("ab-graphs", "ab-eager"):
+        info = res["engines"][tag]
+        t = wait_ok(f"http://127.0.0.1:{info['port']}/health", budget_end - 5)
+        if t is None:
+            raise TimeoutError(f"{tag} not ready yet")
+        out[f"{tag.removeprefix('ab-')}_ready_s"] = round(t - info["launched_at"], 1)
+    return out
+
+
+def step_ab_load(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
+    """Token ids straight to each engine, alternating which goes first per round."""
+    model = lab.ENGINES["4b"]["model"]
+    sides = [(side, f"http://127.0.0.1:{res['engines']['ab-' + side]['port']}/v1/embeddings")
+             for side in ("graphs", "eager")]
+    for side, url in sides:  # unmeasured warm-up of each
+        loadtest(f"ab-{side}-warm", url, ids=True, model_dir=model, mix="uniform:16-512", conc=64,
+                 duration=secs(6), tags={"case": "warm-up", "side": side})
+    rows = []
+    for case, mix, inputs, conc, dur in AB_PLAN:
+        for rnd in range(2):
+            for side, url in sides if rnd % 2 == 0 else sides[::-1]:
+                rows.append(loadtest(f"ab-{case.replace(' ', '-')}-{side}-{rnd}", url, ids=True,
+                                     model_dir=model, mix=mix, inputs=inputs, conc=conc,
+                                     duration=secs(dur), warmup=secs(3), seed=40 + rnd,
+                                     tags={"case": case, "side": side, "conc": conc, "round": rnd}))
+    return {"rows": rows, "comparison": lr.side_by_side(rows, "graphs", "eager"),
+            "gpu_used_gb": gpu_used_gb()}
+
+
 # --- the visits ---------------------------------------------------------------------------------
 Step = tuple[str, str, Any, float]
 VISITS: dict[str, list[Step]] = {
@@ -454,6 +507,9 @@ VISITS: dict[str, list[Step]] = {
         ("ready-r2", "", partial(step_ready, tag="r2"), 0),
         ("load-r2", "", partial(step_scale_load, replicas=2), secs(160)),
         ("stop-r2", "", partial(step_stop, tag="r2"), 30),
+        ("ab-launch", "", step_ab_launch, 10),
+        ("ab-ready", "", step_ab_ready, 0),
+        ("ab-load", "", step_ab_load, secs(260)),
         ("stop-all", "", step_stop_all, 0),
     ],
 }
