@@ -89,3 +89,11 @@ def test_engine_visit_report_renders_the_committed_lab_results() -> None:
     assert "| p50 ms | p95 ms | p99 ms |" in md  # cache-clearing columns in order
     assert "5 runs, mean 58,325 tok/s, median 56,643" in md
     assert "## Failed steps" not in md
+
+
+def test_side_by_side_names_columns_after_the_sides() -> None:
+    rows = [row("low", "graphs", 50_000, 6.0), row("low", "eager", 45_000, 7.5),
+            row("low", "graphs", 52_000, 6.2), row("low", "eager", 47_000, 7.3)]
+    (c,) = lr.side_by_side(rows, "graphs", "eager")
+    assert c["graphs_tok_s"] == 51_000 and c["eager_tok_s"] == 46_000 and c["runs"] == "2+2"
+    assert c["ratio"] == pytest.approx(0.902, abs=1e-3) and c["added_p50_ms"] == pytest.approx(1.3)
