@@ -133,7 +133,8 @@ def table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> list[str]:
 
 # --- results.md ---------------------------------------------------------------------------------
 ROW_COLS = [("name", "run"), ("tok_s", "tok/s"), ("req_s", "req/s"), ("p50_ms", "p50 ms"),
-            ("p95_ms", "p95 ms"), ("errors", "errors"), ("throttled_429", "429")]
+            ("p95_ms", "p95 ms"), ("errors", "errors"), ("throttled_429", "429"),
+            ("gw_cpu_pct", "gateway CPU %")]
 CMP_COLS = [("case", "case"), ("runs", "runs raw+gw"), ("raw_tok_s", "raw tok/s"),
             ("gateway_tok_s", "gateway tok/s"), ("ratio", "ratio"), ("raw_p50_ms", "raw p50 ms"),
             ("gateway_p50_ms", "gw p50 ms"), ("added_p50_ms", "added p50 ms"),

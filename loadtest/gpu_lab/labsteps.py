@@ -148,14 +148,27 @@ def loadtest_argv(target: str, out: Path, *, model_dir: str, mix: str, duration:
     return argv + (extra or ["--no-plots", "--health-url", "none"])
 
 
-def loadtest(name: str, target: str, **kw: Any) -> dict[str, Any]:
-    """One run, to the end; its condensed row (tags from ``kw['tags']``)."""
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of one process (not its children), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadtest(name: str, target: str, *, gateway_pid: int | None = None, **kw: Any) -> dict[str, Any]:
+    """One run, to the end; its condensed row (tags from ``kw['tags']``), with the gateway
+    process's CPU use over the run (warm-up included) when ``gateway_pid`` is given."""
     tags = kw.pop("tags", {})
     out = LT_DIR / name
     argv = loadtest_argv(target, out, **kw)
+    cpu0, t0 = (cpu_seconds(gateway_pid) if gateway_pid else None), time.monotonic()
     with open(lab.LAB / "loadtest.log", "ab") as log:
         subprocess.run(argv, cwd=lab.ROOT, env=lab.child_env(), stdout=log, stderr=subprocess.STDOUT,
                        timeout=kw["duration"] + kw.get("warmup", 0) + 180, check=False)
+    if cpu0 is not None and gateway_pid and (cpu1 := cpu_seconds(gateway_pid)) is not None:
+        tags["gw_cpu_pct"] = round(100 * (cpu1 - cpu0) / (time.monotonic() - t0), 1)
     doc = json.loads((out / "results.json").read_text())
     row = lr.row_from(doc, name=name, **tags)
     print(json.dumps(row), flush=True)
@@ -348,7 +361,8 @@ def step_sweep(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, 
                 rows.append(loadtest(f"sweep-{shape}-raw-{i}", raw_url(shape), ids=True, **common,
                                      tags={"case": "short", "side": "raw"}))
             c, w = gw["knobs"]
-            rows.append(loadtest(f"sweep-{shape}-{c}-{w:g}", f"http://127.0.0.1:{gw['port']}", **common,
+            rows.append(loadtest(f"sweep-{shape}-{c}-{w:g}", f"http://127.0.0.1:{gw['port']}",
+                                 gateway_pid=gw["pid"], **common,
                                  tags={"case": "short", "side": "gateway", "calls": c, "wait_ms": w}))
     finally:
         for gw in gws:
@@ -373,6 +387,7 @@ def step_perf(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, A
                 sides = [("raw", raw_url(shape)), ("gateway", f"http://127.0.0.1:{gw['port']}")]
                 for side, url in sides if rnd % 2 == 0 else sides[::-1]:
                     rows.append(loadtest(f"perf-{shape}-{case}-{side}-{rnd}", url, ids=side == "raw",
+                                         gateway_pid=gw["pid"] if side == "gateway" else None,
                                          model_dir=model, mix=mix, conc=conc, duration=secs(dur),
                                          warmup=secs(3), seed=20 + rnd,
                                          tags={"case": case, "side": side, "conc": conc, "round": rnd}))
@@ -419,6 +434,7 @@ def step_scale_load(res: dict[str, Any], shape: str, budget_end: float, *, repli
     for case, mix, conc in SCALE_PLAN:
         for c in (conc, 2 * conc):
             rows.append(loadtest(f"scale-r{replicas}-{case}-{c}", url, model_dir=model, mix=mix, conc=c,
+                                 gateway_pid=res["stacks"][f"r{replicas}"]["pid"],
                                  duration=secs(25), warmup=secs(5), seed=30,
                                  tags={"case": case, "replicas": replicas, "conc": c}))
     return {"rows": rows, "gpu_used_gb": gpu_used_gb()}
