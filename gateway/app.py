@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -24,6 +23,7 @@ from starlette.responses import Response
 
 from gateway.admission import TokenAdmission
 from gateway.batcher import Coalescer
+from gateway.engine_client import EngineClient
 from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, error_response, install_error_handlers, validation_error
 from gateway.jsonbody import parse_object
@@ -78,17 +78,17 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 def create_app(
     settings: Settings,
     supervisor: Callable[[], SupervisorView] | None = None,
-    engine_transport: httpx.AsyncBaseTransport | None = None,
+    engine_client: EngineClient | None = None,
     engine_kind: str = "external",
 ) -> FastAPI:
-    """``engine_transport`` replaces the network to the engines (tests use a fake engine)."""
+    """``engine_client`` replaces the network to the engines (tests use a fake engine)."""
     gw = settings.gateway
     card = ModelCard.from_settings(settings.model)
     tokenizer = ModelTokenizer(settings.model.resolved_path, card.max_seq_len)
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     pool = EnginePool(
-        settings.engine_urls(), card.name, request_timeout_s=gw.request_timeout_s, transport=engine_transport
+        settings.engine_urls(), card.name, request_timeout_s=gw.request_timeout_s, client=engine_client
     )
     coalescer = Coalescer(
         pool,

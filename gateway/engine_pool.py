@@ -13,10 +13,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
 import numpy as np
 import orjson
 
+from gateway.engine_client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
 from gateway.postprocess import Matrix
 
 log = logging.getLogger(__name__)
@@ -79,25 +79,22 @@ class EnginePool:
         request_timeout_s: float,
         health_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
-        transport: httpx.AsyncBaseTransport | None = None,
+        client: EngineClient | None = None,
     ) -> None:
+        """``client`` replaces the network to the engines (tests use a fake engine)."""
         self.engines = [EngineState(u.rstrip("/")) for u in urls]
         self._model = model
         self._timeout = request_timeout_s
         self._health_interval = health_interval_s
         self._health_timeout = health_timeout_s
-        self._client: httpx.AsyncClient | None = None
-        self._transport = transport
+        self._client = client
         self._checker: asyncio.Task[None] | None = None
         self._ready_event = asyncio.Event()
         self._call_ids = 0
 
     async def start(self) -> None:
-        # Idle connections expire before the engine's server closes them (uvicorn's and
-        # SGLang's keep-alive is 5 s, httpx's default expiry too): reusing one the server is
-        # closing at that instant fails the call and would mark a healthy engine down.
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=2.0)
-        self._client = httpx.AsyncClient(limits=limits, timeout=self._timeout, transport=self._transport)
+        if self._client is None:  # the session belongs to the running loop
+            self._client = AiohttpEngineClient(self._timeout)
         self._checker = asyncio.create_task(self._check_loop(), name="engine-health")
 
     async def stop(self) -> None:
@@ -143,16 +140,16 @@ class EnginePool:
     async def _check(self, engine: EngineState) -> None:
         assert self._client is not None
         try:
-            r = await self._client.get(f"{engine.url}/health", timeout=self._health_timeout)
-            ok = r.status_code == 200
-            why = f"health answered {r.status_code}"
-        except httpx.TimeoutException:
+            status = await self._client.get_status(f"{engine.url}/health", self._health_timeout)
+            ok = status == 200
+            why = f"health answered {status}"
+        except CallTimeout:
             # A busy engine answers /health slowly (SGLang runs a forward pass); recent
             # successful calls prove it is serving.
             recent = engine.last_success and time.monotonic() - engine.last_success < 10
             ok, why = bool(recent), "health check timed out"
-        except httpx.HTTPError as exc:
-            ok, why = False, f"unreachable: {type(exc).__name__}"
+        except CallFailed as exc:
+            ok, why = False, f"unreachable: {exc}"
         if ok:
             if not engine.ready:
                 log.info("engine ready", extra={"engine": engine.url})
@@ -181,30 +178,26 @@ class EnginePool:
         engine.inflight_since[call_id] = time.monotonic()
         try:
             body = orjson.dumps({"model": self._model, "input": batch})
-            r = await self._client.post(
-                f"{engine.url}/v1/embeddings",
-                content=body,
-                headers={"content-type": "application/json"},
-            )
-        except httpx.TimeoutException as exc:
+            status, content = await self._client.post_json(f"{engine.url}/v1/embeddings", body)
+        except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
             raise EngineTimeout("the engine did not answer in time", engine.url) from exc
-        except httpx.HTTPError as exc:
-            self._mark_down(engine, f"call failed: {type(exc).__name__}")
+        except CallFailed as exc:
+            self._mark_down(engine, f"call failed: {exc}")
             raise EngineUnavailable("the engine is unreachable", engine.url) from exc
         finally:
             engine.outstanding_tokens -= tokens
             engine.outstanding_calls -= 1
             engine.inflight_since.pop(call_id, None)
-        if r.status_code >= 500:
-            self._mark_down(engine, f"engine answered {r.status_code}")
-            raise EngineUnavailable(f"the engine failed ({r.status_code})", engine.url)
-        if r.status_code >= 400:
-            raise EngineRejected(_engine_message(r.content), engine.url)
+        if status >= 500:
+            self._mark_down(engine, f"engine answered {status}")
+            raise EngineUnavailable(f"the engine failed ({status})", engine.url)
+        if status >= 400:
+            raise EngineRejected(_engine_message(content), engine.url)
         engine.last_success = time.monotonic()
         engine.stalled_since = None
         engine.calls += 1
-        return _parse_vectors(r.content, len(batch))
+        return _parse_vectors(content, len(batch))
 
 
 def _engine_message(content: bytes) -> str:

@@ -20,6 +20,10 @@ from gateway.schemas import EmbeddingRequest
 from gateway.tokenization import ModelTokenizer, TokenizedInput
 from service.settings import GatewaySettings
 
+# Up to this many characters, tokenising on the event loop (well under 0.1 ms) is cheaper
+# than the hand-off to a tokenizer thread and back (about 1 ms at P50 on a busy 2-core box).
+INLINE_TOKENIZE_CHARS = 2048
+
 
 @dataclass
 class EmbeddingResult:
@@ -148,8 +152,11 @@ class EmbeddingPipeline:
         if texts is not None:
             self._check_texts(texts)
             texts = self._apply_instruction(req, texts)
-            loop = asyncio.get_running_loop()
-            inputs = await loop.run_in_executor(self.executor, self.tok.encode_texts, texts)
+            if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+                inputs = self.tok.encode_texts(texts)
+            else:
+                loop = asyncio.get_running_loop()
+                inputs = await loop.run_in_executor(self.executor, self.tok.encode_texts, texts)
         else:
             assert id_batch is not None
             if req.input_type == "query" or req.instruction is not None:

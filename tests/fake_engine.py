@@ -8,10 +8,41 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import httpx
 import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
+
+from gateway.engine_client import JSON, CallFailed, CallTimeout
+
+
+class HttpxEngineClient:
+    """The gateway's engine client over any httpx transport: a fake engine app in-process
+    (``httpx.ASGITransport``) or a handler (``httpx.MockTransport``), no sockets."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self._client = httpx.AsyncClient(transport=transport, timeout=30)
+
+    async def post_json(self, url: str, body: bytes) -> tuple[int, bytes]:
+        try:
+            r = await self._client.post(url, content=body, headers=JSON)
+        except httpx.TimeoutException as exc:
+            raise CallTimeout(type(exc).__name__) from exc
+        except httpx.HTTPError as exc:
+            raise CallFailed(type(exc).__name__) from exc
+        return r.status_code, r.content
+
+    async def get_status(self, url: str, timeout_s: float) -> int:
+        try:
+            return (await self._client.get(url, timeout=timeout_s)).status_code
+        except httpx.TimeoutException as exc:
+            raise CallTimeout(type(exc).__name__) from exc
+        except httpx.HTTPError as exc:
+            raise CallFailed(type(exc).__name__) from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
 
 def fake_vector(ids: list[int], dim: int) -> np.ndarray:

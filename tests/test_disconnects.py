@@ -21,7 +21,7 @@ import uvicorn
 from gateway.app import create_app
 from service.settings import Settings
 from tests.conftest import free_port, wait_until
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine, HttpxEngineClient
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -35,7 +35,7 @@ def served() -> Iterator[tuple[str, FakeEngine, Any]]:
         health={"sample_interval_s": 60},
         _env_file=None,
     )
-    app = create_app(settings, engine_transport=httpx.ASGITransport(app=engine.app()))
+    app = create_app(settings, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, http="h11"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from service.settings import Settings
+from tests.fake_engine import HttpxEngineClient
 from tests.test_gateway_unit import wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
@@ -47,7 +48,7 @@ def test_garbage_from_the_engine_is_503(name: str) -> None:
         health={"sample_interval_s": 60},
         _env_file=None,
     )
-    with TestClient(create_app(settings, engine_transport=httpx.MockTransport(engine))) as c:
+    with TestClient(create_app(settings, engine_client=HttpxEngineClient(httpx.MockTransport(engine)))) as c:
         wait_ready(c)
         r = c.post("/v1/embeddings", json={"model": MODEL, "input": [[1, 2]]})
         assert r.status_code == 503, r.text

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from service.settings import Settings
-from tests.fake_engine import FakeEngine, fake_vector
+from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_vector
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -29,7 +29,7 @@ def make_client(engine: FakeEngine, **gateway: object) -> TestClient:
         health={"sample_interval_s": 60},
         _env_file=None,
     )
-    app = create_app(settings, engine_transport=httpx.ASGITransport(app=engine.app()))
+    app = create_app(settings, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
     return TestClient(app)
 
 

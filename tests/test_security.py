@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from service.settings import Settings
 from tests.conftest import RunningStack, wait_until
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine, HttpxEngineClient
 from tests.test_gateway_unit import make_client, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
@@ -31,7 +31,8 @@ def client_from_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> TestClient:
     for key, value in env.items():
         monkeypatch.setenv(f"EMBEDSERVE_GATEWAY__{key.upper()}", value)
     settings = Settings(_env_file=None)
-    return TestClient(create_app(settings, engine_transport=httpx.ASGITransport(app=FakeEngine().app())))
+    client = HttpxEngineClient(httpx.ASGITransport(app=FakeEngine().app()))
+    return TestClient(create_app(settings, engine_client=client))
 
 
 def assert_401(r: Any) -> None:
