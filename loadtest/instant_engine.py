@@ -1,5 +1,6 @@
 """An engine that answers instantly with fixed vectors: raw ASGI, no framework, so that a
-benchmark of the gateway measures the gateway. ``python -m loadtest.instant_engine PORT``."""
+benchmark of the gateway measures the gateway. ``python -m loadtest.instant_engine PORT [DIM]``
+(DIM 384 by default; 2560 answers like the 4B)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import orjson
 
-DIM = 384
+DIM = int(sys.argv[2]) if __name__ == "__main__" and len(sys.argv) > 2 else 384
 _VEC = orjson.dumps([0.05] * DIM)
 
 
