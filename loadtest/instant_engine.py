@@ -4,17 +4,23 @@ benchmark of the gateway measures the gateway. ``python -m loadtest.instant_engi
 
 from __future__ import annotations
 
+import base64
+import struct
 import sys
 from typing import Any
 
 import orjson
 
 DIM = int(sys.argv[2]) if __name__ == "__main__" and len(sys.argv) > 2 else 384
-_VEC = orjson.dumps([0.05] * DIM)
+_VEC = {
+    False: orjson.dumps([0.05] * DIM),
+    True: b'"%s"' % base64.b64encode(struct.pack(f"<{DIM}f", *[0.05] * DIM)),
+}
 
 
-def reply(n: int) -> bytes:
-    items = b",".join(b'{"object":"embedding","index":%d,"embedding":%s}' % (i, _VEC) for i in range(n))
+def reply(n: int, as_base64: bool = False) -> bytes:
+    vec = _VEC[as_base64]
+    items = b",".join(b'{"object":"embedding","index":%d,"embedding":%s}' % (i, vec) for i in range(n))
     return b'{"object":"list","data":[' + items + b"]}"
 
 
@@ -27,7 +33,11 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    out = b"" if scope["path"] == "/health" else reply(len(orjson.loads(body)["input"]))
+    if scope["path"] == "/health":
+        out = b""
+    else:
+        req = orjson.loads(body)
+        out = reply(len(req["input"]), req.get("encoding_format") == "base64")
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": out})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import logging
 import os
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import orjson
 import psutil
 from fastapi import FastAPI, Request
@@ -57,11 +59,11 @@ class CpuEmbedder:
         self.dimension = int(dim_of() or 0)
         self.lock = threading.Lock()
 
-    def embed(self, batch: list[list[int]]) -> list[list[float]]:
-        """Length-sorted micro-batches keep padding small; results return in input order."""
+    def embed(self, batch: list[list[int]]) -> np.ndarray:
+        """Length-sorted micro-batches keep padding small; rows return in input order."""
         torch = self._torch
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
-        out: list[Any] = [None] * len(batch)
+        out: np.ndarray | None = None
         start = 0
         while start < len(order):
             end = start + 1
@@ -77,9 +79,11 @@ class CpuEmbedder:
             with self.lock, torch.inference_mode():
                 emb = self.model.forward({"input_ids": ids, "attention_mask": mask})
                 vectors = torch.nn.functional.normalize(emb["sentence_embedding"].float(), dim=-1)
-            for row, i in enumerate(group):
-                out[i] = vectors[row].tolist()
+            if out is None:  # the width is what the model produced
+                out = np.empty((len(batch), vectors.shape[1]), dtype=np.float32)
+            out[group] = vectors.numpy()
             start = end
+        assert out is not None, "an empty batch never reaches the model"
         return out
 
 
@@ -133,8 +137,11 @@ def create_engine_app(settings: Settings) -> FastAPI:
         try:
             body = orjson.loads(await request.body())
             batch = body["input"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            encoding = body.get("encoding_format", "float")
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return _error(400, "expected {'input': [[token ids], ...]}")
+        if encoding not in ("float", "base64"):
+            return _error(400, f"encoding_format must be either 'float' or 'base64', got {encoding!r}")
         if batch and isinstance(batch[0], int):
             batch = [batch]
         if not batch or not all(isinstance(x, list) and x for x in batch):
@@ -148,7 +155,12 @@ def create_engine_app(settings: Settings) -> FastAPI:
                     f"context length ({context} tokens).",
                 )
         loop = asyncio.get_running_loop()
-        vectors = await loop.run_in_executor(executor, e.embed, batch)
+        matrix = await loop.run_in_executor(executor, e.embed, batch)
+        vectors: list[Any] = (  # base64 as SGLang packs it: little-endian float32
+            [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in matrix]
+            if encoding == "base64"
+            else matrix.tolist()
+        )
         stats.batches += 1
         tokens = sum(len(x) for x in batch)
         out = {

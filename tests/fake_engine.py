@@ -6,6 +6,7 @@ answer went back to the input it belongs to, through coalescing and splitting.""
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass, field
 
 import httpx
@@ -52,6 +53,11 @@ def fake_vector(ids: list[int], dim: int) -> np.ndarray:
     return (v / np.linalg.norm(v)).astype(np.float32)
 
 
+def _encode(vector: np.ndarray, as_base64: bool) -> str | list[float]:
+    """As SGLang answers ``encoding_format``: little-endian float32 in base64, or floats."""
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist()
+
+
 @dataclass
 class FakeEngine:
     dim: int = 384
@@ -68,14 +74,20 @@ class FakeEngine:
 
         @app.post("/v1/embeddings")
         async def embed(request: Request) -> Response:
-            batch = orjson.loads(await request.body())["input"]
+            body = orjson.loads(await request.body())
+            batch = body["input"]
+            as_base64 = body.get("encoding_format") == "base64"
             self.calls.append(batch)
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             if self.fail_status:
                 return Response(b'{"message":"boom"}', status_code=self.fail_status)
             data = [
-                {"object": "embedding", "index": i, "embedding": fake_vector(ids, self.dim).tolist()}
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": _encode(fake_vector(ids, self.dim), as_base64),
+                }
                 for i, ids in enumerate(batch)
             ]
             return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

@@ -3,7 +3,10 @@ in the envelope (the engine's fault, retryable), never a 500, and the next good 
 
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import orjson
 import pytest
 from fastapi.testclient import TestClient
@@ -20,6 +23,10 @@ def _vectors(n: int, dim: int = 384) -> list[dict[str, object]]:
     return [{"object": "embedding", "index": i, "embedding": [0.05] * dim} for i in range(n)]
 
 
+def _b64(values: list[float]) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+
+
 GARBAGE = {
     "not json": b"<html>oops</html>",
     "empty body": b"",
@@ -31,7 +38,19 @@ GARBAGE = {
     "no index": orjson.dumps({"data": [{"embedding": [0.1] * 384}]}),
     "overflows float32": orjson.dumps({"data": [{"index": 0, "embedding": [1e39] * 384}]}),
     "ragged": orjson.dumps({"data": [{"index": 0, "embedding": [[0.1], [0.1, 0.2]]}]}),
+    "base64 not base64": orjson.dumps({"data": [{"index": 0, "embedding": "not base64!"}]}),
+    "base64 empty": orjson.dumps({"data": [{"index": 0, "embedding": ""}]}),
+    "base64 odd bytes": orjson.dumps(
+        {"data": [{"index": 0, "embedding": base64.b64encode(b"abcde").decode()}]}
+    ),
+    "base64 NaN": orjson.dumps({"data": [{"index": 0, "embedding": _b64([float("nan")] * 384)}]}),
+    "base64 mixed sizes": orjson.dumps(
+        {"data": [{"index": 0, "embedding": _b64([0.1] * 384)}, {"index": 1, "embedding": _b64([0.1] * 8)}]}
+    ),
 }
+
+
+INPUTS = {"base64 mixed sizes": 2}  # inputs sent, so that the count matches and the sizes do not
 
 
 @pytest.mark.parametrize("name", list(GARBAGE))
@@ -50,8 +69,8 @@ def test_garbage_from_the_engine_is_503(name: str) -> None:
     )
     with TestClient(create_app(settings, engine_client=HttpxEngineClient(httpx.MockTransport(engine)))) as c:
         wait_ready(c)
-        r = c.post("/v1/embeddings", json={"model": MODEL, "input": [[1, 2]]})
+        r = c.post("/v1/embeddings", json={"model": MODEL, "input": [[1, 2]] * INPUTS.get(name, 1)})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "engine_unavailable" and r.headers["retry-after"]
-        answer["body"] = orjson.dumps({"data": _vectors(1)})
+        answer["body"] = orjson.dumps({"data": _vectors(1)})  # floats: an engine ignoring base64
         assert c.post("/v1/embeddings", json={"model": MODEL, "input": [[1, 2]]}).status_code == 200

@@ -263,6 +263,9 @@ def render(res: dict[str, Any], device: str = "H200") -> str:
         s = st.get(f"perf-{shape}", {})
         if s.get("ok"):
             md += [f"## Side by side, {shape} (gateway knobs {s['knobs']})", ""]
+            if vc := s.get("vector_check"):
+                md += [f"Vectors, same token ids ({vc['tokens']}) through the gateway and straight to "
+                       f"SGLang: min cosine {vc['min_cos']} ({'ok' if vc['ok'] else 'MISMATCH'}).", ""]
             md += [*table(s["comparison"], CMP_COLS), "", "<details><summary>every run</summary>", ""]
             md += [*table(s["rows"], ROW_COLS), "", "</details>", ""]
     w = st.get("warm-start-4b", {})

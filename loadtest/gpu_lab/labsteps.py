@@ -371,6 +371,29 @@ def step_sweep(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, 
     return {"rows": rows, "best": best and {"calls": best["calls"], "wait_ms": best["wait_ms"]}}
 
 
+def vector_check(shape: str, gateway_port: int) -> dict[str, Any]:
+    """The same token ids through the gateway (which asks SGLang for base64) and straight to
+    SGLang (floats): the vectors must agree, or the throughput figures mean nothing."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(7)
+    ids = [[rng.randrange(100, 3000) for _ in range(min(n, lab.CAP - 1))] for n in (8, 300, 2000)]
+    name = Path(lab.ENGINES[shape]["model"]).name
+    try:
+        with httpx.Client(timeout=120) as c:
+            answers = [c.post(url, json={"model": name, "input": ids}).raise_for_status().json()["data"]
+                       for url in (raw_url(shape), f"http://127.0.0.1:{gateway_port}/v1/embeddings")]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        return {"ok": False, "error": repr(exc)[:300], "min_cos": None, "tokens": [len(x) for x in ids]}
+    raw, gw = (np.asarray([d["embedding"] for d in sorted(a, key=lambda d: d["index"])], dtype=np.float64)
+               for a in answers)
+    cos = (raw * gw).sum(axis=1) / np.linalg.norm(raw, axis=1) / np.linalg.norm(gw, axis=1)
+    return {"min_cos": round(float(cos.min()), 6), "tokens": [len(x) for x in ids],
+            "ok": bool(cos.min() >= 0.9999)}
+
+
 def step_perf(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
     """Raw SGLang (token ids) and our gateway in front of it (texts), alternating, per case."""
     best = res["steps"].get("sweep-4b", {}).get("best") or {}
@@ -379,6 +402,8 @@ def step_perf(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, A
     model = lab.ENGINES[shape]["model"]
     rows = []
     try:
+        check = vector_check(shape, gw["port"])
+        lab.note(res, f"vectors {shape}, gateway vs raw: {check}")
         # one unmeasured round first: JIT-free by now, but the first seconds still run cold
         loadtest(f"perf-{shape}-warm", raw_url(shape), ids=True, model_dir=model, mix="uniform:16-512",
                  conc=64, duration=secs(8), tags={"case": "warm-up", "side": "raw"})
@@ -394,7 +419,7 @@ def step_perf(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, A
     finally:
         stop_group(gw["pid"], 20)
     return {"knobs": {"calls": knobs[0], "wait_ms": knobs[1]}, "rows": rows,
-            "comparison": lr.compare(rows)}
+            "comparison": lr.compare(rows), "vector_check": check}
 
 
 def step_warm_start(res: dict[str, Any], shape: str, budget_end: float) -> dict[str, Any]:
