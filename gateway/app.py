@@ -88,7 +88,11 @@ def create_app(
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     pool = EnginePool(
-        settings.engine_urls(), card.name, request_timeout_s=gw.request_timeout_s, client=engine_client
+        settings.engine_urls(),
+        card.name,
+        request_timeout_s=gw.request_timeout_s,
+        client=engine_client,
+        base64_vectors=settings.engine.base64_vectors,
     )
     coalescer = Coalescer(
         pool,

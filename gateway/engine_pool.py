@@ -81,6 +81,7 @@ class EnginePool:
         health_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
         client: EngineClient | None = None,
+        base64_vectors: bool = True,
     ) -> None:
         """``client`` replaces the network to the engines (tests use a fake engine)."""
         self.engines = [EngineState(u.rstrip("/")) for u in urls]
@@ -89,6 +90,7 @@ class EnginePool:
         self._health_interval = health_interval_s
         self._health_timeout = health_timeout_s
         self._client = client
+        self._wire = {"encoding_format": "base64"} if base64_vectors else {}
         self._checker: asyncio.Task[None] | None = None
         self._ready_event = asyncio.Event()
         self._call_ids = 0
@@ -178,7 +180,7 @@ class EnginePool:
         engine.outstanding_calls += 1
         engine.inflight_since[call_id] = time.monotonic()
         try:
-            body = orjson.dumps({"model": self._model, "input": batch, "encoding_format": "base64"})
+            body = orjson.dumps({"model": self._model, "input": batch, **self._wire})
             status, content = await self._client.post_json(f"{engine.url}/v1/embeddings", body)
         except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)

@@ -150,6 +150,11 @@ class EngineSettings(BaseModel):
     restart_backoff_s: float = Field(2.0, gt=0)
     restart_backoff_max_s: float = Field(60.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="appended to SGLang argv")
+    base64_vectors: bool = Field(
+        True,
+        description="ask engines for base64 float32 vectors (no float text on either side); "
+        "turn off for an engine that rejects encoding_format",
+    )
     cpu_threads: int | None = None
 
 

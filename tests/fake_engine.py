@@ -64,6 +64,7 @@ class FakeEngine:
     delay_s: float = 0.0
     fail_status: int | None = None
     calls: list[list[list[int]]] = field(default_factory=list)
+    encodings: list[str | None] = field(default_factory=list)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -76,6 +77,7 @@ class FakeEngine:
         async def embed(request: Request) -> Response:
             body = orjson.loads(await request.body())
             batch = body["input"]
+            self.encodings.append(body.get("encoding_format"))
             as_base64 = body.get("encoding_format") == "base64"
             self.calls.append(batch)
             if self.delay_s:

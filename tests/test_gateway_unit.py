@@ -92,6 +92,26 @@ def test_vectors_return_to_their_inputs_under_coalescing(engine: FakeEngine) -> 
     assert len(engine.calls) < len(token_inputs), "concurrent requests were not coalesced"
 
 
+def test_engine_vectors_travel_as_base64_or_floats_with_the_same_result() -> None:
+    texts = ["the first text", "a second, longer text about something else entirely"]
+    answers = {}
+    for base64_vectors in (True, False):
+        engine = FakeEngine()
+        settings = Settings(
+            engine={"kind": "external", "urls": ["http://fake-engine"], "base64_vectors": base64_vectors},
+            health={"sample_interval_s": 60},
+            _env_file=None,
+        )
+        client = HttpxEngineClient(httpx.ASGITransport(app=engine.app()))
+        with TestClient(create_app(settings, engine_client=client)) as c:
+            wait_ready(c)
+            answers[base64_vectors] = [
+                d["embedding"] for d in post(c, {"model": MODEL, "input": texts}).json()["data"]
+            ]
+        assert engine.encodings == ["base64" if base64_vectors else None]
+    assert answers[True] == answers[False]
+
+
 def test_base64_is_little_endian_float32(client: TestClient) -> None:
     r = post(client, {"model": MODEL, "input": [[1, 2, 3]], "encoding_format": "base64"})
     vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
