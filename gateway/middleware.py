@@ -81,8 +81,6 @@ class RequestContextMiddleware:
             request_id_var.reset(token)
 
 
-
-
 class HeadLimitMiddleware:
     """431 in the OpenAI envelope for a request head (URL and headers) over ``max_bytes``.
     The HTTP parser's own cap is loose (uvloop reads up to 256 KiB at once and h11 checks

@@ -4,17 +4,18 @@ benchmark of the gateway measures the gateway. ``python -m loadtest.instant_engi
 
 from __future__ import annotations
 
-import base64
-import struct
 import sys
 from typing import Any
 
+import numpy as np
 import orjson
+
+from gateway.postprocess import encode_base64
 
 DIM = int(sys.argv[2]) if __name__ == "__main__" and len(sys.argv) > 2 else 384
 _VEC = {
     False: orjson.dumps([0.05] * DIM),
-    True: b'"%s"' % base64.b64encode(struct.pack(f"<{DIM}f", *[0.05] * DIM)),
+    True: orjson.dumps(encode_base64(np.full((1, DIM), 0.05, dtype=np.float32))[0]),
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import logging
 import os
@@ -25,6 +24,7 @@ import psutil
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway.postprocess import encode_base64
 from service.settings import Settings
 from service.stats_file import EngineStats, write_stats
 
@@ -156,11 +156,8 @@ def create_engine_app(settings: Settings) -> FastAPI:
                 )
         loop = asyncio.get_running_loop()
         matrix = await loop.run_in_executor(executor, e.embed, batch)
-        vectors: list[Any] = (  # base64 as SGLang packs it: little-endian float32
-            [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in matrix]
-            if encoding == "base64"
-            else matrix.tolist()
-        )
+        # base64 as SGLang packs it: little-endian float32
+        vectors: list[Any] = encode_base64(matrix) if encoding == "base64" else matrix.tolist()
         stats.batches += 1
         tokens = sum(len(x) for x in batch)
         out = {

@@ -6,7 +6,6 @@ answer went back to the input it belongs to, through coalescing and splitting.""
 from __future__ import annotations
 
 import asyncio
-import base64
 from dataclasses import dataclass, field
 
 import httpx
@@ -16,6 +15,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.engine_client import JSON, CallFailed, CallTimeout
+from gateway.postprocess import encode_base64
 
 
 class HttpxEngineClient:
@@ -55,7 +55,7 @@ def fake_vector(ids: list[int], dim: int) -> np.ndarray:
 
 def _encode(vector: np.ndarray, as_base64: bool) -> str | list[float]:
     """As SGLang answers ``encoding_format``: little-endian float32 in base64, or floats."""
-    return base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist()
+    return encode_base64(vector[None])[0] if as_base64 else vector.tolist()
 
 
 @dataclass

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
+from gateway.postprocess import encode_base64
 from service.settings import Settings
 from tests.fake_engine import HttpxEngineClient
 from tests.test_gateway_unit import wait_ready
@@ -24,7 +25,7 @@ def _vectors(n: int, dim: int = 384) -> list[dict[str, object]]:
 
 
 def _b64(values: list[float]) -> str:
-    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+    return encode_base64(np.asarray([values], dtype=np.float32))[0]
 
 
 GARBAGE = {
