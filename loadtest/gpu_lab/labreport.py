@@ -222,6 +222,19 @@ def failed_steps(st: dict[str, Any]) -> list[str]:
     return ["## Failed steps", "", *(f"- {k}: `{v}`" for k, v in failed.items()), ""] if failed else []
 
 
+def vector_lines(vc: dict[str, Any]) -> list[str]:
+    """The vector check of a side-by-side step; older visits recorded only the batched cosine."""
+    verdict = "ok" if vc["ok"] else "MISMATCH"
+    if "hop_cos" not in vc:
+        return [f"Vectors, same token ids ({vc['tokens']}) through the gateway and straight to "
+                f"SGLang: min cosine {vc['min_cos']} ({verdict})."]
+    return [f"Vectors, token ids of {vc['tokens']} tokens, cosine per input:",
+            f"- each input alone, gateway vs SGLang: {vc['hop_cos']} ({verdict}, >= 0.9999)",
+            f"- all three in one request, gateway vs SGLang: {vc['batch_cos']}",
+            f"- SGLang against itself (the same batched request repeated, and each input alone): "
+            f"{vc['raw_spread_cos']}"]
+
+
 def render(res: dict[str, Any], device: str = "H200") -> str:
     """results.md of a soak, perf or scale visit, from lab.py's results.json."""
     st, visit = res.get("steps", {}), res.get("visit", "?")
@@ -264,8 +277,7 @@ def render(res: dict[str, Any], device: str = "H200") -> str:
         if s.get("ok"):
             md += [f"## Side by side, {shape} (gateway knobs {s['knobs']})", ""]
             if vc := s.get("vector_check"):
-                md += [f"Vectors, same token ids ({vc['tokens']}) through the gateway and straight to "
-                       f"SGLang: min cosine {vc['min_cos']} ({'ok' if vc['ok'] else 'MISMATCH'}).", ""]
+                md += [*vector_lines(vc), ""]
             md += [*table(s["comparison"], CMP_COLS), "", "<details><summary>every run</summary>", ""]
             md += [*table(s["rows"], ROW_COLS), "", "</details>", ""]
     w = st.get("warm-start-4b", {})
