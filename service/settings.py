@@ -168,9 +168,11 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = 16 << 20
     max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
     max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
-    batch_max_wait_ms: float = Field(2.0, ge=0, description="coalescing window")
+    batch_max_wait_ms: float = Field(
+        0.0, ge=0, description="extra wait for more inputs while all engine calls are busy"
+    )
     engine_calls_per_engine: int = Field(
-        8,
+        4,
         ge=1,
         description="coalesced calls in flight per engine; while all are busy, "
         "inputs of concurrent requests gather into the next call",

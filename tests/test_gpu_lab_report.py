@@ -97,3 +97,21 @@ def test_side_by_side_names_columns_after_the_sides() -> None:
     (c,) = lr.side_by_side(rows, "graphs", "eager")
     assert c["graphs_tok_s"] == 51_000 and c["eager_tok_s"] == 46_000 and c["runs"] == "2+2"
     assert c["ratio"] == pytest.approx(0.902, abs=1e-3) and c["added_p50_ms"] == pytest.approx(1.3)
+
+
+@pytest.mark.parametrize("visit", ["perf", "perf-recheck"])
+def test_perf_reports_render_the_committed_lab_results(visit: str) -> None:
+    """The committed results.md of each perf visit is what results.json renders to."""
+    folder = Path(__file__).resolve().parents[1] / "results" / "gpu-lab" / visit
+    md = lr.render(json.loads((folder / "results.json").read_text()))
+    assert md.strip() == (folder / "results.md").read_text().strip()
+
+
+def test_vector_lines_tell_the_gateway_hop_from_sglangs_own_spread() -> None:
+    old = lr.vector_lines({"tokens": [8], "min_cos": 0.9992, "ok": False})
+    assert old == ["Vectors, same token ids ([8]) through the gateway and straight to SGLang: "
+                   "min cosine 0.9992 (MISMATCH)."]
+    new = lr.vector_lines({"tokens": [8, 300], "hop_cos": [1.0, 1.0], "batch_cos": [0.9995, 0.9992],
+                           "raw_spread_cos": [0.9995, 0.9992], "min_cos": 0.9992, "ok": True})
+    assert "gateway vs SGLang: [1.0, 1.0] (ok, >= 0.9999)" in new[1]
+    assert new[2].endswith("[0.9995, 0.9992]") and "SGLang against itself" in new[3]
