@@ -57,10 +57,16 @@ class TextBuilder:
         self.tok = tokenizer
         self.seed = seed
         probe = "hello world"
-        self.n_special = len(tokenizer.encode(probe).ids) - len(
-            tokenizer.encode(probe, add_special_tokens=False).ids
-        )
+        with_special = list(tokenizer.encode(probe).ids)
+        plain = list(tokenizer.encode(probe, add_special_tokens=False).ids)
+        self.n_special = len(with_special) - len(plain)
+        # where the template puts its special tokens ([CLS] x [SEP], x <|endoftext|>), so that
+        # token ids can be cut from the encoded corpus without tokenising per request
+        self._wrap: tuple[list[int], list[int]] | None = next(
+            ((with_special[:i], with_special[i + len(plain):])
+             for i in range(self.n_special + 1) if with_special[i:i + len(plain)] == plain), None)
         self._corpus = ""
+        self._corpus_ids: list[int] = []
         self._offsets: list[tuple[int, int]] = []
         self._starts: list[int] = []  # token indices that begin a word
         self._grow(min_corpus_tokens)
@@ -78,6 +84,7 @@ class TextBuilder:
                 break
             n_words *= 2
         self._corpus = text
+        self._corpus_ids = list(enc.ids)
         self._offsets = list(enc.offsets)
         self._starts = [i for i, (s, _) in enumerate(self._offsets)
                         if s == 0 or text[s - 1] == " "]
@@ -92,12 +99,7 @@ class TextBuilder:
 
     def build(self, n_tokens: int, rng: random.Random) -> tuple[str, int]:
         """Like ``text`` and also its measured token count."""
-        target = max(n_tokens, self.min_len)
-        k = target - self.n_special
-        if k + 64 > len(self._offsets):
-            self._grow(2 * k)
-        hi = bisect.bisect_right(self._starts, len(self._offsets) - k - 32) - 1
-        start = self._starts[rng.randint(0, max(hi, 0))]
+        target, k, start = self._cut(n_tokens, rng)
         best, best_err = "", None
         for _ in range(12):
             end = min(start + max(k, 1), len(self._offsets)) - 1
@@ -110,6 +112,15 @@ class TextBuilder:
                 return text, got
             k -= err if abs(err) > 1 else (1 if err > 0 else -1)
         return self._trim(best, target)
+
+    def _cut(self, n_tokens: int, rng: random.Random) -> tuple[int, int, int]:
+        """(target length, corpus tokens wanted, a random word start to cut from)."""
+        target = max(n_tokens, self.min_len)
+        k = target - self.n_special
+        if k + 64 > len(self._offsets):
+            self._grow(2 * k)
+        hi = bisect.bisect_right(self._starts, len(self._offsets) - k - 32) - 1
+        return target, k, self._starts[rng.randint(0, max(hi, 0))]
 
     def _trim(self, text: str, target: int) -> tuple[str, int]:
         """Last resort: shed or add characters one at a time until the count matches."""
@@ -127,8 +138,14 @@ class TextBuilder:
         return text, got
 
     def ids(self, n_tokens: int, rng: random.Random) -> list[int]:
-        """Token ids of exactly ``n_tokens`` (special tokens in place, EOS last for Qwen3)."""
-        return self._ids(self.text(n_tokens, rng))
+        """Token ids of exactly ``n_tokens`` (special tokens in place, EOS last for Qwen3):
+        a slice of the encoded corpus, so that a load generator sending ids at thousands of
+        requests/s does not spend its CPU tokenising."""
+        if self._wrap is None:  # a template that does not wrap the text: tokenise a cut text
+            return self._ids(self.text(n_tokens, rng))
+        _, k, start = self._cut(n_tokens, rng)
+        head, tail = self._wrap
+        return head + self._corpus_ids[start:start + max(k, 1)] + tail
 
     def _ids(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not): the event loop keeps running

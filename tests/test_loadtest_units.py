@@ -18,9 +18,10 @@ from loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
 from loadtest.records import Recorder
 from loadtest.runner import retry_after_s
 from loadtest.stats import aggregate, auto_window, columns, percentiles, window_edges, windows
-from loadtest.textbuild import TextBuilder, WordBuilder
+from loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from loadtest.traffic import RequestFactory, poisson_arrivals
 from loadtest.verdict import Targets, evaluate, growth, p95_drift
+from service.settings import BUNDLED_MODEL, resolve_model_path
 from service.synthetic import EOS, build_tokenizer
 
 
@@ -89,6 +90,23 @@ def test_token_ids_end_with_eos_and_cap_keeps_it(tok: Any, builder: TextBuilder)
     long_text = builder.text(500, rng)
     capped = builder.encode(long_text, cap=64)
     assert len(capped) == 64 and capped[-1] == eos
+
+
+def test_token_ids_are_cut_from_the_corpus_inside_the_models_template(builder: TextBuilder) -> None:
+    """Ids come without tokenising per request: a slice of the encoded corpus wrapped in
+    the template's special tokens ([CLS] ... [SEP] for BERT, ... EOS for Qwen3)."""
+    bert = load_tokenizer(resolve_model_path(BUNDLED_MODEL))
+    cls, sep = bert.token_to_id("[CLS]"), bert.token_to_id("[SEP]")
+    cases = [(builder, [], [builder.tok.token_to_id(EOS)]), (TextBuilder(bert, 1), [cls], [sep])]
+    for b, head, tail in cases:
+        corpus = b.tok.encode(b._corpus, add_special_tokens=False).ids
+        rng = random.Random(5)
+        for n in (b.min_len, 17, 300, 5000):
+            ids = b.ids(n, rng)
+            body = ids[len(head):len(ids) - len(tail)]
+            assert len(ids) == n and ids[:len(head)] == head and ids[len(ids) - len(tail):] == tail
+            starts = [i for i in range(len(corpus)) if corpus[i:i + len(body)] == body]
+            assert starts, n
 
 
 def test_texts_differ_and_are_repeatable(builder: TextBuilder) -> None:

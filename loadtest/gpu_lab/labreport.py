@@ -23,6 +23,7 @@ def row_from(doc: dict[str, Any], **tags: Any) -> dict[str, Any]:
     m = doc["measured"]
     lat = m.get("latency_ms", {})
     wins = [w for w in doc.get("windows", []) if w.get("latency_ms", {}).get("p95") is not None]
+    client = [c["cpu_percent"] for c in doc.get("memory", {}).get("client", []) if "cpu_percent" in c]
     return {
         **tags,
         "seconds": m.get("duration_s"),
@@ -37,6 +38,8 @@ def row_from(doc: dict[str, Any], **tags: Any) -> dict[str, Any]:
         "error_rate": m.get("error_rate", 0.0),
         "p95_first_window_ms": wins[0]["latency_ms"]["p95"] if wins else None,
         "p95_last_window_ms": wins[-1]["latency_ms"]["p95"] if wins else None,
+        # the load generator is one process: near 100% it, not the target, sets the pace
+        "client_cpu_pct": round(statistics.mean(client), 1) if client else None,
     }
 
 
@@ -293,7 +296,8 @@ def render(res: dict[str, Any], device: str = "H200") -> str:
                                           ("one_conc", "conc"), ("two_tok_s", "2 engines tok/s"),
                                           ("two_conc", "conc"), ("ratio", "ratio"),
                                           ("target", "target"), ("pass", "met")])
-        md += ["", *table(rows, [("replicas", "replicas"), ("conc", "conc"), *ROW_COLS]), ""]
+        md += ["", *table(rows, [("replicas", "replicas"), ("conc", "conc"), *ROW_COLS,
+                                 ("client_cpu_pct", "load generator CPU %")]), ""]
         for k in ("load-r1", "load-r2"):
             if st.get(k, {}).get("gpu_used_gb"):
                 md.append(f"- {k}: GPU used {st[k]['gpu_used_gb']} GB")
