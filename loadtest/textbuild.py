@@ -145,7 +145,7 @@ class TextBuilder:
             return self._ids(self.text(n_tokens, rng))
         _, k, start = self._cut(n_tokens, rng)
         head, tail = self._wrap
-        return head + self._corpus_ids[start:start + max(k, 1)] + tail
+        return head + self._corpus_ids[start:start + k] + tail  # k >= 1: min_len
 
     def _ids(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not): the event loop keeps running

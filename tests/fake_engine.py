@@ -6,6 +6,8 @@ answer went back to the input it belongs to, through coalescing and splitting.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -18,6 +20,17 @@ from gateway.engine_client import JSON, CallFailed, CallTimeout
 from gateway.postprocess import encode_base64
 
 
+@contextlib.contextmanager
+def _mapped_errors() -> Iterator[None]:
+    """httpx's errors as the gateway's engine client raises them."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise CallTimeout(type(exc).__name__) from exc
+    except httpx.HTTPError as exc:
+        raise CallFailed(type(exc).__name__) from exc
+
+
 class HttpxEngineClient:
     """The gateway's engine client over any httpx transport: a fake engine app in-process
     (``httpx.ASGITransport``) or a handler (``httpx.MockTransport``), no sockets."""
@@ -26,21 +39,13 @@ class HttpxEngineClient:
         self._client = httpx.AsyncClient(transport=transport, timeout=30)
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes]:
-        try:
+        with _mapped_errors():
             r = await self._client.post(url, content=body, headers=JSON)
-        except httpx.TimeoutException as exc:
-            raise CallTimeout(type(exc).__name__) from exc
-        except httpx.HTTPError as exc:
-            raise CallFailed(type(exc).__name__) from exc
         return r.status_code, r.content
 
     async def get_status(self, url: str, timeout_s: float) -> int:
-        try:
+        with _mapped_errors():
             return (await self._client.get(url, timeout=timeout_s)).status_code
-        except httpx.TimeoutException as exc:
-            raise CallTimeout(type(exc).__name__) from exc
-        except httpx.HTTPError as exc:
-            raise CallFailed(type(exc).__name__) from exc
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -77,8 +82,7 @@ class FakeEngine:
         async def embed(request: Request) -> Response:
             body = orjson.loads(await request.body())
             batch = body["input"]
-            self.encodings.append(body.get("encoding_format"))
-            as_base64 = body.get("encoding_format") == "base64"
+            self.encodings.append(encoding := body.get("encoding_format"))
             self.calls.append(batch)
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
@@ -88,7 +92,7 @@ class FakeEngine:
                 {
                     "object": "embedding",
                     "index": i,
-                    "embedding": _encode(fake_vector(ids, self.dim), as_base64),
+                    "embedding": _encode(fake_vector(ids, self.dim), encoding == "base64"),
                 }
                 for i, ids in enumerate(batch)
             ]

@@ -115,3 +115,7 @@ def test_vector_lines_tell_the_gateway_hop_from_sglangs_own_spread() -> None:
                            "raw_spread_cos": [0.9995, 0.9992], "min_cos": 0.9992, "ok": True})
     assert "gateway vs SGLang: [1.0, 1.0] (ok, >= 0.9999)" in new[1]
     assert new[2].endswith("[0.9995, 0.9992]") and "SGLang against itself" in new[3]
+
+
+def test_visit_names_on_the_command_line_are_the_visits_defined() -> None:
+    assert ("engine", *labsteps.VISITS) == labsteps.lab.VISIT_NAMES

@@ -672,6 +672,10 @@ STEPS: list[tuple[str, str, Any, float]] = [  # name, engine, function, seconds 
 ]
 
 
+# "engine" is this module's STEPS; the others are labsteps.VISITS (imported late: it imports us)
+VISIT_NAMES = ("engine", "soak", "perf", "perf-recheck", "scale")
+
+
 def visit_steps(visit: str) -> list[tuple[str, str, Any, float]]:
     """The step list of a visit; a step's engine ("" = none) must have been launched."""
     if visit == "engine":
@@ -756,10 +760,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--only", nargs="*")
     p.add_argument("--redo", nargs="*", help="forget these steps' results and run them again")
-    p.add_argument("--visit", default="engine", choices=["engine", "soak", "perf", "perf-recheck", "scale"])
+    p.add_argument("--visit", default="engine", choices=VISIT_NAMES)
     sub.add_parser("report")
     p = sub.add_parser("pending")
-    p.add_argument("--visit", default="engine", choices=["engine", "soak", "perf", "perf-recheck", "scale"])
+    p.add_argument("--visit", default="engine", choices=VISIT_NAMES)
     p = sub.add_parser("correctness")
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)

@@ -27,6 +27,8 @@ import httpx
 import lab
 import labreport as lr
 
+from service.settings import GatewaySettings
+
 TIME_SCALE = float(os.environ.get("LAB_TIME_SCALE", "1"))
 CPU = lab.DEVICE == "cpu"
 LT_DIR = lab.LAB / "lt"
@@ -414,12 +416,13 @@ def vector_check(shape: str, gateway_port: int) -> dict[str, Any]:
 
 
 def step_perf(res: dict[str, Any], shape: str, budget_end: float, *,
-              plan: list[tuple[str, str, int, float, int]] = PERF_PLAN,
-              knobs: tuple[int, float] | None = None) -> dict[str, Any]:
+              plan: list[tuple[str, str, int, float, int]] = PERF_PLAN) -> dict[str, Any]:
     """Raw SGLang (token ids) and our gateway in front of it (texts), alternating, per case;
-    the gateway's knobs are the sweep's best unless given."""
+    the gateway's knobs are the sweep's best, or its defaults when no sweep ran."""
     best = res["steps"].get("sweep-4b", {}).get("best") or {}
-    knobs = knobs or (int(best.get("calls", 8)), float(best.get("wait_ms", 2.0)))
+    defaults = GatewaySettings()
+    knobs = (int(best.get("calls", defaults.engine_calls_per_engine)),
+             float(best.get("wait_ms", defaults.batch_max_wait_ms)))
     gw = start_gateways(res, shape, [knobs], 8000 + (10 if shape == "0.6b" else 0))[0]
     model = lab.ENGINES[shape]["model"]
     rows = []
@@ -562,12 +565,12 @@ VISITS: dict[str, list[Step]] = {
         ("stop-all", "", step_stop_all, 0),
     ],
     # a second perf visit on a fresh host: the vector diagnostics and the low-load rounds
-    # again, with the first visit's best knobs (results/gpu-lab/perf/)
+    # again, with the gateway's defaults (since 2026-11-30 the perf visit's best knobs)
     "perf-recheck": [
         ("ready-4b", "4b", lab.step_wait, 30),
         ("ready-0.6b", "0.6b", lab.step_wait, 30),
-        ("perf-0.6b", "0.6b", partial(step_perf, plan=LOW_PLAN, knobs=(4, 0.0)), secs(135)),
-        ("perf-4b", "4b", partial(step_perf, plan=LOW_PLAN, knobs=(4, 0.0)), secs(135)),
+        ("perf-0.6b", "0.6b", partial(step_perf, plan=LOW_PLAN), secs(135)),
+        ("perf-4b", "4b", partial(step_perf, plan=LOW_PLAN), secs(135)),
         ("stop-all", "", step_stop_all, 0),
     ],
     "scale": [
