@@ -469,19 +469,20 @@ SCALE_PLAN: list[tuple[str, str, int]] = [  # case, mix, concurrency per replica
     ("short", "uniform:16-512", 64),
     ("medium", "uniform:512-2048", 64),
 ]
+SCALE_DEEP_PLAN = [("short", "uniform:16-512", 128)]
 SCALE_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",
                "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300"}
 
 
-def step_scale_load(res: dict[str, Any], shape: str, budget_end: float, *, replicas: int
-                    ) -> dict[str, Any]:
-    """The same loads through the gateway, at 64 and 128 in flight, whatever the replicas."""
+def step_scale_load(res: dict[str, Any], shape: str, budget_end: float, *, replicas: int,
+                    plan: list[tuple[str, str, int]] = SCALE_PLAN) -> dict[str, Any]:
+    """The same loads through the gateway, at conc and 2 x conc in flight, whatever the replicas."""
     url = f"http://127.0.0.1:{lab.GATEWAY_PORT}"
     model = lab.ENGINES["4b"]["model"]
     loadtest(f"scale-r{replicas}-warm", url, model_dir=model, mix="uniform:16-512", conc=64,
              duration=secs(8), tags={"case": "warm-up"})
     rows = []
-    for case, mix, conc in SCALE_PLAN:
+    for case, mix, conc in plan:
         for c in (conc, 2 * conc):
             rows.append(loadtest(f"scale-r{replicas}-{case}-{c}", url, model_dir=model, mix=mix, conc=c,
                                  gateway_pid=res["stacks"][f"r{replicas}"]["pid"],
@@ -585,6 +586,17 @@ VISITS: dict[str, list[Step]] = {
         ("ab-launch", "", step_ab_launch, 10),
         ("ab-ready", "", step_ab_ready, 0),
         ("ab-load", "", step_ab_load, secs(260)),
+        ("stop-all", "", step_stop_all, 0),
+    ],
+    # short inputs again at 128 and 256 in flight: 128 over two engines is only 64 each
+    "scale-deep": [
+        ("up-r1", "", partial(step_up, tag="r1", model="4b", replicas=1, extra=SCALE_EXTRA), 0),
+        ("ready-r1", "", partial(step_ready, tag="r1"), 0),
+        ("load-r1", "", partial(step_scale_load, replicas=1, plan=SCALE_DEEP_PLAN), secs(80)),
+        ("stop-r1", "", partial(step_stop, tag="r1"), 30),
+        ("up-r2", "", partial(step_up, tag="r2", model="4b", replicas=2, extra=SCALE_EXTRA), 0),
+        ("ready-r2", "", partial(step_ready, tag="r2"), 0),
+        ("load-r2", "", partial(step_scale_load, replicas=2, plan=SCALE_DEEP_PLAN), secs(80)),
         ("stop-all", "", step_stop_all, 0),
     ],
 }
