@@ -47,6 +47,7 @@ def test_scale_ratio_takes_the_best_concurrency_per_replica_count() -> None:
     s = lr.scale_summary(rows)[0]
     assert s["one_conc"] == 128 and s["two_conc"] == 128
     assert s["ratio"] == pytest.approx(1.915, abs=1e-3) and s["pass"] is True
+    assert s["per_engine_ratio"] == pytest.approx(136_000 / 70_000, abs=1e-3)  # 2 at 128 vs 1 at 64
 
 
 def test_soak_rate_and_sweep_spec() -> None:
