@@ -114,7 +114,8 @@ def scale_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         tok = {(r["replicas"], r["conc"]): r["tok_s"] for r in rows
                if r["case"] == case and not r.get("errors") and r["tok_s"]}
         per_engine = [tok[(2, 2 * c)] / t for (n, c), t in tok.items() if n == 1 and (2, 2 * c) in tok]
-        out.append({"per_engine_ratio": round(max(per_engine), 3) if per_engine else None,"case": case, "one_tok_s": one and one["tok_s"], "one_conc": one and one["conc"],
+        out.append({"per_engine_ratio": round(max(per_engine), 3) if per_engine else None,
+                    "case": case, "one_tok_s": one and one["tok_s"], "one_conc": one and one["conc"],
                     "two_tok_s": two and two["tok_s"], "two_conc": two and two["conc"],
                     "ratio": ratio, "target": f">= {SCALE_TARGET}x",
                     "pass": ratio is not None and ratio >= SCALE_TARGET})
