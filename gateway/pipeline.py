@@ -20,10 +20,6 @@ from gateway.schemas import EmbeddingRequest
 from gateway.tokenization import ModelTokenizer, TokenizedInput
 from service.settings import GatewaySettings
 
-# Up to this many characters, tokenising on the event loop (well under 0.1 ms) is cheaper
-# than the hand-off to a tokenizer thread and back (about 1 ms at P50 on a busy 2-core box).
-INLINE_TOKENIZE_CHARS = 2048
-
 
 @dataclass
 class EmbeddingResult:
@@ -152,7 +148,7 @@ class EmbeddingPipeline:
         if texts is not None:
             self._check_texts(texts)
             texts = self._apply_instruction(req, texts)
-            if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            if sum(map(len, texts)) <= self.s.inline_tokenize_chars:
                 inputs = self.tok.encode_texts(texts)
             else:
                 loop = asyncio.get_running_loop()

@@ -187,6 +187,14 @@ class GatewaySettings(BaseModel):
     )
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline (504)")
     tokenizer_threads: int = Field(2, ge=1)
+    inline_tokenize_chars: int = Field(
+        2048,
+        ge=0,
+        description="requests with at most this many characters are tokenised on the event loop "
+        "(well under 0.1 ms), saving the hand-off to a tokenizer thread and back (about 1 ms at "
+        "P50 on a busy 2-core box); 0 sends all to "
+        "the threads",
+    )
     normalize: bool = True
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_keys_file: str | None = None
