@@ -73,7 +73,11 @@ def one_run(name: str, env_extra: dict[str, str], model: Path, seconds: float, c
     log = open(work / "gateway.log", "ab")  # noqa: SIM115  (closed below)
     gw = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        wait_ready(f"http://127.0.0.1:{GATEWAY_PORT}/health/ready")
+        try:
+            wait_ready(f"http://127.0.0.1:{GATEWAY_PORT}/health/ready", 45)
+        except TimeoutError:
+            print((work / "gateway.log").read_text(errors="replace")[-3000:], flush=True)
+            raise
         proc = psutil.Process(gw.pid)
         out = work / f"lt-{len(list(work.glob('lt-*')))}"
         lt = [sys.executable, "-m", "loadtest.cli", f"http://127.0.0.1:{GATEWAY_PORT}",
