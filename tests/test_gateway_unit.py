@@ -216,3 +216,25 @@ def test_request_id_and_stage_headers(client: TestClient) -> None:
     for stage in ("tokenize", "queue", "engine"):
         assert float(r.headers[f"x-embedserve-{stage}-ms"]) >= 0
     assert client.get("/v1/models").headers["x-request-id"]
+
+
+@pytest.mark.parametrize(("inline_chars", "on_thread"), [(0, True), (2048, False)])
+def test_short_texts_tokenise_on_the_loop_unless_configured_off(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, inline_chars: int, on_thread: bool
+) -> None:
+    import threading
+
+    from gateway.tokenization import ModelTokenizer
+
+    seen: list[str] = []
+    original = ModelTokenizer.encode_texts
+
+    def spy(self: ModelTokenizer, texts: list[str]) -> Any:
+        seen.append(threading.current_thread().name)
+        return original(self, texts)
+
+    monkeypatch.setattr(ModelTokenizer, "encode_texts", spy)
+    with make_client(engine, inline_tokenize_chars=inline_chars) as c:
+        wait_ready(c)
+        assert post(c, {"model": MODEL, "input": "a short text"}).status_code == 200
+    assert len(seen) == 1 and seen[0].startswith("tokenize") is on_thread
