@@ -104,7 +104,7 @@ async def _closed_loop(url: str, body: bytes, concurrency: int, seconds: float) 
     return ok, errors
 
 
-def _wait_http(url: str, timeout: float = 60) -> None:
+def wait_http(url: str, timeout: float = 60) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -135,8 +135,8 @@ def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
     )
     results: dict[str, dict[str, float]] = {}
     try:
-        _wait_http(f"http://127.0.0.1:{engine_port}/health")
-        _wait_http(f"http://127.0.0.1:{gw_port}/health/ready")
+        wait_http(f"http://127.0.0.1:{engine_port}/health")
+        wait_http(f"http://127.0.0.1:{gw_port}/health/ready")
         proc = psutil.Process(gateway.pid)
         for name, fields in SCENARIOS.items():
             body = orjson.dumps({"model": "all-MiniLM-L6-v2", **fields})

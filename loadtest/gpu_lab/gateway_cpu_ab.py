@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
+
+from loadtest.bench_gateway_cpu import wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_PORT, ENGINE_PORTS = 8100, (30100, 30101)
@@ -37,18 +38,6 @@ CONFIGS: dict[str, dict[str, str]] = {
                                     "EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": "0",
                                     "EMBEDSERVE_GATEWAY__TOKENIZER_THREADS": "4"},
 }
-
-
-def wait_ready(url: str, deadline_s: float = 60) -> None:
-    end = time.time() + deadline_s
-    while time.time() < end:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def cpu_split(proc: psutil.Process) -> tuple[float, float]:
@@ -74,8 +63,8 @@ def one_run(name: str, env_extra: dict[str, str], model: Path, seconds: float, c
     gw = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         try:
-            wait_ready(f"http://127.0.0.1:{GATEWAY_PORT}/health/ready", 45)
-        except TimeoutError:
+            wait_http(f"http://127.0.0.1:{GATEWAY_PORT}/health/ready", 45)
+        except RuntimeError:
             print((work / "gateway.log").read_text(errors="replace")[-3000:], flush=True)
             raise
         proc = psutil.Process(gw.pid)
@@ -144,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for p in ENGINE_PORTS:
-            wait_ready(f"http://127.0.0.1:{p}/health")
+            wait_http(f"http://127.0.0.1:{p}/health")
         names = [n.strip() for n in a.configs.split(",")]
         for rnd in range(a.rounds):
             for name in names if rnd % 2 == 0 else names[::-1]:

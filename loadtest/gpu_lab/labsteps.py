@@ -564,6 +564,18 @@ def step_ab_load(res: dict[str, Any], shape: str, budget_end: float) -> dict[str
             "gpu_used_gb": gpu_used_gb()}
 
 
+def scale_steps(load: Any, load_s: float) -> list[tuple[str, str, Any, float]]:
+    """One gateway with 1 engine, then with 2 (one per GPU): up, ready, load, stop each."""
+    steps: list[tuple[str, str, Any, float]] = []
+    for n in (1, 2):
+        up = partial(step_up, tag=f"r{n}", model="4b", replicas=n, extra=SCALE_EXTRA)
+        steps += [(f"up-r{n}", "", up, 0),
+                  (f"ready-r{n}", "", partial(step_ready, tag=f"r{n}"), 0),
+                  (f"load-r{n}", "", partial(load, replicas=n), load_s),
+                  (f"stop-r{n}", "", partial(step_stop, tag=f"r{n}"), 30)]
+    return steps
+
+
 # --- the visits ---------------------------------------------------------------------------------
 Step = tuple[str, str, Any, float]
 VISITS: dict[str, list[Step]] = {
@@ -595,14 +607,7 @@ VISITS: dict[str, list[Step]] = {
         ("stop-all", "", step_stop_all, 0),
     ],
     "scale": [
-        ("up-r1", "", partial(step_up, tag="r1", model="4b", replicas=1, extra=SCALE_EXTRA), 0),
-        ("ready-r1", "", partial(step_ready, tag="r1"), 0),
-        ("load-r1", "", partial(step_scale_load, replicas=1), secs(160)),
-        ("stop-r1", "", partial(step_stop, tag="r1"), 30),
-        ("up-r2", "", partial(step_up, tag="r2", model="4b", replicas=2, extra=SCALE_EXTRA), 0),
-        ("ready-r2", "", partial(step_ready, tag="r2"), 0),
-        ("load-r2", "", partial(step_scale_load, replicas=2), secs(160)),
-        ("stop-r2", "", partial(step_stop, tag="r2"), 30),
+        *scale_steps(step_scale_load, secs(160)),
         ("ab-launch", "", step_ab_launch, 10),
         ("ab-ready", "", step_ab_ready, 0),
         ("ab-load", "", step_ab_load, secs(260)),
@@ -610,16 +615,7 @@ VISITS: dict[str, list[Step]] = {
     ],
     # short inputs at 128 and 256 in flight per engine (the scale visit's 128 in flight over
     # two engines is only 64 each); the first scale-deep run (2026-11-30) used 128 and 256 for both
-    "scale-deep": [
-        ("up-r1", "", partial(step_up, tag="r1", model="4b", replicas=1, extra=SCALE_EXTRA), 0),
-        ("ready-r1", "", partial(step_ready, tag="r1"), 0),
-        ("load-r1", "", partial(deep_load, replicas=1), secs(80)),
-        ("stop-r1", "", partial(step_stop, tag="r1"), 30),
-        ("up-r2", "", partial(step_up, tag="r2", model="4b", replicas=2, extra=SCALE_EXTRA), 0),
-        ("ready-r2", "", partial(step_ready, tag="r2"), 0),
-        ("load-r2", "", partial(deep_load, replicas=2), secs(80)),
-        ("stop-all", "", step_stop_all, 0),
-    ],
+    "scale-deep": [*scale_steps(deep_load, secs(80)), ("stop-all", "", step_stop_all, 0)],
 }
 
 
