@@ -33,6 +33,7 @@ from gateway.middleware import (
     BodyLimitMiddleware,
     HeadLimitMiddleware,
     RequestContextMiddleware,
+    RouteFastPath,
 )
 from gateway.model_card import ModelCard
 from gateway.pipeline import EmbeddingPipeline
@@ -238,6 +239,8 @@ def create_app(
         ("/v1",) + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
     )
     keys = _load_api_keys(settings)
+    # added first, so innermost: CORS, keys, size caps and request ids still apply to it
+    app.add_middleware(RouteFastPath, method="POST", path="/v1/embeddings", handler=embeddings)
     if gw.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=gw.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import uvicorn
 
+from service.http_protocol import bounded_httptools
 from service.settings import Settings
 from service.supervisor import EngineStartError, LaunchSpec, ProcessSupervisor
 
@@ -139,11 +140,7 @@ async def run_stack(settings: Settings) -> int:
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
             timeout_keep_alive=int(g.keep_alive_s),
-            # h11, not httptools: httptools has no header-size limit (a 100 MB header was
-            # buffered whole). h11 answers 400 once an unfinished request head passes this
-            # size; reads come in 64 KiB chunks, so no head over 64 KiB is ever accepted.
-            http="h11",
-            h11_max_incomplete_event_size=16384,
+            http=bounded_httptools(g.max_head_bytes),
         )
     )
 

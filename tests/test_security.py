@@ -4,7 +4,9 @@ line, no request text in the logs, and header-size limits on the real server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import select
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,4 +218,19 @@ def test_oversized_request_head_is_refused(minilm_stack: RunningStack, head: byt
     answer = _raw_request(minilm_stack.url, head)
     status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1") else None
     assert status is not None and 400 <= status < 500, answer[:200]
+    assert httpx.get(minilm_stack.url + "/health/ready", timeout=10).status_code == 200
+
+
+def test_an_endless_request_head_is_cut_off_not_buffered(minilm_stack: RunningStack) -> None:
+    """The parser must stop reading an unfinished head soon after the cap (httptools alone
+    buffers it whole): the connection ends long before 64 MiB have gone out."""
+    host, port = minilm_stack.url.removeprefix("http://").split(":")
+    chunk, sent, limit = b"a" * 65536, 0, 64 * 2**20
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent < limit and not select.select([s], [], [], 0)[0]:
+                s.sendall(chunk)
+                sent += len(chunk)
+    assert sent < limit // 4, f"{sent} bytes of one header were read without an answer"
     assert httpx.get(minilm_stack.url + "/health/ready", timeout=10).status_code == 200
