@@ -238,3 +238,27 @@ def test_short_texts_tokenise_on_the_loop_unless_configured_off(
         wait_ready(c)
         assert post(c, {"model": MODEL, "input": "a short text"}).status_code == 200
     assert len(seen) == 1 and seen[0].startswith("tokenize") is on_thread
+
+
+def test_an_unexpected_error_is_a_500_in_the_envelope_and_the_next_request_works(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.pipeline import EmbeddingPipeline
+
+    original = EmbeddingPipeline.run
+    calls = {"n": 0}
+
+    async def flaky(self: EmbeddingPipeline, req: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug")
+        return await original(self, req)
+
+    monkeypatch.setattr(EmbeddingPipeline, "run", flaky)
+    settings = Settings(engine={"kind": "external", "urls": ["http://fake-engine"]}, _env_file=None)
+    app = create_app(settings, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        wait_ready(c)
+        err = assert_error(post(c, {"model": MODEL, "input": "x"}), 500)
+        assert "a bug" not in str(err)
+        assert post(c, {"model": MODEL, "input": "x"}).status_code == 200
