@@ -53,6 +53,13 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def head_too_large(max_bytes: int) -> APIError:
+    """431 for a request head over the cap: one text for the middleware's exact check and
+    the HTTP parser's backstop (service/http_protocol.py)."""
+    message = f"Request headers and URL exceed the limit of {max_bytes} bytes"
+    return APIError(431, message, code="request_header_fields_too_large")
+
+
 def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
     err = {
         "message": message,

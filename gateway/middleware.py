@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import error_body
+from gateway.errors import error_body, head_too_large
 from service.logging_json import request_id_var
 
 Scope = MutableMapping[str, Any]
@@ -31,7 +31,11 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 async def _send_error(
-    send: Send, status: int, message: str, code: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     body = error_body(status, message, None, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -98,8 +102,8 @@ class HeadLimitMiddleware:
             size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
             size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
             if size > self.max_bytes:
-                message = f"Request headers and URL exceed the limit of {self.max_bytes} bytes"
-                await _send_error(send, 431, message, "request_header_fields_too_large")
+                err = head_too_large(self.max_bytes)
+                await _send_error(send, err.status, err.message, err.code)
                 return
         await self.app(scope, receive, send)
 

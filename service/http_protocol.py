@@ -15,7 +15,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import error_body
+from gateway.errors import error_body, head_too_large
 
 
 def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
@@ -45,12 +45,8 @@ def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
                 self._refuse()
 
         def _refuse(self) -> None:
-            body = error_body(
-                431,
-                f"Request headers and URL exceed the limit of {max_head_bytes} bytes",
-                None,
-                "request_header_fields_too_large",
-            )
+            err = head_too_large(max_head_bytes)
+            body = error_body(err.status, err.message, err.param, err.code)
             head = (
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)

@@ -192,8 +192,7 @@ class GatewaySettings(BaseModel):
         ge=0,
         description="requests with at most this many characters are tokenised on the event loop "
         "(well under 0.1 ms), saving the hand-off to a tokenizer thread and back (about 1 ms at "
-        "P50 on a busy 2-core box); 0 sends all to "
-        "the threads",
+        "P50 on a busy 2-core box); 0 sends all to the threads",
     )
     normalize: bool = True
     api_keys: list[SecretStr] = Field(default_factory=list)

@@ -255,9 +255,7 @@ def test_an_unexpected_error_is_a_500_in_the_envelope_and_the_next_request_works
         return await original(self, req)
 
     monkeypatch.setattr(EmbeddingPipeline, "run", flaky)
-    settings = Settings(engine={"kind": "external", "urls": ["http://fake-engine"]}, _env_file=None)
-    app = create_app(settings, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(make_client(engine).app, raise_server_exceptions=False) as c:
         wait_ready(c)
         err = assert_error(post(c, {"model": MODEL, "input": "x"}), 500)
         assert "a bug" not in str(err)

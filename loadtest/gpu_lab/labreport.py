@@ -105,15 +105,12 @@ def scale_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     queue each one was given."""
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
-        best = {}
-        for n in (1, 2):
-            cand = [r for r in rows if r["case"] == case and r["replicas"] == n and not r.get("errors")]
-            best[n] = max(cand, key=lambda r: r["tok_s"], default=None)
-        one, two = best[1], best[2]
+        ok = [r for r in rows if r["case"] == case and not r.get("errors")]
+        one, two = (max((r for r in ok if r["replicas"] == n), key=lambda r: r["tok_s"], default=None)
+                    for n in (1, 2))
         ratio = round(two["tok_s"] / one["tok_s"], 3) if one and two and one["tok_s"] else None
-        tok = {(r["replicas"], r["conc"]): r["tok_s"] for r in rows
-               if r["case"] == case and not r.get("errors") and r["tok_s"]}
-        per_engine = [tok[(2, 2 * c)] / t for (n, c), t in tok.items() if n == 1 and (2, 2 * c) in tok]
+        tok = {(r["replicas"], r["conc"]): r["tok_s"] for r in ok}
+        per_engine = [tok[(2, 2 * c)] / t for (n, c), t in tok.items() if n == 1 and t and (2, 2 * c) in tok]
         out.append({"per_engine_ratio": round(max(per_engine), 3) if per_engine else None,
                     "case": case, "one_tok_s": one and one["tok_s"], "one_conc": one and one["conc"],
                     "two_tok_s": two and two["tok_s"], "two_conc": two and two["conc"],

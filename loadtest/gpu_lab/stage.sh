@@ -26,6 +26,7 @@ $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SIT
 if [ -f "$B/sgl_kernel_sm90.tgz" ]; then tar xzf "$B/sgl_kernel_sm90.tgz" -C "$SITE"; fi
 # a FlashInfer JIT cache an earlier visit brought back (lab.py's stop-all step packs it)
 if [ -f "$B/fi-cache.tgz" ]; then
-  mkdir -p "${LAB_FI_CACHE:-/tmp/fi-cache}" && tar xzf "$B/fi-cache.tgz" -C "${LAB_FI_CACHE:-/tmp/fi-cache}"
+  CACHE=${LAB_FI_CACHE:-/tmp/fi-cache}
+  mkdir -p "$CACHE" && tar xzf "$B/fi-cache.tgz" -C "$CACHE"
 fi
 echo "staged $B into $SITE ($(ls "$SITE" | wc -l) entries)"
