@@ -28,9 +28,10 @@ dl "$TMP" sglang-kernel==0.4.5
   && tar czf "$OUT/b1/sgl_kernel_sm90.tgz" . )
 
 # b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
-# and what embedserve itself needs beyond b1 and the host (pydantic-settings, python-dotenv)
+# and what embedserve itself needs beyond b1 and the host (pydantic-settings, python-dotenv,
+# httptools)
 dl "$OUT/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
-  pydantic-settings python-dotenv
+  pydantic-settings python-dotenv httptools==0.9.0
 
 # b3: transformers pinned to what SGLang 0.5.17 expects (the host's 5.17 clashes on
 # 'qwen3_asr'), and the remaining modules SGLang imports at start-up
