@@ -673,7 +673,7 @@ STEPS: list[tuple[str, str, Any, float]] = [  # name, engine, function, seconds 
 
 
 # "engine" is this module's STEPS; the others are labsteps.VISITS (imported late: it imports us)
-VISIT_NAMES = ("engine", "soak", "perf", "perf-recheck", "scale", "scale-deep")
+VISIT_NAMES = ("engine", "soak", "perf", "perf-recheck", "scale", "scale-deep", "scale-check")
 
 
 def visit_steps(visit: str) -> list[tuple[str, str, Any, float]]:

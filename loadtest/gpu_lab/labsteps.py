@@ -509,6 +509,9 @@ def step_scale_load(res: dict[str, Any], shape: str, budget_end: float, *, repli
 
 
 deep_load = partial(step_scale_load, plan=SCALE_DEEP_PLAN, per_engine=True)
+# both shapes at per-engine depths, one code version: the run that settles item 5
+check_load = partial(step_scale_load, plan=[*SCALE_DEEP_PLAN, ("medium", "uniform:512-2048", 64)],
+                     per_engine=True)
 
 
 # --- prefill CUDA graphs on/off (scale visit, one engine per GPU) ---------------------------------
@@ -616,6 +619,7 @@ VISITS: dict[str, list[Step]] = {
     # short inputs at 128 and 256 in flight per engine (the scale visit's 128 in flight over
     # two engines is only 64 each); the first scale-deep run (2026-11-30) used 128 and 256 for both
     "scale-deep": [*scale_steps(deep_load, secs(80)), ("stop-all", "", step_stop_all, 0)],
+    "scale-check": [*scale_steps(check_load, secs(150)), ("stop-all", "", step_stop_all, 0)],
 }
 
 
