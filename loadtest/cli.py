@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     s = ap.add_argument_group("safety")
     s.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, s")
-    s.add_argument("--max-connections", type=int, default=256)
+    s.add_argument("--max-connections", type=int,
+                   help="default: one per request in flight (--concurrency, or --max-in-flight "
+                   "in an open loop); a closed loop refuses fewer")
     s.add_argument("--max-in-flight", type=int, default=1024,
                    help="open loop: arrivals beyond this many pending are dropped and counted")
     s.add_argument("--retries-429", type=int, default=3,

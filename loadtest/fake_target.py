@@ -53,6 +53,8 @@ class Counters:
     tokens: int = 0
     tokens_ok: int = 0
     health_calls: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0  # embeddings requests being answered at once
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -92,7 +94,14 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
                                 headers={"Retry-After": f"{cfg.retry_after_s:g}"})
         delay = cfg.delay_s + cfg.delay_per_token_s * tokens
         if delay:
-            await asyncio.sleep(delay)
+            with counters.lock:
+                counters.in_flight += 1
+                counters.peak_in_flight = max(counters.peak_in_flight, counters.in_flight)
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                with counters.lock:
+                    counters.in_flight -= 1
         rng = random.Random(n)
         data = [{"object": "embedding", "index": i,
                  "embedding": [rng.random() for _ in range(cfg.dim)]} for i in range(len(items))]

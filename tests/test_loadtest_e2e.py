@@ -147,3 +147,14 @@ def test_rescore_rejudges_a_finished_run(tmp_path: Path) -> None:
     assert res["verdict"]["passed"] and not res["verdict_history"][0]["passed"]
     assert "# Load test: PASS" in (tmp_path / "summary.md").read_text()
     assert rescore([str(tmp_path / "nowhere")]) == 2
+
+
+def test_closed_loop_keeps_every_request_on_the_wire(tmp_path: Path) -> None:
+    """Each request in flight gets its own connection: the target sees the whole concurrency
+    (with a 256-connection pool, 512 "in flight" was 256 at the server plus a client queue)."""
+    with FakeServer(FakeConfig(delay_s=1.0)) as srv:
+        rc, _ = _run([srv.url, "--concurrency", "300", "--requests", "300",
+                      "--max-error-rate", "0"], tmp_path)
+        assert rc == 0 and srv.counters.peak_in_flight == 300
+    assert main(["http://127.0.0.1:1", "--concurrency", "6", "--max-connections", "2",
+                 "--out", str(tmp_path / "refused")]) == 2
