@@ -60,9 +60,11 @@ class RunConfig:
 
     @property
     def connection_limit(self) -> int:
+        """Two spare connections: the memory sampler shares the session and must neither
+        wait for a load request's connection nor take one."""
         if self.max_connections is not None:
             return self.max_connections
-        return self.concurrency if self.mode == "closed" else self.max_in_flight
+        return (self.concurrency if self.mode == "closed" else self.max_in_flight) + 2
 
 
 @dataclass
