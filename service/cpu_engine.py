@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.postprocess import encode_base64
+from service.http_protocol import bounded_httptools
 from service.settings import Settings
 from service.stats_file import EngineStats, write_stats
 
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port or settings.engine.port,
         log_config=None,
         timeout_graceful_shutdown=int(settings.gateway.graceful_shutdown_s),
+        # httptools is installed, so uvicorn's default would be its unbounded parser
+        http=bounded_httptools(settings.gateway.max_head_bytes),
     )
     return 0
 
