@@ -33,6 +33,10 @@ if [ -f "$B/fi-cache.tgz" ]; then
   # was compiled again (301 s cold start with the cache, 2026-11-30). Touching the cache
   # instead does not help: outputs newer than .ninja_deps records also count as dirty.
   # So the inputs get an old time (2000-01-01); `ninja -n` in each op dir: "no work to do".
-  find "$SITE/flashinfer" "$SITE/tvm_ffi" -type f -exec touch -c -d @946684800 {} + 2>/dev/null || true
+  if [ -d "$SITE/flashinfer" ]; then
+    find "$SITE/flashinfer" "$SITE/tvm_ffi" -type f -exec touch -c -d @946684800 {} + 2>/dev/null || true
+  else
+    echo "warning: FlashInfer is not staged yet (stage b1 first), so the cache will be rebuilt" >&2
+  fi
 fi
 echo "staged $B into $SITE ($(ls "$SITE" | wc -l) entries)"
