@@ -54,7 +54,7 @@ class Counters:
     tokens_ok: int = 0
     health_calls: int = 0
     in_flight: int = 0
-    peak_in_flight: int = 0  # embeddings requests being answered at once
+    peak_in_flight: int = 0  # embeddings requests answered at once (counted when a delay applies)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
