@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
 from loadtest.bench_gateway_cpu import wait_http
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,6 @@ from typing import Any
 import httpx
 import lab
 import labreport as lr
-
 from service.settings import GatewaySettings
 
 TIME_SCALE = float(os.environ.get("LAB_TIME_SCALE", "1"))

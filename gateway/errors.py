@@ -8,29 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "server_error",
-    502: "server_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
+from embedserve.contracts.errors import error_body, head_too_large_message
 
 
 class APIError(Exception):
@@ -54,20 +37,8 @@ class APIError(Exception):
 
 
 def head_too_large(max_bytes: int) -> APIError:
-    """431 for a request head over the cap: one text for the middleware's exact check and
-    the HTTP parser's backstop (service/http_protocol.py)."""
-    message = f"Request headers and URL exceed the limit of {max_bytes} bytes"
-    return APIError(431, message, code="request_header_fields_too_large")
-
-
-def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
-    err = {
-        "message": message,
-        "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
-        "param": param,
-        "code": code,
-    }
-    return orjson.dumps({"error": err})
+    """431 for a request head over the cap (the parser's backstop sends the same text)."""
+    return APIError(431, head_too_large_message(max_bytes), code="request_header_fields_too_large")
 
 
 def error_response(err: APIError) -> Response:

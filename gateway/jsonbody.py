@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import APIError
+from embedserve.gateway.errors import APIError
 
 
 class _Pairs(dict[str, Any]):

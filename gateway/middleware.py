@@ -17,8 +17,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import error_body, head_too_large
-from service.logging_json import request_id_var
+from embedserve.contracts.errors import error_body
+from embedserve.gateway.errors import head_too_large
+from embedserve.logs import request_id_var
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -9,16 +9,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.admission import TokenAdmission
-from gateway.batcher import Coalescer
-from gateway.engine_pool import EngineError, EngineTimeout
-from gateway.errors import APIError
-from gateway.metrics import GatewayMetrics
-from gateway.model_card import ModelCard
-from gateway.postprocess import encode_base64, shape_vectors
-from gateway.schemas import EmbeddingRequest
-from gateway.tokenization import ModelTokenizer, TokenizedInput
-from service.settings import GatewaySettings
+from embedserve.config import GatewaySettings
+from embedserve.contracts.wire import encode_base64
+from embedserve.engines.pool import EngineError, EngineTimeout
+from embedserve.gateway.admission import TokenAdmission
+from embedserve.gateway.coalesce import Coalescer
+from embedserve.gateway.errors import APIError
+from embedserve.gateway.metrics import GatewayMetrics
+from embedserve.gateway.schemas import EmbeddingRequest
+from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
+from embedserve.gateway.vectors import shape_vectors
+from embedserve.model_info import ModelInfo
 
 
 @dataclass
@@ -44,7 +45,7 @@ class EmbeddingPipeline:
     def __init__(
         self,
         settings: GatewaySettings,
-        card: ModelCard,
+        card: ModelInfo,
         tokenizer: ModelTokenizer,
         coalescer: Coalescer,
         admission: TokenAdmission,

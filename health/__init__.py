@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
-from health.engine_view import EngineView
-from health.metrics import HealthCollector
-from health.monitor import MemoryMonitor, MemoryState
-from health.reading import SourceConfig
-from health.router import build_router
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.health.engine_view import EngineView
+from embedserve.health.metrics import HealthCollector
+from embedserve.health.monitor import MemoryMonitor, MemoryState
+from embedserve.health.reading import SourceConfig
+from embedserve.health.router import build_router
 
 __all__ = ["EngineView", "HealthComponents", "MemoryState", "create_health"]
 

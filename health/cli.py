@@ -6,84 +6,76 @@ Exit status (single shot): 0 no restart advised, 2 restart advised, 1 unreachabl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from embedserve.contracts.memory import MemoryReport
 
 
-def _gib(x: Any) -> str:
+def _gib(x: float | None) -> str:
     return "-" if x is None else f"{float(x) / 2**30:.2f}"
 
 
-def _h(x: Any) -> str:
+def _h(x: float | None) -> str:
     if x is None:
         return "-"
-    x = float(x)
     return f"{x * 60:.0f}m" if x < 1 else f"{x:.1f}h"
 
 
-def render(doc: dict[str, Any], url: str) -> str:
+def render(doc: MemoryReport, url: str) -> str:
     lines = [
         f"embedserve memory  {url}  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        f"status: {doc.get('status', '?')}   restart advised: "
-        f"{'YES' if doc.get('recommends_restart') else 'no'}   binding: "
-        f"{doc.get('binding_resource') or '-'}   hours to OOM: "
-        f"{_h(doc.get('estimated_hours_until_oom'))} "
-        f"({_h(doc.get('hours_lower'))} .. {_h(doc.get('hours_upper'))})",
-        f"reason: {doc.get('reason', '')}",
+        f"status: {doc.status}   restart advised: "
+        f"{'YES' if doc.recommends_restart else 'no'}   binding: "
+        f"{doc.binding_resource or '-'}   hours to OOM: "
+        f"{_h(doc.estimated_hours_until_oom)} ({_h(doc.hours_lower)} .. {_h(doc.hours_upper)})",
+        f"reason: {doc.reason}",
         "",
         f"{'resource':<9} {'used GiB':>9} {'peak':>8} {'limit':>8} {'GiB/h':>8} "
         f"{'95% interval':>15} {'to OOM':>8} {'window':>8} {'n':>6}  status / limit from",
     ]
-    for name, r in (doc.get("resources") or {}).items():
-        lo, hi = r.get("slope_low_bytes_per_hour"), r.get("slope_high_bytes_per_hour")
+    for name, r in doc.resources.items():
+        lo, hi = r.slope_low_bytes_per_hour, r.slope_high_bytes_per_hour
         interval = "-" if lo is None else f"{_gib(lo)}..{_gib(hi)}"
         lines.append(
-            f"{name:<9} {_gib(r.get('used_bytes')):>9} {_gib(r.get('peak_bytes')):>8} "
-            f"{_gib(r.get('limit_bytes')):>8} {_gib(r.get('slope_bytes_per_hour')):>8} "
-            f"{interval:>15} {_h(r.get('estimated_hours_until_oom')):>8} "
-            f"{_h((r.get('window_s') or 0) / 3600):>8} {r.get('samples', 0):>6}  "
-            f"{r.get('status')} / {r.get('limit_source')} ({r.get('measure', '')})"
+            f"{name:<9} {_gib(r.used_bytes):>9} {_gib(r.peak_bytes):>8} "
+            f"{_gib(r.limit_bytes):>8} {_gib(r.slope_bytes_per_hour):>8} "
+            f"{interval:>15} {_h(r.estimated_hours_until_oom):>8} "
+            f"{_h(r.window_s / 3600):>8} {r.samples:>6}  "
+            f"{r.status} / {r.limit_source} ({r.measure})"
         )
     lines.append("")
-    if doc.get("gpu") is None:
-        lines.append(f"gpu: none ({doc.get('gpu_reason')})")
+    if doc.gpu is None:
+        lines.append(f"gpu: none ({doc.gpu_reason})")
     else:
-        for d in doc["gpu"]["devices"]:
-            lines.append(
-                f"gpu {d['index']} {d['name']}: {_gib(d['used_bytes'])} / {_gib(d['total_bytes'])} GiB used"
-            )
-    if doc.get("allocator"):
-        frag = doc.get("fragmentation")
+        for d in doc.gpu.devices:
+            lines.append(f"gpu {d.index} {d.name}: {_gib(d.used_bytes)} / {_gib(d.total_bytes)} GiB used")
+    if doc.allocator:
+        frag = doc.fragmentation
         lines.append(
             "allocator: "
             + ", ".join(
-                f"pid {e['pid']} reserved {_gib(e['reserved_bytes'])} GiB "
-                f"allocated {_gib(e['allocated_bytes'])} GiB"
-                for e in doc["allocator"]
+                f"pid {e.pid} reserved {_gib(e.reserved_bytes)} GiB allocated {_gib(e.allocated_bytes)} GiB"
+                for e in doc.allocator
             )
             + f"; fragmentation {'-' if frag is None else f'{frag:.1%}'}, "
-            f"retries {doc.get('num_alloc_retries')}, OOMs {doc.get('num_ooms')}, "
-            f"cache clears {doc.get('cache_clears')}"
+            f"retries {doc.num_alloc_retries}, OOMs {doc.num_ooms}, cache clears {doc.cache_clears}"
         )
     else:
-        lines.append(f"allocator: none ({doc.get('allocator_reason')})")
-    for name, p in (doc.get("processes") or {}).items():
-        lines.append(f"process {name} (pid {p['pid']}): RSS {_gib(p['rss_bytes'])} GiB")
+        lines.append(f"allocator: none ({doc.allocator_reason})")
+    for name, p in doc.processes.items():
+        lines.append(f"process {name} (pid {p.pid}): RSS {_gib(p.rss_bytes)} GiB")
     return "\n".join(lines)
 
 
-def fetch(url: str, api_key: str | None, timeout: float) -> dict[str, Any]:
+def fetch(url: str, api_key: str | None, timeout: float) -> MemoryReport:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(url.rstrip("/") + "/health/memory", headers=headers, timeout=timeout)
     r.raise_for_status()
-    body = r.json()
-    if not isinstance(body, dict):
-        raise ValueError("answer is not a JSON object")
-    return body
+    return MemoryReport.model_validate_json(r.content)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,9 +96,9 @@ def _loop(args: argparse.Namespace) -> int:
     while True:
         try:
             doc = fetch(args.url, args.api_key, args.timeout)
-            text = json.dumps(doc, indent=2) if args.json else render(doc, args.url)
-            code = 2 if doc.get("recommends_restart") else 0
-        except (httpx.HTTPError, ValueError) as exc:
+            text = doc.model_dump_json(indent=2) if args.json else render(doc, args.url)
+            code = 2 if doc.recommends_restart else 0
+        except (httpx.HTTPError, ValidationError) as exc:
             text, code = f"cannot read {args.url}/health/memory: {exc}", 1
         if args.watch is None:
             print(text, file=sys.stdout if code != 1 else sys.stderr)

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """One engine behind the gateway, as /health/memory reports it."""
-
-    url: str
-    ready: bool
-    outstanding_tokens: int = 0
-    calls: int = 0
-    last_error: str = ""
+from embedserve.contracts.memory import EngineStatus
 
 
 @dataclass(frozen=True)

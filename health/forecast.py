@@ -8,14 +8,14 @@ whole 95% interval of the slope is above zero; cap every horizon at ``horizon_ca
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from health.trend import FloatArray, peak_envelope, theil_sen
-
-Status = Literal["insufficient_data", "not_growing", "growing", "at_limit", "no_limit"]
+from embedserve.config import HealthSettings
+from embedserve.contracts.memory import ResourceForecast
+from embedserve.health.trend import FloatArray, peak_envelope, theil_sen
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ForecastParams:
     max_fit_points: int = 400
 
     @classmethod
-    def from_settings(cls, health: Any) -> ForecastParams:
+    def from_settings(cls, health: HealthSettings) -> ForecastParams:
         """From ``settings.health``; the envelope spans a tenth of the minimum span."""
         return cls(
             warmup_s=health.warmup_s,
@@ -40,31 +40,6 @@ class ForecastParams:
             horizon_cap_hours=health.horizon_cap_hours,
             envelope_s=max(2 * health.sample_interval_s, health.min_span_s / 10),
         )
-
-
-@dataclass(frozen=True)
-class ResourceForecast:
-    resource: str
-    status: Status
-    used_bytes: float | None
-    limit_bytes: float | None
-    limit_source: str | None
-    headroom_bytes: float | None
-    peak_bytes: float | None  # the envelope's latest value
-    slope_bytes_per_hour: float | None
-    slope_low_bytes_per_hour: float | None
-    slope_high_bytes_per_hour: float | None
-    window_start: float | None
-    window_s: float
-    samples: int
-    estimated_hours_until_oom: float | None
-    hours_lower: float | None  # from the steepest slope in the interval
-    hours_upper: float | None  # from the shallowest; None = beyond the horizon
-    capped: bool
-    reason: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _gib(x: float) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from health.trend import FloatArray
+from embedserve.health.trend import FloatArray
 
 MAX_EVENTS = 1000
 

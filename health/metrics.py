@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from health.monitor import MemoryMonitor, MemoryState
-from health.sources.allocator import fragmentation
+from embedserve.health.monitor import MemoryMonitor, MemoryState
 
 P = "embedserve_"
 
@@ -77,7 +76,7 @@ class HealthCollector(Collector):
             alloc["reserved"].add_metric(lv, e.reserved_bytes)
             alloc["inactive_split"].add_metric(lv, e.inactive_split_bytes)
             alloc["max_reserved"].add_metric(lv, e.max_reserved_bytes)
-            f = fragmentation(e)
+            f = e.fragmentation
             if f is not None:
                 frag.add_metric(lv, f)
             rss.add_metric(lv, e.rss_bytes)
@@ -147,7 +146,7 @@ class HealthCollector(Collector):
         yield GaugeMetricFamily(
             P + "memory_recommends_restart",
             "1 when the forecast advises a rolling restart",
-            value=1.0 if state.advice["recommends_restart"] else 0.0,
+            value=1.0 if state.advice.recommends_restart else 0.0,
         )
         yield GaugeMetricFamily(
             P + "health_sample_timestamp_seconds", "time of the last sample", value=state.time

@@ -13,14 +13,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from health.engine_view import EngineView
-from health.forecast import ForecastParams, ResourceForecast, forecast_resource
-from health.history import Event, History, Sample
-from health.reading import Reading, SourceConfig, take_reading
-from health.report import advice, reading_figures
-from health.sources.nvml import NvmlSource
+from embedserve.config import HealthSettings
+from embedserve.contracts.memory import (
+    Advice,
+    MemoryReport,
+    ResourceForecast,
+    SamplerEvent,
+    SamplerInfo,
+    Thresholds,
+)
+from embedserve.health.engine_view import EngineView
+from embedserve.health.forecast import ForecastParams, forecast_resource
+from embedserve.health.history import Event, History, Sample
+from embedserve.health.reading import Reading, SourceConfig, take_reading
+from embedserve.health.report import advice, build_report
+from embedserve.health.sources.nvml import NvmlSource
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +40,11 @@ class MemoryState:
     time: float
     reading: Reading
     forecasts: dict[str, ResourceForecast]
-    advice: dict[str, Any]
-    document: dict[str, Any] = field(repr=False)
+    report: MemoryReport = field(repr=False)
+
+    @property
+    def advice(self) -> Advice:
+        return self.report
 
 
 def fit_start(history: History, params: ForecastParams, clears_reset: bool) -> tuple[float, str]:
@@ -58,7 +69,7 @@ def fit_start(history: History, params: ForecastParams, clears_reset: bool) -> t
 class MemoryMonitor:
     def __init__(
         self,
-        health: Any,
+        health: HealthSettings,
         source_cfg: SourceConfig,
         engine_view: Callable[[], EngineView],
         process_pids: Callable[[], dict[str, int]],
@@ -126,37 +137,35 @@ class MemoryMonitor:
                 name, t, y, level.limit_bytes, level.limit_source, start, self.params, why
             )
         verdict = advice(forecasts, self.health.warning_hours, self.health.critical_hours)
-        document = {
-            "time": reading.time,
-            **verdict,
-            "resources": {
-                k: {**f.as_dict(), "measure": reading.resources[k].measure} for k, f in forecasts.items()
-            },
-            **reading_figures(reading),
-            "thresholds": {
-                "warning_hours": self.health.warning_hours,
-                "critical_hours": self.health.critical_hours,
-                "horizon_cap_hours": self.params.horizon_cap_hours,
-                "warmup_s": self.params.warmup_s,
-                "min_span_s": self.params.min_span_s,
-                "min_samples": self.params.min_samples,
-                "window_s": self.params.window_s,
-                "envelope_s": self.params.envelope_s,
-            },
-            "sampler": {
-                "interval_s": self.health.sample_interval_s,
-                "history_samples": len(self.history),
-                "sample_duration_s": reading.duration_s,
-                "events": [
-                    {"time": e.time, "kind": e.kind, "detail": e.detail}
-                    for e in list(self.history.events)[-5:]
-                ],
-            },
-        }
-        state = MemoryState(reading.time, reading, forecasts, verdict, document)
+        report = build_report(reading, forecasts, verdict, self._thresholds(), self._sampler_info(reading))
+        state = MemoryState(reading.time, reading, forecasts, report)
         self.state = state
         self._maybe_persist(reading.time)
         return state
+
+    def _thresholds(self) -> Thresholds:
+        p = self.params
+        return Thresholds(
+            warning_hours=self.health.warning_hours,
+            critical_hours=self.health.critical_hours,
+            horizon_cap_hours=p.horizon_cap_hours,
+            warmup_s=p.warmup_s,
+            min_span_s=p.min_span_s,
+            min_samples=p.min_samples,
+            window_s=p.window_s,
+            envelope_s=p.envelope_s,
+        )
+
+    def _sampler_info(self, reading: Reading) -> SamplerInfo:
+        return SamplerInfo(
+            interval_s=self.health.sample_interval_s,
+            history_samples=len(self.history),
+            sample_duration_s=reading.duration_s,
+            events=[
+                SamplerEvent(time=e.time, kind=e.kind, detail=e.detail)
+                for e in list(self.history.events)[-5:]
+            ],
+        )
 
     def _maybe_persist(self, now: float, force: bool = False) -> None:
         path = self.health.persist_path

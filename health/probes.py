@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from health.engine_view import EngineView
+from embedserve.contracts.memory import Advice
+from embedserve.health.engine_view import EngineView
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,8 @@ class ProbeResult:
         return {"status": "ok" if self.ok else "fail", "reason": self.reason, **self.checks}
 
 
-def _hours(advice: dict[str, Any] | None) -> float | None:
-    return None if advice is None else advice.get("estimated_hours_until_oom")
+def _hours(advice: Advice | None) -> float | None:
+    return None if advice is None else advice.estimated_hours_until_oom
 
 
 def startup(view: EngineView) -> ProbeResult:
@@ -34,13 +35,13 @@ def startup(view: EngineView) -> ProbeResult:
     return ProbeResult(False, f"engine starting: {view.detail or 'not started yet'}")
 
 
-def readiness(view: EngineView, advice: dict[str, Any] | None, warning_hours: float) -> ProbeResult:
+def readiness(view: EngineView, advice: Advice | None, warning_hours: float) -> ProbeResult:
     hours = _hours(advice)
     checks = {"engine_ready": view.ready, "hours_until_oom": hours, "warning_hours": warning_hours}
     if not view.ready:
         return ProbeResult(False, f"engine not ready: {view.detail or 'no detail'}", checks)
     if hours is not None and hours <= warning_hours:
-        why = advice.get("reason", "") if advice else ""
+        why = advice.reason if advice else ""
         return ProbeResult(False, f"out of memory forecast within {warning_hours:g} h: {why}", checks)
     return ProbeResult(True, "ready", checks)
 
@@ -54,7 +55,7 @@ def hung(view: EngineView, hang_after_s: float) -> bool:
 
 
 def liveness(
-    view: EngineView, advice: dict[str, Any] | None, critical_hours: float, hang_after_s: float
+    view: EngineView, advice: Advice | None, critical_hours: float, hang_after_s: float
 ) -> ProbeResult:
     hours = _hours(advice)
     checks = {

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from health.sources.allocator import AllocatorReading, read_allocator
-from health.sources.cgroup import CgroupReading, read_cgroup
-from health.sources.nvml import GpuReading, NvmlSource
-from health.sources.processes import ProcessMemory, machine_memory, read_processes
+from embedserve.health.sources.allocator import AllocatorReading, read_allocator
+from embedserve.health.sources.cgroup import CgroupReading, read_cgroup
+from embedserve.health.sources.nvml import GpuReading, NvmlSource
+from embedserve.health.sources.processes import ProcessMemory, machine_memory, read_processes
 
 
 @dataclass(frozen=True)

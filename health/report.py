@@ -1,19 +1,26 @@
-"""The /health/memory document: all forecasts joined, the binding resource, the advice.
+"""The /health/memory report: all forecasts joined, the binding resource, the advice.
 
-Built once per sample by the sampler (never per request), as plain JSON-ready data.
+Built once per sample by the sampler (never per request).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any
+from collections.abc import Mapping
 
-from health.forecast import ResourceForecast
-from health.reading import Reading
-from health.sources.allocator import fragmentation
+from embedserve.contracts.memory import (
+    Advice,
+    CgroupMemory,
+    GpuFigures,
+    MachineMemory,
+    MemoryReport,
+    ResourceForecast,
+    SamplerInfo,
+    Thresholds,
+)
+from embedserve.health.reading import Reading
 
 
-def binding(forecasts: dict[str, ResourceForecast]) -> tuple[ResourceForecast | None, bool]:
+def binding(forecasts: Mapping[str, ResourceForecast]) -> tuple[ResourceForecast | None, bool]:
     """The resource that runs out first, and whether that is a forecast (else: the fullest)."""
     timed = [f for f in forecasts.values() if f.estimated_hours_until_oom is not None]
     if timed:
@@ -25,8 +32,8 @@ def binding(forecasts: dict[str, ResourceForecast]) -> tuple[ResourceForecast | 
 
 
 def advice(
-    forecasts: dict[str, ResourceForecast], warning_hours: float, critical_hours: float
-) -> dict[str, Any]:
+    forecasts: Mapping[str, ResourceForecast], warning_hours: float, critical_hours: float
+) -> Advice:
     first, forecast = binding(forecasts)
     hours = first.estimated_hours_until_oom if first and forecast else None
     restart = hours is not None and hours <= warning_hours
@@ -53,42 +60,53 @@ def advice(
         reason = f"{lead}; closest to its limit: {first.resource} at {pct:.0f}%. " + "; ".join(
             f.reason for f in forecasts.values()
         )
-    return {
-        "status": level,
-        "recommends_restart": restart,
-        "binding_resource": first.resource if first else None,
-        "estimated_hours_until_oom": hours,
-        "hours_lower": first.hours_lower if first and forecast else None,
-        "hours_upper": first.hours_upper if first and forecast else None,
-        "reason": reason,
-    }
+    return Advice(
+        status=level,
+        recommends_restart=restart,
+        binding_resource=first.resource if first else None,
+        estimated_hours_until_oom=hours,
+        hours_lower=first.hours_lower if first and forecast else None,
+        hours_upper=first.hours_upper if first and forecast else None,
+        reason=reason,
+    )
 
 
-def reading_figures(r: Reading) -> dict[str, Any]:
-    """The raw current figures, each source null with a reason when absent."""
-    gpu = None
-    if r.gpu.available:
-        gpu = {"devices": [asdict(d) for d in r.gpu.devices]}
-    engines = []
-    for e in r.allocator.engines:
-        d = asdict(e)
-        d["fragmentation"] = fragmentation(e)
-        engines.append(d)
-    return {
-        "gpu": gpu,
-        "gpu_reason": r.gpu.reason,
-        "allocator": engines or None,
-        "allocator_reason": r.allocator.reason,
-        "fragmentation": max(
-            (x["fragmentation"] for x in engines if x["fragmentation"] is not None),
-            default=None,
-        ),
-        "num_alloc_retries": sum(e.num_alloc_retries for e in r.allocator.engines),
-        "num_ooms": sum(e.num_ooms for e in r.allocator.engines),
-        "cache_clears": r.allocator.cache_clears,
-        "processes": {k: asdict(v) for k, v in r.processes.items()},
-        "processes_missing": r.processes_missing,
-        "cgroup": asdict(r.cgroup) if r.cgroup.available else None,
-        "cgroup_reason": r.cgroup.reason,
-        "machine": {"total_bytes": r.machine_total_bytes, "used_bytes": r.machine_used_bytes},
-    }
+def build_report(
+    reading: Reading,
+    forecasts: Mapping[str, ResourceForecast],
+    verdict: Advice,
+    thresholds: Thresholds,
+    sampler: SamplerInfo,
+) -> MemoryReport:
+    """The whole document: the advice, each forecast and the raw figures of this sample,
+    each source null with a reason when absent."""
+    r = reading
+    engines = r.allocator.engines
+    cgroup = r.cgroup
+    return MemoryReport(
+        **verdict.model_dump(),
+        time=r.time,
+        resources={k: f.model_copy(update={"measure": r.resources[k].measure}) for k, f in forecasts.items()},
+        gpu=GpuFigures(devices=r.gpu.devices) if r.gpu.available else None,
+        gpu_reason=r.gpu.reason,
+        allocator=list(engines) or None,
+        allocator_reason=r.allocator.reason,
+        fragmentation=max((f for e in engines if (f := e.fragmentation) is not None), default=None),
+        num_alloc_retries=sum(e.num_alloc_retries for e in engines),
+        num_ooms=sum(e.num_ooms for e in engines),
+        cache_clears=r.allocator.cache_clears,
+        processes=dict(r.processes),
+        processes_missing=dict(r.processes_missing),
+        cgroup=CgroupMemory(
+            version=cgroup.version or 0,
+            current_bytes=cgroup.current_bytes,
+            working_set_bytes=cgroup.working_set_bytes,
+            limit_bytes=cgroup.limit_bytes,
+        )
+        if cgroup.available
+        else None,
+        cgroup_reason=cgroup.reason,
+        machine=MachineMemory(total_bytes=r.machine_total_bytes, used_bytes=r.machine_used_bytes),
+        thresholds=thresholds,
+        sampler=sampler,
+    )

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from health import probes
-from health.engine_view import EngineView
-from health.monitor import MemoryMonitor
+from embedserve.contracts.memory import MemoryReport
+from embedserve.health import probes
+from embedserve.health.engine_view import EngineView
+from embedserve.health.monitor import MemoryMonitor
+
+
+def _document(report: MemoryReport) -> Response:
+    """Serialised by pydantic in Rust; FastAPI's response_model would validate it again."""
+    return Response(report.model_dump_json(), media_type="application/json")
 
 
 def _respond(result: probes.ProbeResult) -> JSONResponse:
@@ -31,23 +36,15 @@ def build_router(
     router = APIRouter(tags=["health"])
     health = monitor.health
 
-    @router.get("/health/memory")
-    async def memory() -> JSONResponse:
+    @router.get("/health/memory", response_model=MemoryReport)
+    async def memory() -> Response:
         state = monitor.state
         if state is None:
-            return JSONResponse(
-                {
-                    "status": "unknown",
-                    "recommends_restart": False,
-                    "reason": "no memory sample taken yet",
-                    "estimated_hours_until_oom": None,
-                },
-                status_code=200,
-            )
-        body = dict(state.document)
-        body["age_s"] = max(time.time() - state.time, 0.0)
-        body["engines"] = [asdict(e) for e in _view(engine_view).engines]
-        return JSONResponse(body)
+            return _document(MemoryReport.collecting())
+        report = state.report.model_copy(
+            update={"age_s": max(time.time() - state.time, 0.0), "engines": list(_view(engine_view).engines)}
+        )
+        return _document(report)
 
     @router.get("/health/live")
     async def live() -> JSONResponse:

@@ -23,13 +23,13 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
-from loadtest import plots, report
-from loadtest.mixes import parse_count, parse_mix
-from loadtest.runner import RunConfig, Runner, RunOutcome
-from loadtest.sampling import MemorySampler, ProcessSampler
-from loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
-from loadtest.traffic import RequestFactory
-from loadtest.verdict import Targets
+from embedserve.loadtest import plots, report
+from embedserve.loadtest.mixes import parse_count, parse_mix
+from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
+from embedserve.loadtest.sampling import MemorySampler, ProcessSampler
+from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
+from embedserve.loadtest.traffic import RequestFactory
+from embedserve.loadtest.verdict import Targets
 
 
 def parse_seconds(text: str) -> float:
@@ -107,9 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--health-url", default="/health/memory",
                    help="path on the target (or 'none'); a 404 disables sampling")
     m.add_argument("--sample-interval", type=float, default=5.0)
-    m.add_argument("--memory-field", action="append", default=[],
-                   help="NAME=dotted.path into /health/memory (gpu_bytes, host_bytes, "
-                        "hours_to_oom, ...) when the defaults do not find it")
     m.add_argument("--watch-pid", type=int, action="append", default=[],
                    help="also sample this local process's RSS (and its children's)")
     o = ap.add_argument_group("output and verdict")
@@ -233,8 +230,7 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
                     max_connections=a.max_connections, max_in_flight=a.max_in_flight,
                     retries_429=a.retries_429, max_run_s=a.max_run_time, headers=headers,
                     seed=a.seed)
-    overrides = dict(f.split("=", 1) for f in a.memory_field)
-    info = {"health_url": health_url, "overrides": overrides, "tokenizer": tokenizer_desc,
+    info = {"health_url": health_url, "tokenizer": tokenizer_desc,
             "mix": mix.describe()}
     return cfg, factory, info
 
@@ -242,7 +238,7 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
 async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFactory,
                     info: dict[str, Any]) -> int:
     """Run, then write results.json, summary.md and the plots; 0 on PASS, 1 on FAIL."""
-    url, health_url, overrides = cfg.url, info["health_url"], info["overrides"]
+    url, health_url = cfg.url, info["health_url"]
     if not factory.model:
         factory.model = await discover_model(url, cfg.headers) or "default"
     model = factory.model
@@ -260,7 +256,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         procs = ProcessSampler(a.sample_interval, runner.t0, a.watch_pid)
         tasks.append(procs.run(stop))
         if health_url:
-            mem = MemorySampler(health_url, a.sample_interval, runner.t0, overrides)
+            mem = MemorySampler(health_url, a.sample_interval, runner.t0)
             tasks.append(mem.run(session, stop))
         if a.checkpoint_every:
             tasks.append(checkpoints(stop))

@@ -2,7 +2,7 @@
 
 For tests and for trying the load generator without a model::
 
-    python -m loadtest.fake_target --port 8099 --tokenizer MODEL_DIR
+    python -m embedserve.loadtest.fake_target --port 8099 --tokenizer MODEL_DIR
 
 It answers ``POST /v1/embeddings`` (texts or token ids), ``GET /v1/models`` and, unless
 disabled, ``GET /health/memory`` (a fake, slowly growing figure); it can inject 503s,
@@ -24,6 +24,26 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from embedserve.contracts.memory import MemoryReport, ProcessMemory, ResourceForecast
+
+
+def fake_report(host_bytes: int) -> MemoryReport:
+    """A /health/memory report with a fixed forecast and the given host memory."""
+    limit = 8 << 30
+    host = ResourceForecast(
+        resource="host", status="growing", used_bytes=host_bytes, limit_bytes=limit,
+        limit_source="fake", headroom_bytes=limit - host_bytes, peak_bytes=host_bytes,
+        slope_bytes_per_hour=None, slope_low_bytes_per_hour=None, slope_high_bytes_per_hour=None,
+        window_start=None, window_s=0.0, samples=0, estimated_hours_until_oom=100.0,
+        hours_lower=80.0, hours_upper=130.0, capped=False, reason="fake",
+    )
+    return MemoryReport(
+        status="ok", recommends_restart=False, binding_resource="host",
+        estimated_hours_until_oom=100.0, hours_lower=80.0, hours_upper=130.0, reason="fake",
+        resources={"host": host},
+        processes={"engine": ProcessMemory(name="engine", pid=0, rss_bytes=host_bytes // 2)},
+    )
 
 
 @dataclass
@@ -121,13 +141,7 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
             counters.health_calls += 1
         age = time.time() - started
         host = (1 << 30) + int(cfg.host_growth_bytes_per_s * age)
-        return JSONResponse({  # the shape of embedserve's own /health/memory
-            "status": "ok", "recommends_restart": False, "binding_resource": "host",
-            "estimated_hours_until_oom": 100.0, "hours_lower": 80.0, "hours_upper": 130.0,
-            "reason": "fake", "gpu": None,
-            "resources": {"host": {"used_bytes": host, "limit_bytes": 8 << 30}},
-            "processes": {"engine": {"rss_bytes": host // 2}},
-        })
+        return Response(fake_report(host).model_dump_json(), media_type="application/json")
 
     return Starlette(routes=[
         Route("/v1/embeddings", embeddings, methods=["POST"]),
@@ -174,7 +188,7 @@ class FakeServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.fake_target", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m embedserve.loadtest.fake_target", description=__doc__)
     ap.add_argument("--port", type=int, default=8099)
     ap.add_argument("--tokenizer")
     ap.add_argument("--fail-every", type=int, default=0)
@@ -183,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     tok = None
     if a.tokenizer:
-        from loadtest.textbuild import load_tokenizer
+        from embedserve.loadtest.textbuild import load_tokenizer
 
         tok = load_tokenizer(a.tokenizer)
     cfg = FakeConfig(fail_every=a.fail_every, throttle_every=a.throttle_every, delay_s=a.delay)

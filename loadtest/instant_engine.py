@@ -1,28 +1,25 @@
 """An engine that answers instantly with fixed vectors: raw ASGI, no framework, so that a
-benchmark of the gateway measures the gateway. ``python -m loadtest.instant_engine PORT [DIM]``
+benchmark of the gateway measures the gateway. ``python -m embedserve.loadtest.instant_engine PORT [DIM]``
 (DIM 384 by default; 2560 answers like the 4B)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 import numpy as np
 import orjson
 
-from gateway.postprocess import encode_base64
+from embedserve.contracts.wire import encode_response
 
 DIM = int(sys.argv[2]) if __name__ == "__main__" and len(sys.argv) > 2 else 384
-_VEC = {
-    False: orjson.dumps([0.05] * DIM),
-    True: orjson.dumps(encode_base64(np.full((1, DIM), 0.05, dtype=np.float32))[0]),
-}
 
 
+@functools.lru_cache(maxsize=4096)
 def reply(n: int, as_base64: bool = False) -> bytes:
-    vec = _VEC[as_base64]
-    items = b",".join(b'{"object":"embedding","index":%d,"embedding":%s}' % (i, vec) for i in range(n))
-    return b'{"object":"list","data":[' + items + b"]}"
+    """The same answer for every call of ``n`` inputs, built once."""
+    return encode_response("instant", np.full((n, DIM), 0.05, dtype=np.float32), n, as_base64)
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.runner import RunOutcome
-from loadtest.stats import aggregate, auto_window, columns, windows
-from loadtest.verdict import Targets, evaluate, growth
+from embedserve.loadtest.runner import RunOutcome
+from embedserve.loadtest.stats import aggregate, auto_window, columns, windows
+from embedserve.loadtest.verdict import Targets, evaluate, growth
 
 
 def memory_series(memory: dict[str, Any] | None, processes: dict[str, Any]

@@ -1,6 +1,6 @@
 """Judge a finished run again against other targets, without re-running it.
 
-    python -m loadtest.rescore results/soak-cpu --max-error-rate 0.001 \\
+    python -m embedserve.loadtest.rescore results/soak-cpu --max-error-rate 0.001 \\
         --max-p95-drift 0.5 --max-memory-growth-mib 100 --memory-series 'engine|gateway|pid'
 
 Rewrites the folder's results.json verdict and summary.md (and the plots, from the saved
@@ -14,14 +14,14 @@ import json
 import sys
 from pathlib import Path
 
-from loadtest import plots, report
-from loadtest.cli import add_target_args, targets_from
-from loadtest.verdict import evaluate
+from embedserve.loadtest import plots, report
+from embedserve.loadtest.cli import add_target_args, targets_from
+from embedserve.loadtest.verdict import evaluate
 
 
 def main(argv: list[str] | None = None) -> int:
     """0 when the new verdict passes, 1 when it fails, 2 when the folder has no results."""
-    ap = argparse.ArgumentParser(prog="python -m loadtest.rescore", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m embedserve.loadtest.rescore", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path, help="a results folder (holding results.json)")
     ap.add_argument("--no-plots", action="store_true")

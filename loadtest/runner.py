@@ -15,9 +15,9 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from loadtest import records as R
-from loadtest.records import Recorder
-from loadtest.traffic import Planned, Prefetcher, poisson_arrivals
+from embedserve.loadtest import records as R
+from embedserve.loadtest.records import Recorder
+from embedserve.loadtest.traffic import Planned, Prefetcher, poisson_arrivals
 
 
 @dataclass

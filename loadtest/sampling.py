@@ -10,20 +10,21 @@ from typing import Any
 
 import aiohttp
 import psutil
+from pydantic import ValidationError
 
-from loadtest.memfields import extract
+from embedserve.contracts.memory import MemoryReport
+from embedserve.loadtest.memseries import SOURCES, series
 
 
 @dataclass
 class MemorySampler:
-    """Polls ``GET /health/memory``; a 404 (or 405) means the target has none: stop asking."""
+    """Polls ``GET /health/memory``; a 404 (or 405), or an answer that is not embedserve's
+    report, means the target has none: stop asking."""
 
     url: str
     interval_s: float
     t0: float
-    overrides: dict[str, str] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
-    keys: dict[str, str] = field(default_factory=dict)
     status: str = "not sampled yet"
     failures: int = 0
     first_answer: Any = None
@@ -41,14 +42,18 @@ class MemorySampler:
                     self.failures += 1
                     self.status = f"last answer HTTP {r.status}"
                     return True
-                answer = await r.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                body = await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
             self.failures += 1
             self.status = f"last attempt failed: {type(e).__name__}"
             return True
-        values, keys = extract(answer, self.overrides)
-        self.keys.update(keys)
-        self.samples.append({"t": round(time.perf_counter() - self.t0, 3), **values})
+        try:
+            report = MemoryReport.model_validate_json(body)
+        except ValidationError:
+            self.status = "not an embedserve /health/memory report: not sampled"
+            return False
+        answer = report.model_dump(mode="json")
+        self.samples.append({"t": round(time.perf_counter() - self.t0, 3), **series(report)})
         if self.first_answer is None:
             self.first_answer = answer
         self.last_answer = answer
@@ -65,7 +70,7 @@ class MemorySampler:
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "status": self.status, "failures": self.failures,
-                "fields": self.keys, "samples": self.samples,
+                "fields": SOURCES, "samples": self.samples,
                 "first_answer": self.first_answer, "last_answer": self.last_answer}
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.records import Recorder, code_name
+from embedserve.loadtest.records import Recorder, code_name
 
 PERCENTILES = (50, 90, 95, 99)
 

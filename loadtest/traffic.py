@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from loadtest.mixes import BucketMix, FileMix, Mix
+from embedserve.loadtest.mixes import BucketMix, FileMix, Mix
 
 InputKind = Literal["text", "ids"]
 

@@ -16,16 +16,26 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.settings import BUNDLED_MODEL, resolve_model_path
+from embedserve.config import BUNDLED_MODEL, resolve_model_path
 
 MINILM_DIR = resolve_model_path(BUNDLED_MODEL)
 TINY_QWEN_MAX_SEQ = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(consecutive: int = 1) -> int:
+    """A free port; with ``consecutive`` > 1, the first of that many free ports in a row
+    (local engine replicas listen on port, port+1, ...)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = int(s.getsockname()[1])
+        try:
+            for port in range(first + 1, first + consecutive):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
 
 
 @dataclass
@@ -54,7 +64,10 @@ class RunningStack:
 def start_stack(
     model: Path | str, workdir: Path, env: dict[str, str] | None = None, timeout: float = 240
 ) -> RunningStack:
-    gw_port, engine_port = free_port(), free_port()
+    engine_port = free_port(consecutive=4)
+    gw_port = free_port()
+    while engine_port <= gw_port < engine_port + 4:
+        gw_port = free_port()
     stats = workdir / "stats"
     full_env = {
         **os.environ,
@@ -71,7 +84,7 @@ def start_stack(
     log_path = workdir / "stack.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "up"],
+            [sys.executable, "-m", "embedserve.runtime.cli", "up"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
@@ -96,7 +109,7 @@ def start_stack(
 
 @pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from service.synthetic import build_model
+    from embedserve.runtime.synth_model import build_model
 
     return build_model(
         tmp_path_factory.mktemp("tiny-qwen") / "tiny-qwen3-embedding",

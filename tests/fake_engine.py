@@ -16,8 +16,8 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from gateway.engine_client import JSON, CallFailed, CallTimeout
-from gateway.postprocess import encode_base64
+from embedserve.contracts.wire import EngineRequest, encode_response
+from embedserve.engines.client import JSON, CallFailed, CallTimeout
 
 
 @contextlib.contextmanager
@@ -58,11 +58,6 @@ def fake_vector(ids: list[int], dim: int) -> np.ndarray:
     return (v / np.linalg.norm(v)).astype(np.float32)
 
 
-def _encode(vector: np.ndarray, as_base64: bool) -> str | list[float]:
-    """As SGLang answers ``encoding_format``: little-endian float32 in base64, or floats."""
-    return encode_base64(vector[None])[0] if as_base64 else vector.tolist()
-
-
 @dataclass
 class FakeEngine:
     dim: int = 384
@@ -82,20 +77,16 @@ class FakeEngine:
         async def embed(request: Request) -> Response:
             body = orjson.loads(await request.body())
             batch = body["input"]
-            self.encodings.append(encoding := body.get("encoding_format"))
+            self.encodings.append(body.get("encoding_format"))
             self.calls.append(batch)
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             if self.fail_status:
                 return Response(b'{"message":"boom"}', status_code=self.fail_status)
-            data = [
-                {
-                    "object": "embedding",
-                    "index": i,
-                    "embedding": _encode(fake_vector(ids, self.dim), encoding == "base64"),
-                }
-                for i, ids in enumerate(batch)
-            ]
-            return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+            req = EngineRequest.model_validate(body)
+            vectors = np.stack([fake_vector(ids, self.dim) for ids in req.batch()])
+            tokens = sum(map(len, req.batch()))
+            answer = encode_response(req.model, vectors, tokens, req.encoding_format == "base64")
+            return Response(answer, media_type="application/json")
 
         return app

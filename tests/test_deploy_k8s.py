@@ -215,7 +215,7 @@ def test_stats_dir_shared_between_engine_and_gateway():
 
 
 def test_settings_in_the_manifests_parse(monkeypatch):
-    from service.settings import Settings
+    from embedserve.config import Settings
 
     for name, container in _containers().items():
         for k, v in _env(container).items():
@@ -233,7 +233,7 @@ def test_controller_selects_serving_pods_only_and_may_evict():
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     job_pod = cron["spec"]["jobTemplate"]["spec"]["template"]
     ctr = job_pod["spec"]["containers"][0]
-    assert ctr["command"][-2:] == ["service.restart_controller", "--once"]
+    assert ctr["command"] == ["embedserve", "restart-controller", "--once"]
     env = {e["name"]: e["value"] for e in ctr["env"]}
     selector = dict(kv.split("=") for kv in env["EMBEDSERVE_CONTROLLER__LABEL_SELECTOR"].split(","))
     server_labels = _one("Deployment")["spec"]["template"]["metadata"]["labels"]

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.app import create_app
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.gateway.app import create_app
 from tests.conftest import free_port, wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient
 

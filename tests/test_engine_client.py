@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from gateway.engine_client import AiohttpEngineClient, CallFailed, CallTimeout
+from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout
 
 ANSWER = b'{"data": []}'
 

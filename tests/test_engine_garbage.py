@@ -11,9 +11,9 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
-from gateway.postprocess import encode_base64
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.contracts.wire import encode_base64
+from embedserve.gateway.app import create_app
 from tests.fake_engine import HttpxEngineClient
 from tests.test_gateway_unit import wait_ready
 

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from service.settings import BUNDLED_MODEL
+from embedserve.config import BUNDLED_MODEL
 from tests.conftest import RunningStack, start_stack, wait_until
 
 TIMEOUT_S = 5.0  # per-request deadline of this stack; liveness calls it hung after 4 of them
@@ -55,7 +55,7 @@ def engine_procs(stack: RunningStack) -> list[psutil.Process]:
         children = psutil.Process(stack.proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [p for p in children if "service.cpu_engine" in " ".join(p.cmdline())]
+    return [p for p in children if "embedserve.engines.cpu" in " ".join(p.cmdline())]
 
 
 def engine_pid(stack: RunningStack) -> int:

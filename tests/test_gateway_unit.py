@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.gateway.app import create_app
 from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_vector
 
 MODEL = "all-MiniLM-L6-v2"
@@ -67,7 +67,7 @@ def assert_error(r: Any, status: int, param: str | None = None) -> dict[str, obj
 
 
 def test_gateway_does_not_import_torch() -> None:
-    code = "import sys, gateway.app, health, service.stack; assert 'torch' not in sys.modules"
+    code = "import sys, gateway.app, health, embedserve.runtime.stack; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -224,7 +224,7 @@ def test_short_texts_tokenise_on_the_loop_unless_configured_off(
 ) -> None:
     import threading
 
-    from gateway.tokenization import ModelTokenizer
+    from embedserve.gateway.tokenize import ModelTokenizer
 
     seen: list[str] = []
     original = ModelTokenizer.encode_texts
@@ -243,7 +243,7 @@ def test_short_texts_tokenise_on_the_loop_unless_configured_off(
 def test_an_unexpected_error_is_a_500_in_the_envelope_and_the_next_request_works(
     engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gateway.pipeline import EmbeddingPipeline
+    from embedserve.gateway.pipeline import EmbeddingPipeline
 
     original = EmbeddingPipeline.run
     calls = {"n": 0}

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from health import EngineView, cli, create_health
-from health.reading import SourceConfig
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.contracts.memory import MemoryReport
+from embedserve.health import EngineView, cli, create_health
+from embedserve.health.reading import SourceConfig
 
 
-def _document(tmp_path: Path) -> dict[str, Any]:
+def _document(tmp_path: Path) -> MemoryReport:
     components = create_health(
         Settings(),
         CollectorRegistry(),
@@ -22,7 +22,7 @@ def _document(tmp_path: Path) -> dict[str, Any]:
         lambda: {"gateway": os.getpid()},
         source_config=SourceConfig(stats_dir=str(tmp_path)),
     )
-    return dict(components.monitor.tick().document)
+    return components.monitor.tick().report
 
 
 def test_cli_prints_the_forecast(
@@ -34,7 +34,7 @@ def test_cli_prints_the_forecast(
     out = capsys.readouterr().out
     assert "http://gw:8000" in out and "host" in out and "restart advised: no" in out
 
-    doc = {**doc, "recommends_restart": True, "estimated_hours_until_oom": 2.5}
+    doc = doc.model_copy(update={"recommends_restart": True, "estimated_hours_until_oom": 2.5})
     monkeypatch.setattr(cli, "fetch", lambda url, key, timeout: doc)
     assert cli.main([]) == 2
     assert "restart advised: YES" in capsys.readouterr().out

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from health.forecast import ForecastParams
-from health.synthetic import (
+from embedserve.health.forecast import ForecastParams
+from tests.memory_series import (
     HOUR,
     GiB,
     Series,
@@ -49,17 +49,17 @@ def test_fast_leak_recommends_restart_and_names_binding() -> None:
     s = linear(hours=4, start=40 * GiB, per_hour=8 * GiB)  # 72 GiB at 4 h: 1 h left
     f = replay(s, LIMIT, float(s.t[-1]), PARAMS)
     v = verdict(f)
-    assert v["recommends_restart"] is True
-    assert v["binding_resource"] == "gpu:0"
-    assert v["status"] == "critical"
-    assert "out of memory in about" in v["reason"]
+    assert v.recommends_restart is True
+    assert v.binding_resource == "gpu:0"
+    assert v.status == "critical"
+    assert "out of memory in about" in v.reason
 
 
 def test_leak_needs_min_span_and_samples() -> None:
     s = linear(hours=1, per_hour=20 * GiB)
     early = replay(s, LIMIT, 0.4 * HOUR, PARAMS)  # 5 min warm-up + 19 min < 30 min
     assert early.status == "insufficient_data"
-    assert verdict(early)["recommends_restart"] is False
+    assert verdict(early).recommends_restart is False
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_no_leak_never_recommends_restart(series: Series) -> None:
     for at in EVAL_TIMES:
         f = replay(series, LIMIT, at, PARAMS)
         v = verdict(f)
-        assert v["recommends_restart"] is False, f"at {at / HOUR:.2f} h: {v['reason']}"
+        assert v.recommends_restart is False, f"at {at / HOUR:.2f} h: {v.reason}"
 
 
 @pytest.mark.parametrize("make", [flat, plateau, sawtooth], ids=["flat", "plateau", "sawtooth"])
@@ -140,13 +140,13 @@ def test_at_limit() -> None:
     s = flat(level=81 * GiB)
     f = replay(s, LIMIT, float(s.t[-1]), PARAMS)
     assert f.status == "at_limit"
-    assert verdict(f)["recommends_restart"] is True
+    assert verdict(f).recommends_restart is True
 
 
 def test_no_limit_is_reported() -> None:
     s = linear()
-    from health.forecast import forecast_resource
+    from embedserve.health.forecast import forecast_resource
 
     f = forecast_resource("gpu:0", s.t, s.y, None, None, 0.0, PARAMS)
     assert f.status == "no_limit"
-    assert verdict(f)["recommends_restart"] is False
+    assert verdict(f).recommends_restart is False

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from health.forecast import ForecastParams
-from health.synthetic import HOUR, GiB, Series, replay, verdict
+from embedserve.health.forecast import ForecastParams
+from tests.memory_series import HOUR, GiB, Series, replay, verdict
 
 RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "alerts.yaml"
 LIMIT = 80 * GiB
@@ -66,7 +66,7 @@ def test_alert_fires_when_readiness_drains(per_hour: float, fires: bool) -> None
     at = float(s.t[-1])
     predicted = predict_linear(s.t, s.y, at, 6 * HOUR, 6 * HOUR)
     assert (predicted > LIMIT) is fires
-    assert verdict(replay(s, LIMIT, at, PARAMS))["recommends_restart"] is fires
+    assert verdict(replay(s, LIMIT, at, PARAMS)).recommends_restart is fires
 
 
 def test_rule_file_uses_exported_names() -> None:
@@ -90,12 +90,12 @@ def test_on_a_step_predict_linear_false_alarms_and_the_endpoint_does_not() -> No
     # Reserved memory jumps once by 6 GiB (a new largest shape) to 4 GiB under the limit.
     # OLS over a 6 h window that straddles the jump invents a trend; the envelope and
     # Theil-Sen do not. This is why the pod's own forecast drives the probes.
-    from health.synthetic import one_step
+    from tests.memory_series import one_step
 
     s = one_step(level=70 * GiB, at=3.0)
     ols_alarms = ours = 0
     for at in np.arange(1.0, 12.01, 0.25) * HOUR:
         ols_alarms += predict_linear(s.t, s.y, at, 6 * HOUR, 6 * HOUR) > LIMIT
-        ours += verdict(replay(s, LIMIT, at, PARAMS))["recommends_restart"]
+        ours += verdict(replay(s, LIMIT, at, PARAMS)).recommends_restart
     assert ols_alarms > 10
     assert ours == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -12,11 +11,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 
-import health
-from health import EngineView, create_health
-from health.reading import SourceConfig
-from health.sources.nvml import NvmlSource
-from service.settings import HealthSettings, Settings
+from embedserve import health
+from embedserve.config import HealthSettings, Settings
+from embedserve.health import EngineView, create_health, reading
+from embedserve.health.reading import SourceConfig
+from embedserve.health.sources.nvml import NvmlSource
 
 GOOD = EngineView(ready=True, alive=True, started=True, last_success_age_s=0.5)
 
@@ -119,8 +118,8 @@ def test_probes_follow_engine_view(tmp_path: Any) -> None:
 
 def _force_hours(components: Any, hours: float) -> None:
     state = components.monitor.state
-    adv = {**state.advice, "estimated_hours_until_oom": hours, "recommends_restart": True}
-    components.monitor.state = replace(state, advice=adv)
+    report = state.report.model_copy(update={"estimated_hours_until_oom": hours, "recommends_restart": True})
+    components.monitor.state = replace(state, report=report)
 
 
 def test_forecast_drains_then_restarts(tmp_path: Any) -> None:
@@ -149,18 +148,19 @@ def test_a_broken_engine_view_is_not_a_500(tmp_path: Any) -> None:
     assert client.get("/health/live").status_code == 200
 
 
-def test_endpoints_answer_fast(tmp_path: Any, no_nvml: None) -> None:
+def test_endpoints_do_no_io(tmp_path: Any, no_nvml: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probes answer from the last sample: no source is read, no file opened, per request."""
     client, (components, _) = make(tmp_path, {"v": GOOD})
-    for _ in range(40):
-        components.monitor.tick()
+    components.monitor.tick()
+
+    def no_io(*_: Any, **__: Any) -> None:
+        raise AssertionError("a probe did I/O")
+
+    monkeypatch.setattr(components.monitor, "tick", no_io)
+    monkeypatch.setattr(reading, "take_reading", no_io)
+    monkeypatch.setattr(reading, "read_cgroup", no_io)
+    monkeypatch.setattr(reading, "read_processes", no_io)
+    monkeypatch.setattr(reading, "read_allocator", no_io)
+    monkeypatch.setattr(components.monitor.nvml, "read", no_io)
     for path in ["/health/memory", "/health/live", "/health/ready", "/health/startup"]:
-        client.get(path)  # warm
-        took = []
-        for _ in range(40):
-            t0 = time.perf_counter()
-            assert client.get(path).status_code in (200, 503)
-            took.append(time.perf_counter() - t0)
-        took.sort()
-        # Percentiles, not the maximum: other jobs on a shared CI box preempt single calls.
-        assert took[len(took) // 2] < 0.010, f"{path}: median {took[len(took) // 2] * 1e3:.1f} ms"
-        assert took[int(len(took) * 0.9)] < 0.050, f"{path}: p90 {took[int(len(took) * 0.9)] * 1e3:.1f} ms"
+        assert client.get(path).status_code in (200, 503)

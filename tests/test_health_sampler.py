@@ -12,10 +12,10 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from health import EngineView, create_health
-from health.history import History
-from health.reading import SourceConfig
-from service.settings import HealthSettings, Settings
+from embedserve.config import HealthSettings, Settings
+from embedserve.health import EngineView, create_health
+from embedserve.health.history import History
+from embedserve.health.reading import SourceConfig
 
 RATE = 16 * 2**20  # bytes per second
 HEADROOM = 1536 * 2**20
@@ -80,8 +80,8 @@ def test_sampler_times_a_real_leak_within_twenty_percent(tmp_path: Path) -> None
         truth_h = (limit - rss_now) / RATE / 3600
         assert f.slope_bytes_per_hour == pytest.approx(RATE * 3600, rel=0.20), f.reason
         assert f.estimated_hours_until_oom == pytest.approx(truth_h, rel=0.20), f.reason
-        assert state.advice["binding_resource"] == "host"
-        assert state.advice["recommends_restart"] is True  # minutes left, warning at 6 h
+        assert state.advice.binding_resource == "host"
+        assert state.advice.recommends_restart is True  # minutes left, warning at 6 h
         # the history was persisted on stop and reloads
         assert len(History.load(tmp_path / "history.json", 1000)) >= f.samples
     finally:

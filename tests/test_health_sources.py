@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from health.engine_view import EngineView
-from health.history import Event, History, Sample
-from health.monitor import MemoryMonitor
-from health.reading import SourceConfig
-from health.sources.cgroup import read_cgroup
-from health.sources.nvml import NvmlSource
-from health.sources.processes import read_processes
-from health.trend import peak_envelope, theil_sen
-from service.settings import HealthSettings
-from service.stats_file import EngineStats, write_stats
+from embedserve.config import HealthSettings
+from embedserve.contracts.stats import EngineStats, write_stats
+from embedserve.health.engine_view import EngineView
+from embedserve.health.history import Event, History, Sample
+from embedserve.health.monitor import MemoryMonitor
+from embedserve.health.reading import SourceConfig
+from embedserve.health.sources.cgroup import read_cgroup
+from embedserve.health.sources.nvml import NvmlSource
+from embedserve.health.sources.processes import read_processes
+from embedserve.health.trend import peak_envelope, theil_sen
 
 
 def test_nvml_absent_degrades(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,12 +151,12 @@ def test_monitor_sees_restart_and_cache_clear(tmp_path: Path) -> None:
     write_stats(tmp_path, stats)
     state = m.tick()
     assert m.history.events[-1].kind == "restart"
-    doc = state.document
-    assert doc["fragmentation"] == pytest.approx(1 / 8)
-    assert doc["allocator"][0]["reserved_bytes"] == 8 << 30
+    doc = state.report
+    assert doc.fragmentation == pytest.approx(1 / 8)
+    assert doc.allocator is not None and doc.allocator[0].reserved_bytes == 8 << 30
     # no NVML here: the GPU forecast falls back to allocator reserved, without a limit
-    if doc["gpu"] is None:
-        assert doc["resources"]["gpu:0"]["status"] == "no_limit"
+    if doc.gpu is None:
+        assert doc.resources["gpu:0"].status == "no_limit"
 
 
 def test_engines_from_stats_files_count_in_host_memory(tmp_path: Path) -> None:

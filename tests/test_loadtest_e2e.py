@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extra)")
 
-from loadtest.cli import main
-from loadtest.fake_target import FakeConfig, FakeServer
-from loadtest.textbuild import load_tokenizer
-from service.synthetic import write_tokenizer_files
+from embedserve.loadtest.cli import main
+from embedserve.loadtest.fake_target import FakeConfig, FakeServer
+from embedserve.loadtest.textbuild import load_tokenizer
+from embedserve.runtime.synth_model import write_tokenizer_files
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +116,10 @@ def test_redirects_are_not_followed(tmp_path: Path) -> None:
 def test_retry_after_pauses_sending(tmp_path: Path) -> None:
     import asyncio
 
-    from loadtest.mixes import parse_mix
-    from loadtest.runner import RunConfig, Runner
-    from loadtest.textbuild import WordBuilder
-    from loadtest.traffic import RequestFactory
+    from embedserve.loadtest.mixes import parse_mix
+    from embedserve.loadtest.runner import RunConfig, Runner
+    from embedserve.loadtest.textbuild import WordBuilder
+    from embedserve.loadtest.traffic import RequestFactory
 
     cfg = FakeConfig(throttle_every=3, retry_after_s=0.4)
     with FakeServer(cfg) as srv:
@@ -136,7 +136,7 @@ def test_retry_after_pauses_sending(tmp_path: Path) -> None:
 
 
 def test_rescore_rejudges_a_finished_run(tmp_path: Path) -> None:
-    from loadtest.rescore import main as rescore
+    from embedserve.loadtest.rescore import main as rescore
 
     with FakeServer() as srv:
         rc, _ = _run([srv.url, "--requests", "20", "--mix", "fixed:5", "--no-plots",

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extra)")
 
-from loadtest.cli import main
+from embedserve.loadtest.cli import main
 from tests.conftest import TINY_QWEN_MAX_SEQ, RunningStack
 
 

@@ -12,17 +12,19 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extra)")
 
-from loadtest.cli import embeddings_url, parse_seconds, same_origin_url
-from loadtest.memfields import extract
-from loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
-from loadtest.records import Recorder
-from loadtest.runner import retry_after_s
-from loadtest.stats import aggregate, auto_window, columns, percentiles, window_edges, windows
-from loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
-from loadtest.traffic import RequestFactory, poisson_arrivals
-from loadtest.verdict import Targets, evaluate, growth, p95_drift
-from service.settings import BUNDLED_MODEL, resolve_model_path
-from service.synthetic import EOS, build_tokenizer
+from embedserve.config import BUNDLED_MODEL, resolve_model_path
+from embedserve.contracts.memory import MemoryReport
+from embedserve.loadtest.cli import embeddings_url, parse_seconds, same_origin_url
+from embedserve.loadtest.fake_target import fake_report
+from embedserve.loadtest.memseries import SOURCES, series
+from embedserve.loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
+from embedserve.loadtest.records import Recorder
+from embedserve.loadtest.runner import retry_after_s
+from embedserve.loadtest.stats import aggregate, auto_window, columns, percentiles, window_edges, windows
+from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
+from embedserve.loadtest.traffic import RequestFactory, poisson_arrivals
+from embedserve.loadtest.verdict import Targets, evaluate, growth, p95_drift
+from embedserve.runtime.synth_model import EOS, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -228,38 +230,15 @@ def test_urls_and_parsing() -> None:
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
 
 
-def test_memory_fields() -> None:
-    ours = {"status": "ok", "recommends_restart": False, "binding_resource": "host",
-            "estimated_hours_until_oom": 12.5, "hours_lower": 10.0, "hours_upper": None,
-            "resources": {"gpu:0": {"used_bytes": 5.0, "limit_bytes": 10.0},
-                          "host": {"used_bytes": 8.0, "limit_bytes": 20.0,
-                                   "slope_bytes_per_hour": 1.5}},
-            "gpu": {"devices": [{"used_bytes": 5, "total_bytes": 10}]},
-            "processes": {"engine": {"rss_bytes": 3}, "gateway": {"rss_bytes": 2}}}
-    values, keys = extract(ours)
-    assert values["gpu_bytes"] == 5 and values["gpu_limit_bytes"] == 10
-    assert values["host_bytes"] == 8 and values["host_limit_bytes"] == 20
-    assert values["engine_rss_bytes"] == 3 and values["gateway_rss_bytes"] == 2
-    assert values["hours_to_oom"] == 12.5 and values["hours_low"] == 10.0
-    assert values["hours_high"] is None and values["recommends_restart"] == 0.0
-    assert values["host_hours_low"] is None  # not in the answer: no guess
-    assert values["host_slope_bytes_per_hour"] == 1.5
-    assert keys["host_bytes"] == "resources.host.used_bytes"
-    other = {"gpu": {"devices": [{"used_bytes": 5, "total_bytes": 10}]},
-             "cgroup": {"memory_current_bytes": 8, "memory_max_bytes": 20}}
-    values, _ = extract(other)
-    assert values["gpu_bytes"] == 5 and values["host_bytes"] == 8
-    assert values["host_limit_bytes"] == 20
-    values, _ = extract(ours, {"host_bytes": "processes.engine.rss_bytes"})
-    assert values["host_bytes"] == 3
-    values, _ = extract({"gpu": None})
-    assert values["gpu_bytes"] is None
-    # a null binding estimate is not replaced by some resource's figure
-    not_yet = {"estimated_hours_until_oom": None, "hours_lower": None,
-               "resources": {"host": {"estimated_hours_until_oom": None, "hours_lower": 2.5}}}
-    values, _ = extract(not_yet)
-    assert values["hours_to_oom"] is None and values["hours_low"] is None
-    assert values["host_hours_low"] == 2.5
+def test_memory_series_from_the_report() -> None:
+    report = fake_report(8 << 20)
+    values = series(MemoryReport.model_validate_json(report.model_dump_json()))
+    assert values["host_bytes"] == 8 << 20 and values["host_limit_bytes"] == 8 << 30
+    assert values["engine_rss_bytes"] == 4 << 20 and values["gateway_rss_bytes"] is None
+    assert values["hours_to_oom"] == 100.0 and values["hours_low"] == 80.0
+    assert values["recommends_restart"] == 0.0
+    assert values["gpu_bytes"] is None  # no GPU in the report: no guess
+    assert set(values) == set(SOURCES)
 
 
 def test_memory_series_filter() -> None:

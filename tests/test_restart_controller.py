@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from service.restart_controller import (
+from embedserve.config import Settings
+from embedserve.contracts.memory import MemoryReport, ResourceForecast
+from embedserve.health.report import advice
+from embedserve.runtime.kube import ServiceAccountToken
+from embedserve.runtime.restart_controller import (
     ControllerSettings,
     Decision,
     EvictionBlocked,
@@ -24,66 +30,47 @@ from service.restart_controller import (
     policy_from,
     run_once,
 )
-from service.settings import Settings
 
-# ---------------------------------------------------------------- recorded answers
-# Shapes of GET /health/memory as issue 4 specifies them: the binding estimate at the
-# top level, per-resource detail, recommends_restart and a plain-language reason.
+# ---------------------------------------------------------------- reports
+# Every /health/memory answer below is built by health's own producer (forecasts ->
+# advice -> MemoryReport), serialised as the gateway serves it.
 
-FLAT = {
-    "status": "ok",
-    "estimated_hours_until_oom": None,
-    "binding_resource": None,
-    "recommends_restart": False,
-    "reason": "memory is not growing (slope interval includes zero)",
-    "resources": {
-        "gpu": {"estimated_hours_until_oom": None, "used_bytes": 20_000_000_000},
-        "host": {"estimated_hours_until_oom": None, "used_bytes": 3_000_000_000},
-    },
-    "window_s": 21600,
-    "samples": 4320,
-}
 
-SLOW_LEAK = {
-    "estimated_hours_until_oom": 41.5,
-    "binding_resource": "host",
-    "recommends_restart": False,
-    "reason": "host RSS grows 12 MB/h; 41.5 h of headroom",
-    "resources": {
-        "gpu": {"estimated_hours_until_oom": None},
-        "host": {"estimated_hours_until_oom": 41.5, "lower": 30.2, "upper": 60.0},
-    },
-}
+def _forecast(resource: str, hours: float | None, lower: float | None = None) -> ResourceForecast:
+    return ResourceForecast(
+        resource=resource,
+        status="not_growing" if hours is None else "growing",
+        used_bytes=50e9,
+        limit_bytes=80e9,
+        limit_source="device total",
+        headroom_bytes=30e9,
+        peak_bytes=50e9,
+        slope_bytes_per_hour=None if hours is None else 30e9 / hours,
+        slope_low_bytes_per_hour=None,
+        slope_high_bytes_per_hour=None,
+        window_start=0.0,
+        window_s=21600.0,
+        samples=4000,
+        estimated_hours_until_oom=hours,
+        hours_lower=lower,
+        hours_upper=None,
+        capped=False,
+        reason=f"{resource}: {'not growing' if hours is None else f'out of memory in {hours} h'}",
+    )
 
-GPU_LEAK_WARNING = {
-    "estimated_hours_until_oom": 4.2,
-    "binding_resource": "gpu",
-    "recommends_restart": True,
-    "reason": "GPU reserved memory grows 2.1 GB/h; 4.2 h to the device limit",
-    "resources": {
-        "gpu": {"estimated_hours_until_oom": 4.2, "lower": 3.1, "upper": 5.6},
-        "host": {"estimated_hours_until_oom": 90.0},
-    },
-}
 
-# The estimate only per resource (no top-level figure): the smallest one binds.
-PER_RESOURCE_ONLY = {
-    "recommends_restart": False,
-    "forecast": {
-        "gpu": {"estimated_hours_until_oom": 2.5, "bounds": {"lower": 2.0, "upper": 3.0}},
-        "host": {"estimated_hours_until_oom": 12.0},
-    },
-}
+def report(gpu: float | None, host: float | None, lower: float | None = None, warning: float = 6.0) -> bytes:
+    forecasts = {"gpu:0": _forecast("gpu:0", gpu, lower), "host": _forecast("host", host, lower)}
+    verdict = advice(forecasts, warning_hours=warning, critical_hours=1.0)
+    return MemoryReport(**verdict.model_dump(), resources=forecasts).model_dump_json().encode()
 
-# Under the threshold while the probe itself does not (yet) recommend a restart.
-CLOSE_NO_FLAG = {"estimated_hours_until_oom": 5.0, "recommends_restart": False, "reason": ""}
 
-# Recommends a restart for a reason other than the forecast (e.g. OOM counters).
-FLAG_ONLY = {
-    "estimated_hours_until_oom": None,
-    "recommends_restart": True,
-    "reason": "engine reported 2 allocator OOMs",
-}
+FLAT = report(None, None)
+SLOW_LEAK = report(None, 41.5, lower=30.2)
+GPU_LEAK_WARNING = report(4.2, 90.0, lower=3.1)
+TWO_AND_A_HALF_HOURS = report(2.5, 12.0, lower=2.0)
+# 5 h left on a pod whose own warning horizon is 4 h: it does not ask for a restart itself.
+CLOSE_NO_FLAG = report(5.0, None, warning=4.0)
 
 
 def test_parse_flat_is_not_growing():
@@ -97,38 +84,42 @@ def test_parse_binding_resource_and_bounds():
     v = parse_health_memory(GPU_LEAK_WARNING)
     assert v.hours_until_oom == pytest.approx(4.2)
     assert v.hours_lower == pytest.approx(3.1)
-    assert v.resource == "gpu"
+    assert v.resource == "gpu:0"
     assert v.recommends_restart
-    assert "GPU" in v.reason
+    assert "4.2 h" in v.reason
 
 
-def test_parse_per_resource_only_takes_smallest():
-    v = parse_health_memory(PER_RESOURCE_ONLY)
+def test_parse_smallest_resource_binds():
+    v = parse_health_memory(TWO_AND_A_HALF_HOURS)
     assert v.hours_until_oom == pytest.approx(2.5)
     assert v.hours_lower == pytest.approx(2.0)
-    assert v.resource == "gpu"
+    assert v.resource == "gpu:0"
 
 
-@pytest.mark.parametrize("junk", [None, [], "oops", 3, {"estimated_hours_until_oom": "soon"}])
+@pytest.mark.parametrize(
+    "junk", [b"null", b"[]", b'"oops"', b"3", b"{", b'{"estimated_hours_until_oom": "soon"}']
+)
 def test_parse_junk_never_restarts(junk):
     v = parse_health_memory(junk)
+    assert not v.reachable and "not a /health/memory report" in v.reason
     assert not v.needs_restart(6.0, True)
 
 
-def test_parse_nan_and_inf_mean_unknown():
-    v = parse_health_memory({"estimated_hours_until_oom": float("inf")})
-    assert v.hours_until_oom is None
-    v = parse_health_memory(json.loads('{"estimated_hours_until_oom": NaN}'))
-    assert v.hours_until_oom is None
+@pytest.mark.parametrize("hours", ["NaN", "Infinity"])
+def test_parse_nan_and_inf_never_restart(hours):
+    key = '"estimated_hours_until_oom": '
+    text = json.dumps(json.loads(FLAT)).replace(key + "null", key + hours, 1)
+    v = parse_health_memory(text)
+    assert not v.needs_restart(6.0, True)
 
 
 def test_threshold_and_recommendation():
     close = parse_health_memory(CLOSE_NO_FLAG)
+    assert not close.recommends_restart
     assert close.needs_restart(6.0, True)
     assert not close.needs_restart(4.0, True)
-    flag = parse_health_memory(FLAG_ONLY)
-    assert flag.needs_restart(6.0, True)
-    assert not flag.needs_restart(6.0, False)
+    assert parse_health_memory(GPU_LEAK_WARNING).needs_restart(1.0, True)
+    assert not parse_health_memory(GPU_LEAK_WARNING).needs_restart(1.0, False)
 
 
 # ---------------------------------------------------------------- decisions
@@ -160,14 +151,14 @@ def test_no_pods():
 def test_one_leaking_pod_is_evicted():
     d = decide([obs(pod("a"), FLAT), obs(pod("b"), GPU_LEAK_WARNING)], POLICY)
     assert d.action == "evict" and d.pod == "b"
-    assert "4.20 h" in d.reason and "gpu" in d.reason
+    assert "4.20 h" in d.reason and "gpu:0" in d.reason
 
 
 def test_only_one_eviction_when_several_leak_most_urgent_first():
     d = decide(
         [
             obs(pod("a"), GPU_LEAK_WARNING),  # 4.2 h
-            obs(pod("b"), PER_RESOURCE_ONLY),  # 2.5 h
+            obs(pod("b"), TWO_AND_A_HALF_HOURS),  # 2.5 h
             obs(pod("c"), CLOSE_NO_FLAG),  # 5.0 h
         ],
         POLICY,
@@ -179,7 +170,7 @@ def test_only_one_eviction_when_several_leak_most_urgent_first():
 def test_drained_pod_goes_before_serving_ones():
     # b was already drained by its readiness probe: evicting it costs no capacity.
     d = decide(
-        [obs(pod("a"), PER_RESOURCE_ONLY), obs(pod("b", ready=False), GPU_LEAK_WARNING)],
+        [obs(pod("a"), TWO_AND_A_HALF_HOURS), obs(pod("b", ready=False), GPU_LEAK_WARNING)],
         POLICY,
     )
     assert d.action == "evict" and d.pod == "b"
@@ -220,8 +211,8 @@ def test_young_pod_is_not_evicted():
 
 def test_threshold_matches_the_readiness_probe_and_is_configurable():
     # health/probes.py drains at hours <= warning_hours: the controller agrees at the edge.
-    at = {"estimated_hours_until_oom": 6.0, "recommends_restart": False}
-    above = {"estimated_hours_until_oom": 6.01, "recommends_restart": False}
+    at = report(6.0, None, warning=1.5)
+    above = report(6.01, None, warning=1.5)
     assert decide([obs(pod("a"), at)], POLICY).pod == "a"
     assert decide([obs(pod("a"), above)], POLICY).action == "none"
     wide = Policy(threshold_hours=8.0)
@@ -229,9 +220,11 @@ def test_threshold_matches_the_readiness_probe_and_is_configurable():
 
 
 def test_recommendation_can_be_ignored():
+    # The pod's own horizon (8 h) asks for a restart at 7 h; the controller's is 6 h.
+    flagged = report(7.0, None, warning=8.0)
     strict = Policy(threshold_hours=6.0, follow_recommendation=False, min_pod_age_s=0)
-    assert decide([obs(pod("a"), FLAG_ONLY)], strict).action == "none"
-    assert decide([obs(pod("a"), FLAG_ONLY)], POLICY).pod == "a"
+    assert decide([obs(pod("a"), flagged)], strict).action == "none"
+    assert decide([obs(pod("a"), flagged)], POLICY).pod == "a"
 
 
 def test_threshold_defaults_to_readiness_horizon(monkeypatch):
@@ -284,7 +277,7 @@ class FakeApiServer:
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
-        assert request.headers["authorization"] == "Bearer t0ken"
+        assert request.headers["authorization"] == f"Bearer {TOKEN_FILE.read_text().strip()}"
         if request.method == "GET" and request.url.path == "/api/v1/namespaces/ml/pods":
             assert request.url.params["labelSelector"] == "app.kubernetes.io/name=embedserve"
             return httpx.Response(200, json={"kind": "PodList", "items": self.pods})
@@ -298,8 +291,13 @@ class FakeApiServer:
         return httpx.Response(404, json={"message": "not found"})
 
 
+TOKEN_FILE = Path(tempfile.mkdtemp()) / "token"
+TOKEN_FILE.write_text("t0ken\n")
+TOKEN = ServiceAccountToken(TOKEN_FILE)
+
+
 def _api(server: FakeApiServer) -> KubeApi:
-    return KubeApi("https://k8s.test", "ml", "t0ken", transport=httpx.MockTransport(server.handler))
+    return KubeApi("https://k8s.test", "ml", TOKEN, transport=httpx.MockTransport(server.handler))
 
 
 def _fetcher(answers):
@@ -375,13 +373,13 @@ def test_evict_raises_blocked_on_429():
 
 
 def test_http_fetcher_reads_the_gateway(monkeypatch):
-    from service import restart_controller as rc
+    from embedserve.runtime import restart_controller as rc
 
     seen = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(str(request.url))
-        return httpx.Response(200, json=GPU_LEAK_WARNING)
+        return httpx.Response(200, content=GPU_LEAK_WARNING)
 
     real = httpx.AsyncClient
     monkeypatch.setattr(
@@ -401,62 +399,19 @@ def test_http_fetcher_reads_the_gateway(monkeypatch):
     assert not v.reachable
 
 
-# ---------------------------------------------------------------- the real producer
+def test_a_rotated_token_is_used_on_the_next_request():
+    server = FakeApiServer([_pod_json("p1", "10.0.0.1")])
 
+    async def go() -> None:
+        api = _api(server)
+        try:
+            await api.list_pods("app.kubernetes.io/name=embedserve")
+            TOKEN_FILE.write_text("rotated\n")
+            await api.list_pods("app.kubernetes.io/name=embedserve")
+        finally:
+            TOKEN_FILE.write_text("t0ken\n")
+            await api.aclose()
 
-def _forecast(resource: str, status: str, hours: float | None, lower: float | None) -> Any:
-    from health.forecast import ResourceForecast
-
-    return ResourceForecast(
-        resource=resource,
-        status=status,  # type: ignore[arg-type]
-        used_bytes=50e9,
-        limit_bytes=80e9,
-        limit_source="nvml",
-        headroom_bytes=30e9,
-        peak_bytes=50e9,
-        slope_bytes_per_hour=None if hours is None else 30e9 / hours,
-        slope_low_bytes_per_hour=None,
-        slope_high_bytes_per_hour=None,
-        window_start=0.0,
-        window_s=21600.0,
-        samples=4000,
-        estimated_hours_until_oom=hours,
-        hours_lower=lower,
-        hours_upper=None,
-        capped=False,
-        reason=f"{resource} reason",
-    )
-
-
-@pytest.mark.parametrize(
-    ("gpu_hours", "host_hours", "expect_evict"),
-    [(4.2, None, True), (None, None, False), (30.0, 5.5, True), (12.0, 40.0, False)],
-)
-def test_documents_built_by_health_itself(gpu_hours, host_hours, expect_evict):
-    """The document health/monitor.py serves, from health's own functions, parses right."""
-    pytest.importorskip("health.report")
-    from health.report import advice
-
-    forecasts = {
-        "gpu:0": _forecast(
-            "gpu:0",
-            "growing" if gpu_hours else "not_growing",
-            gpu_hours,
-            None if gpu_hours is None else gpu_hours * 0.8,
-        ),
-        "host": _forecast("host", "growing" if host_hours else "not_growing", host_hours, None),
-    }
-    verdict = advice(forecasts, warning_hours=6.0, critical_hours=1.0)
-    document = {
-        **verdict,
-        "resources": {k: f.as_dict() for k, f in forecasts.items()},
-        "gpu": {"devices": []},
-    }
-    v = parse_health_memory(json.loads(json.dumps(document)))
-    assert v.reachable
-    assert v.recommends_restart == verdict["recommends_restart"]
-    assert v.hours_until_oom == verdict["estimated_hours_until_oom"]
-    d = decide([obs(pod("a"), document)], POLICY)
-    assert (d.action == "evict") == expect_evict
-    assert (d.action == "evict") == verdict["recommends_restart"]
+    asyncio.run(go())
+    sent = [r.headers["authorization"] for r in server.requests]
+    assert sent == ["Bearer t0ken", "Bearer rotated"]

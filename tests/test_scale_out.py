@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from service.settings import BUNDLED_MODEL
+from embedserve.config import BUNDLED_MODEL
 from tests.conftest import start_stack, wait_until
 
 

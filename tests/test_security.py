@@ -16,8 +16,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.gateway.app import create_app
 from tests.conftest import RunningStack, wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient
 from tests.test_gateway_unit import make_client, wait_ready

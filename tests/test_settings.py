@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.model_info import ModelInfo
 
 
 def settings(**kw: object) -> Settings:
@@ -22,10 +23,11 @@ def test_admission_default_follows_the_engine_kind() -> None:
 
 def test_one_sequence_cap(tmp_path: Path) -> None:
     """sentence-transformers' max_seq_length wins; else positions, capped at 8192."""
-    assert settings().model.effective_max_seq_len() == 256  # bundled MiniLM
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
-    assert settings(model={"path": str(tmp_path)}).model.effective_max_seq_len() == 8192
-    assert settings(model={"path": str(tmp_path), "max_seq_len": 1000}).model.effective_max_seq_len() == 1000
+    assert ModelInfo.load(settings().model).max_seq_len == 256  # bundled MiniLM
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768, "hidden_size": 8}))
+    assert ModelInfo.load(settings(model={"path": str(tmp_path)}).model).max_seq_len == 8192
+    explicit = settings(model={"path": str(tmp_path), "max_seq_len": 1000})
+    assert ModelInfo.load(explicit.model).max_seq_len == 1000
 
 
 def test_replicas_get_consecutive_ports() -> None:

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from service import sglang_launch
-from service.settings import Settings
-from service.sglang_launch import (
+from embedserve.config import Settings
+from embedserve.engines import sglang as sglang_launch
+from embedserve.engines.sglang import (
     LaunchConfigError,
     build_launch,
     default_kv_pool_tokens,
     main,
 )
+from embedserve.model_info import ModelInfo
+from embedserve.nvml import gpu_total_bytes
 
 FLAGS_FIXTURE = Path(__file__).parent / "fixtures" / "sglang_0.5.17_flags.json"
 SGLANG_FLAGS = set(json.loads(FLAGS_FIXTURE.read_text())["flags"])
@@ -93,7 +95,7 @@ def test_cap_drives_context_prefill_and_pool(model_dir: Path) -> None:
 def test_cap_changes_everything_together(model_dir: Path, cap: int) -> None:
     s = make(model_dir, model={"max_seq_len": cap})
     argv = build_launch(s).argv
-    assert s.model.effective_max_seq_len() == cap  # the gateway truncates to this
+    assert ModelInfo.load(s.model).max_seq_len == cap  # the gateway truncates to this
     assert int(arg(argv, "--context-length")) == cap + 1
     budget = int(arg(argv, "--chunked-prefill-size"))
     assert budget == max(16384, cap) == int(arg(argv, "--max-prefill-tokens"))
@@ -121,7 +123,7 @@ def test_memory_budget_lowers_fraction(model_dir: Path) -> None:
     assert float(arg(spec.argv, "--mem-fraction-static")) == pytest.approx(25 / 143.8, abs=1e-3)
     # no GPU visible: keep the configured fraction and say so
     spec = build_launch(s, gpu_bytes=None)
-    if sglang_launch.gpu_total_bytes() is None:
+    if gpu_total_bytes() is None:
         assert arg(spec.argv, "--mem-fraction-static") == "0.85"
         assert any("gpu_memory_budget_gb" in n for n in spec.notes)
     # a budget above the fraction does not raise it

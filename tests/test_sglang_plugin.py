@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from service import sglang_plugin
-from service.cache_policy import AllocatorSnapshot, CachePolicy
-from service.settings import CacheClearSettings
-from service.sglang_plugin import OVERRIDE_FILE, Monitor
-from service.stats_file import read_all_stats
+from embedserve.config import CacheClearSettings
+from embedserve.contracts.stats import read_all_stats
+from embedserve.engines import sglang_plugin
+from embedserve.engines.cache_policy import AllocatorSnapshot, CachePolicy
+from embedserve.engines.sglang_plugin import OVERRIDE_FILE, Monitor
 
 GB = 1 << 30
 
@@ -270,4 +270,4 @@ def test_register_hooks_only_for_embedserve_engines(monkeypatch: pytest.MonkeyPa
 def test_entry_point_declared() -> None:
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert '[project.entry-points."sglang.srt.plugins"]' in text
-    assert 'embedserve = "service.sglang_plugin:register"' in text
+    assert 'embedserve = "embedserve.engines.sglang_plugin:register"' in text

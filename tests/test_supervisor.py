@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from service.supervisor import EngineStartError, LaunchSpec, ProcessSupervisor
+from embedserve.engines.launch import LaunchSpec
+from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 from tests.conftest import free_port
 
 # Serves GET /health, then exits with status 3: a crash after a good start. The first run

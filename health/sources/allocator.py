@@ -1,10 +1,10 @@
-"""The engines' allocator statistics, read from the stats channel (service.stats_file)."""
+"""The engines' allocator statistics, read from the stats channel (embedserve.contracts.stats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.stats_file import EngineStats, read_all_stats
+from embedserve.contracts.stats import EngineStats, read_all_stats
 
 
 @dataclass
@@ -35,10 +35,3 @@ def read_allocator(stats_dir: str, check_pid: bool = True) -> AllocatorReading:
     if not engines:
         return AllocatorReading(reason=f"no live engine has published stats in {stats_dir}")
     return AllocatorReading(engines=engines)
-
-
-def fragmentation(stats: EngineStats) -> float | None:
-    """Inactive-split / reserved: the share of reserved memory empty_cache() cannot return."""
-    if stats.reserved_bytes <= 0:
-        return None
-    return stats.inactive_split_bytes / stats.reserved_bytes

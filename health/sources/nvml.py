@@ -13,16 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class GpuDevice:
-    index: int
-    name: str
-    total_bytes: int
-    used_bytes: int
-    free_bytes: int
-    reserved_bytes: int | None = None
-    processes: dict[int, int] = field(default_factory=dict)  # host pid -> used bytes
+from embedserve.contracts.memory import GpuDevice
 
 
 @dataclass

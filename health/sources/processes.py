@@ -6,17 +6,9 @@ counts together with its descendants. A pid that is gone reads as absent, not ze
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import psutil
 
-
-@dataclass
-class ProcessMemory:
-    name: str
-    pid: int
-    rss_bytes: int
-    pids: list[int] = field(default_factory=list)  # the pid and its live descendants
+from embedserve.contracts.memory import ProcessMemory
 
 
 def read_processes(named: dict[str, int]) -> tuple[dict[str, ProcessMemory], dict[str, str]]:

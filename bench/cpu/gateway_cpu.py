@@ -2,7 +2,7 @@
 time goes, against a fake engine that answers instantly. A benchmark that prints numbers,
 not a test.
 
-    python -m loadtest.bench_gateway_cpu --seconds 10 --out results/bench-gateway-cpu
+    python -m bench.cpu.gateway_cpu --seconds 10 --out results/bench-gateway-cpu
 
 Part 1 times each stage in-process (median µs per request over many repeats).
 Part 2 runs the real gateway process over HTTP at a fixed concurrency and divides the
@@ -29,12 +29,12 @@ import numpy as np
 import orjson
 import psutil
 
-from gateway.engine_pool import _parse_vectors
-from gateway.postprocess import encode_base64, shape_vectors
-from gateway.schemas import EmbeddingRequest
-from gateway.tokenization import ModelTokenizer
-from loadtest.instant_engine import reply
-from service.settings import BUNDLED_MODEL, resolve_model_path
+from embedserve.config import BUNDLED_MODEL, resolve_model_path
+from embedserve.contracts.wire import decode_response, encode_base64
+from embedserve.gateway.schemas import EmbeddingRequest
+from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.gateway.vectors import shape_vectors
+from embedserve.loadtest.instant_engine import reply
 
 SHORT = "How do I keep GPU memory flat when inputs vary in length?"
 LONG = " ".join(["the embedding service truncates long inputs and keeps the EOS token"] * 30)
@@ -66,7 +66,7 @@ def scenario_stages(tok: ModelTokenizer, fields: dict[str, Any]) -> dict[str, fl
     texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
     n = 1 if isinstance(raw, str) or isinstance(raw[0], int) else len(raw)
     engine_reply = reply(n)
-    vectors = _parse_vectors(engine_reply, n)
+    vectors = decode_response(engine_reply, n)
 
     def respond() -> bytes:
         shaped = shape_vectors(vectors, None, True)
@@ -77,7 +77,7 @@ def scenario_stages(tok: ModelTokenizer, fields: dict[str, Any]) -> dict[str, fl
     stages = {
         "parse+validate": median_us(lambda: EmbeddingRequest.model_validate(orjson.loads(body))),
         "tokenize": median_us(lambda: tok.encode_texts(texts)) if texts else 0.0,
-        "engine reply parse": median_us(lambda: _parse_vectors(engine_reply, n)),
+        "engine reply parse": median_us(lambda: decode_response(engine_reply, n)),
         "normalise+encode response": median_us(respond),
     }
     stages["total"] = sum(stages.values())
@@ -126,9 +126,9 @@ def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
         "EMBEDSERVE_LOG_LEVEL": "WARNING",
         "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
     }
-    engine = subprocess.Popen([sys.executable, "-m", "loadtest.instant_engine", str(engine_port)])
+    engine = subprocess.Popen([sys.executable, "-m", "embedserve.loadtest.instant_engine", str(engine_port)])
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "gateway", "--engine-url", f"http://127.0.0.1:{engine_port}"],
+        [sys.executable, "-m", "embedserve.runtime.cli", "gateway", "--engine-url", f"http://127.0.0.1:{engine_port}"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

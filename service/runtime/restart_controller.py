@@ -1,25 +1,8 @@
-"""Memory-aware rolling restarts: evict one pod at a time when its hours-to-OOM run low.
+"""Memory-aware rolling restarts on Kubernetes: evict one pod at a time, through the
+Eviction API (which respects the PodDisruptionBudget), when its hours to out-of-memory run
+low. Why probes alone are not enough, and how to run it: docs/DEPLOY.md.
 
-Why this exists (the long answer is in docs/DEPLOY.md): readiness drains a pod whose
-forecast falls under the warning horizon, and liveness restarts it under the critical
-horizon, but neither respects the PodDisruptionBudget, neither restarts a *drained* pod
-whose growth stopped because its traffic stopped, and both can hit every replica at once
-when they all grew together. This controller turns the forecast into a paced rolling
-restart through the Eviction API, which the API server refuses (HTTP 429) whenever the
-PDB would be violated.
-
-Pieces, each small:
-- :func:`parse_health_memory` reads one pod's ``GET /health/memory`` answer.
-- :func:`decide` is the pure decision: given every pod's Kubernetes state and health
-  verdict, evict at most one pod, and only when no other restart is under way.
-- :class:`KubeApi` is plain HTTPS to the API server with the service account's token
-  (httpx; no kubernetes client dependency: two calls do not justify 40 MB of client).
-- :func:`run_once` wires them; ``python -m service.restart_controller --once`` runs it
-  as a CronJob, ``--interval 60`` as a long-running sidecar or Deployment.
-
-Configuration is ``EMBEDSERVE_CONTROLLER__*`` plus the shared ``EMBEDSERVE_HEALTH__*``
-(the threshold defaults to ``health.warning_hours``, the horizon at which the readiness
-probe drains a pod, so the probe, the alert and the controller agree).
+``decide`` is the pure decision; ``KubeApi`` the two API calls; ``run_once`` wires them.
 """
 
 from __future__ import annotations
@@ -28,23 +11,20 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from pydantic import ValidationError
 
-from service.settings import ControllerSettings, Settings
+from embedserve.config import ControllerSettings, Settings
+from embedserve.contracts.memory import MemoryReport
+from embedserve.runtime.kube import EvictionBlocked, KubeApi
 
 log = logging.getLogger("embedserve.restart_controller")
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-# --------------------------------------------------------------------------- config
 
 
 # --------------------------------------------------------------------------- model
@@ -130,13 +110,6 @@ class Decision:
 # --------------------------------------------------------------------------- parsing
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    f = float(value)
-    return None if math.isnan(f) or math.isinf(f) else f
-
-
 def _parse_time(value: Any) -> float | None:
     if not isinstance(value, str):
         return None
@@ -148,67 +121,20 @@ def _parse_time(value: Any) -> float | None:
         return None
 
 
-def _resource_entries(body: Mapping[str, Any]) -> Iterable[tuple[str, Mapping[str, Any]]]:
-    """Per-resource forecasts, wherever the answer keeps them."""
-    for key in ("resources", "forecasts", "forecast"):
-        block = body.get(key)
-        if isinstance(block, Mapping):
-            for name, entry in block.items():
-                if isinstance(entry, Mapping):
-                    yield str(name), entry
-    for name in ("gpu", "host"):
-        entry = body.get(name)
-        if isinstance(entry, Mapping):
-            yield name, entry
-
-
-def _hours_of(entry: Mapping[str, Any]) -> tuple[float | None, float | None]:
-    hours = _num(entry.get("estimated_hours_until_oom", entry.get("hours_until_oom")))
-    lower: float | None = None
-    for key in ("estimated_hours_until_oom_lower", "hours_lower", "lower_hours", "lower"):
-        lower = _num(entry.get(key))
-        if lower is not None:
-            break
-    bounds = entry.get("bounds") or entry.get("interval")
-    if lower is None and isinstance(bounds, Mapping):
-        lower = _num(bounds.get("lower"))
-    elif lower is None and isinstance(bounds, list | tuple) and bounds:
-        lower = _num(bounds[0])
-    return hours, lower
-
-
-def parse_health_memory(body: Any) -> MemoryVerdict:
-    """Reduce a /health/memory answer to a verdict.
-
-    Reads the fields issue 4 defines: ``estimated_hours_until_oom`` (top level: the
-    binding resource; or per resource under ``resources``/``forecast``), its lower bound,
-    ``recommends_restart``, the binding resource's name and ``reason``. The binding
-    (smallest) estimate wins. A missing or null estimate means "not growing".
-    """
-    if not isinstance(body, Mapping):
-        return MemoryVerdict(reachable=False, reason="answer is not a JSON object")
-    hours, lower = _hours_of(body)
-    resource = body.get("binding_resource") or body.get("resource")
-    for name, entry in _resource_entries(body):
-        h, lo = _hours_of(entry)
-        if h is None:
-            continue
-        if hours is None or h < hours:
-            hours, lower, resource = h, lo, name
-        elif h == hours and lower is None:
-            lower, resource = lo, resource or name
-    recommends = body.get("recommends_restart")
-    if not isinstance(recommends, bool):
-        forecast = body.get("forecast")
-        recommends = bool(isinstance(forecast, Mapping) and forecast.get("recommends_restart") is True)
-    reason = body.get("reason")
+def parse_health_memory(body: bytes | str) -> MemoryVerdict:
+    """One pod's ``/health/memory`` answer, read with the model its producer writes. The
+    top-level estimate is the binding (earliest) resource's."""
+    try:
+        report = MemoryReport.model_validate_json(body)
+    except ValidationError as exc:
+        return MemoryVerdict(reachable=False, reason=f"not a /health/memory report: {exc.errors()[0]['msg']}")
     return MemoryVerdict(
         reachable=True,
-        hours_until_oom=hours,
-        hours_lower=lower,
-        recommends_restart=recommends,
-        resource=str(resource) if resource else None,
-        reason=reason if isinstance(reason, str) else "",
+        hours_until_oom=report.estimated_hours_until_oom,
+        hours_lower=report.hours_lower,
+        recommends_restart=report.recommends_restart,
+        resource=report.binding_resource,
+        reason=report.reason,
     )
 
 
@@ -277,96 +203,6 @@ def decide(observations: list[Observation], policy: Policy) -> Decision:
     return Decision("evict", why, pod=target.pod.name, candidates=tuple(sorted(candidate_names)))
 
 
-# --------------------------------------------------------------------------- Kubernetes
-
-
-class EvictionBlocked(Exception):
-    """The API server refused the eviction (PDB would be violated): try next round."""
-
-
-class KubeApi:
-    """The two calls the controller needs, as plain HTTPS with a bearer token."""
-
-    def __init__(
-        self,
-        base_url: str,
-        namespace: str,
-        token: str | None,
-        verify: str | bool = True,
-        timeout_s: float = 10.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        headers = {"Accept": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self.namespace = namespace
-        self._client = httpx.AsyncClient(
-            base_url=base_url,
-            headers=headers,
-            verify=verify,
-            timeout=timeout_s,
-            transport=transport,
-        )
-
-    @classmethod
-    def in_cluster(cls, cfg: ControllerSettings) -> KubeApi:
-        """Service-account token, CA and namespace from the pod's mounted secret."""
-        token = (SA_DIR / "token").read_text().strip() if (SA_DIR / "token").exists() else None
-        namespace = cfg.namespace
-        if namespace is None and (SA_DIR / "namespace").exists():
-            namespace = (SA_DIR / "namespace").read_text().strip()
-        base = cfg.api_url
-        if base is None:
-            host = os.environ.get("KUBERNETES_SERVICE_HOST")  # set by the kubelet
-            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-            if not host:
-                raise RuntimeError("not in a cluster: set EMBEDSERVE_CONTROLLER__API_URL")
-            base = f"https://{host}:{port}"
-        ca = SA_DIR / "ca.crt"
-        return cls(
-            base,
-            namespace or "default",
-            token,
-            verify=str(ca) if ca.exists() else True,
-            timeout_s=cfg.api_timeout_s,
-        )
-
-    async def list_pods(self, label_selector: str) -> list[dict[str, Any]]:
-        r = await self._client.get(
-            f"/api/v1/namespaces/{self.namespace}/pods",
-            params={"labelSelector": label_selector},
-        )
-        r.raise_for_status()
-        items = r.json().get("items", [])
-        return [i for i in items if isinstance(i, dict)]
-
-    async def evict(self, pod: str, dry_run: bool = False) -> None:
-        body = {
-            "apiVersion": "policy/v1",
-            "kind": "Eviction",
-            "metadata": {"name": pod, "namespace": self.namespace},
-        }
-        if dry_run:
-            body["deleteOptions"] = {"dryRun": ["All"]}
-        r = await self._client.post(f"/api/v1/namespaces/{self.namespace}/pods/{pod}/eviction", json=body)
-        if r.status_code == 429:
-            raise EvictionBlocked(_message(r))
-        if r.status_code == 404:
-            log.info("pod %s is already gone", pod)
-            return
-        r.raise_for_status()
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-
-def _message(r: httpx.Response) -> str:
-    try:
-        return str(r.json().get("message", r.text))
-    except ValueError:
-        return r.text
-
-
 # --------------------------------------------------------------------------- loop
 
 HealthFetcher = Callable[[PodState], Awaitable[MemoryVerdict]]
@@ -385,8 +221,8 @@ def http_health_fetcher(cfg: ControllerSettings) -> HealthFetcher:
         url = f"{cfg.health_scheme}://{host}:{cfg.health_port}{cfg.health_path}"
         try:
             r = await client.get(url)
-            return parse_health_memory(r.json())
-        except (httpx.HTTPError, ValueError) as exc:
+            return parse_health_memory(r.content)
+        except httpx.HTTPError as exc:
             return MemoryVerdict(reachable=False, reason=f"{type(exc).__name__}: {exc}")
 
     return fetch

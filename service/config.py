@@ -16,9 +16,6 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUNDLED_MODEL = "bundled:all-MiniLM-L6-v2"
-# The largest context we ever default to: Qwen3-Embedding accepts 32k, but 8192 keeps the
-# activation memory of one sequence bounded; raise it explicitly if you need more.
-DEFAULT_MAX_SEQ_LEN_CAP = 8192
 
 
 def resolve_model_path(path: str) -> Path:
@@ -65,32 +62,6 @@ class ModelSettings(BaseModel):
         if self.path == BUNDLED_MODEL:
             return "all-MiniLM-L6-v2"
         return Path(self.path).name or self.path
-
-    def model_config_json(self) -> dict[str, object]:
-        cfg = self.resolved_path / "config.json"
-        return json.loads(cfg.read_text()) if cfg.exists() else {}
-
-    def is_qwen3(self) -> bool:
-        return str(self.model_config_json().get("model_type", "")).startswith("qwen3")
-
-    def effective_max_seq_len(self) -> int:
-        """The single sequence-length cap; see the field's description."""
-        if self.max_seq_len is not None:
-            return self.max_seq_len
-        st_cfg = self.resolved_path / "sentence_bert_config.json"
-        if st_cfg.exists():
-            st_max = json.loads(st_cfg.read_text()).get("max_seq_length")
-            if isinstance(st_max, int):
-                return st_max
-        positions = self.model_config_json().get("max_position_embeddings")
-        if isinstance(positions, int):
-            return min(positions, DEFAULT_MAX_SEQ_LEN_CAP)
-        return 512
-
-    def effective_query_template(self) -> str | None:
-        if self.query_template is not None:
-            return self.query_template or None
-        return "Instruct: {task}\nQuery:{text}" if self.is_qwen3() else None
 
 
 class CacheClearSettings(BaseModel):
@@ -147,6 +118,13 @@ class EngineSettings(BaseModel):
     stats_dir: str = Field("/tmp/embedserve-stats", description="where engines publish allocator statistics")
     stats_interval_s: float = Field(1.0, gt=0)
     startup_timeout_s: float = Field(900.0, gt=0)
+    health_check_interval_s: float = Field(2.0, gt=0, description="how often the gateway checks each engine")
+    health_check_timeout_s: float = Field(
+        10.0, gt=0, description="SGLang's health check runs a forward pass: slow under load"
+    )
+    unreachable_after_failures: int = Field(
+        5, ge=1, description="liveness fails once every engine failed this many checks in a row"
+    )
     restart_backoff_s: float = Field(2.0, gt=0)
     restart_backoff_max_s: float = Field(60.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="appended to SGLang argv")

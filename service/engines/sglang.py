@@ -2,7 +2,7 @@
 
 ``build_launch(settings)`` is used by the supervisor (``embedserve up``) and by
 ``embedserve engine [--dry-run]``. One number, the service's max sequence length
-(``settings.model.effective_max_seq_len()``, the gateway's truncation limit too), drives:
+(``ModelInfo.max_seq_len``, the gateway's truncation limit too), drives:
 
 * ``--context-length`` = cap + 1 (SGLang 0.5.17 rejects an input of exactly its context
   length, so the longest input the gateway sends must be one shorter);
@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
-from dataclasses import dataclass, field
 
-from service.settings import Settings
+from embedserve.config import Settings
+from embedserve.engines.launch import LaunchSpec
+from embedserve.model_info import ModelInfo
+from embedserve.nvml import gpu_total_bytes
 
 SGLANG_VERSION = "0.5.17"
 ALLOC_CONF = "expandable_segments:True"
@@ -34,42 +35,9 @@ class LaunchConfigError(ValueError):
     """The settings cannot make a working SGLang launch."""
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def command_line(self) -> str:
-        return shlex.join(self.argv)
-
-    def env_lines(self) -> list[str]:
-        return [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-
-
 def default_kv_pool_tokens(cap: int, budget: int) -> int:
     """Room for several full prefill batches; an embedding server keeps no KV afterwards."""
     return max(4 * budget, 2 * cap)
-
-
-def _visible_gpu_index() -> int:
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
-
-
-def gpu_total_bytes() -> int | None:
-    """Total memory of the first visible GPU via NVML (no CUDA context); None without one."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(_visible_gpu_index())
-            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
 
 
 def mem_fraction(settings: Settings, total_bytes: int | None, notes: list[str]) -> float:
@@ -127,12 +95,14 @@ def build_launch(
     *,
     python: str | None = None,
     gpu_bytes: int | None = None,
+    info: ModelInfo | None = None,
 ) -> LaunchSpec:
     """SGLang's argv and the environment to add. ``gpu_bytes`` overrides the NVML lookup
     (used only when ``engine.gpu_memory_budget_gb`` is set)."""
     model, eng = settings.model, settings.engine
     notes: list[str] = []
-    cap = model.effective_max_seq_len()
+    info = info or ModelInfo.load(model)
+    cap = info.max_seq_len
     budget = max(eng.batch_token_budget, cap)
     if budget != eng.batch_token_budget:
         notes.append(f"batch_token_budget {eng.batch_token_budget} < max_seq_len {cap}: using {cap}")
@@ -148,7 +118,7 @@ def build_launch(
 
     argv = [
         python or sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(model.resolved_path),
+        "--model-path", str(info.path),
         "--served-model-name", model.served_name,
         "--host", eng.host,
         "--port", str(eng.port),

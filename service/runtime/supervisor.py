@@ -13,9 +13,10 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import httpx
+
+from embedserve.engines.launch import LaunchSpec
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +31,6 @@ def _die_with_parent() -> None:
 
 class EngineStartError(RuntimeError):
     pass
-
-
-@dataclass
-class LaunchSpec:
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
 
 
 class ProcessSupervisor:

@@ -22,19 +22,20 @@ import numpy as np
 import orjson
 import psutil
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from starlette.responses import Response
 
-from gateway.postprocess import encode_base64
-from service.http_protocol import bounded_httptools
-from service.settings import Settings
-from service.stats_file import EngineStats, write_stats
+from embedserve.config import Settings
+from embedserve.contracts import wire
+from embedserve.contracts.stats import EngineStats, write_stats
+from embedserve.http_server import bounded_httptools
+from embedserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str) -> Response:
-    body = {"object": "error", "message": message, "type": "BadRequestError", "code": status}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    return Response(wire.error_body(status, message), status_code=status, media_type="application/json")
 
 
 class CpuEmbedder:
@@ -50,7 +51,7 @@ class CpuEmbedder:
         path = str(settings.model.resolved_path)
         self.model = SentenceTransformer(path, device="cpu", local_files_only=True)
         self.model.eval()
-        self.max_seq_len = settings.model.effective_max_seq_len()
+        self.max_seq_len = ModelInfo.load(settings.model).max_seq_len
         self.token_budget = settings.engine.batch_token_budget
         self.path = path
         dim_of = (
@@ -136,16 +137,11 @@ def create_engine_app(settings: Settings) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         e: CpuEmbedder = state["embedder"]
         try:
-            body = orjson.loads(await request.body())
-            batch = body["input"]
-            encoding = body.get("encoding_format", "float")
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            return _error(400, "expected {'input': [[token ids], ...]}")
-        if encoding not in ("float", "base64"):
-            return _error(400, f"encoding_format must be either 'float' or 'base64', got {encoding!r}")
-        if batch and isinstance(batch[0], int):
-            batch = [batch]
-        if not batch or not all(isinstance(x, list) and x for x in batch):
+            req = wire.EngineRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return _error(400, f"expected {{'input': [[token ids], ...]}}: {exc.errors()[0]['msg']}")
+        batch = req.batch()
+        if not batch or not all(batch):
             return _error(400, "input must be a non-empty list of non-empty token-id lists")
         context = e.max_seq_len + 1  # mirrors SGLang launched with --context-length cap+1
         for ids in batch:
@@ -157,17 +153,10 @@ def create_engine_app(settings: Settings) -> FastAPI:
                 )
         loop = asyncio.get_running_loop()
         matrix = await loop.run_in_executor(executor, e.embed, batch)
-        # base64 as SGLang packs it: little-endian float32
-        vectors: list[Any] = encode_base64(matrix) if encoding == "base64" else matrix.tolist()
         stats.batches += 1
         tokens = sum(len(x) for x in batch)
-        out = {
-            "object": "list",
-            "model": name,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-        return Response(orjson.dumps(out), media_type="application/json")
+        body = wire.encode_response(name, matrix, tokens, req.encoding_format == "base64")
+        return Response(body, media_type="application/json")
 
     return app
 
@@ -175,7 +164,7 @@ def create_engine_app(settings: Settings) -> FastAPI:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from service.logging_json import setup_logging
+    from embedserve.logs import setup_logging
 
     ap = argparse.ArgumentParser(prog="embedserve cpu-engine", description=__doc__)
     ap.add_argument("--port", type=int, help="default: engine.port from the config")

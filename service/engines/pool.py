@@ -8,17 +8,15 @@ re-checks engines in the background; the check never runs inside a client's requ
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-import orjson
-
-from gateway.engine_client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
-from gateway.postprocess import Matrix
+from embedserve.contracts import wire
+from embedserve.contracts.memory import EngineStatus
+from embedserve.contracts.wire import Matrix
+from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +78,7 @@ class EnginePool:
         request_timeout_s: float,
         health_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
+        unreachable_after_failures: int = 5,
         client: EngineClient | None = None,
         base64_vectors: bool = True,
     ) -> None:
@@ -89,8 +88,9 @@ class EnginePool:
         self._timeout = request_timeout_s
         self._health_interval = health_interval_s
         self._health_timeout = health_timeout_s
+        self._unreachable_after = unreachable_after_failures
         self._client = client
-        self._wire = {"encoding_format": "base64"} if base64_vectors else {}
+        self._base64 = base64_vectors
         self._checker: asyncio.Task[None] | None = None
         self._ready_event = asyncio.Event()
         self._call_ids = 0
@@ -112,6 +112,39 @@ class EnginePool:
     @property
     def any_ready(self) -> bool:
         return any(e.ready for e in self.engines)
+
+    @property
+    def ever_ready(self) -> bool:
+        return any(e.ever_ready for e in self.engines)
+
+    def reachable(self) -> bool:
+        """False once every engine that has served failed this many health checks in a row:
+        the engines are gone, not busy (a busy SGLang answers its health check slowly)."""
+        if self.any_ready or not self.ever_ready:
+            return True
+        return any(e.consecutive_failures < self._unreachable_after for e in self.engines)
+
+    def statuses(self) -> list[EngineStatus]:
+        return [
+            EngineStatus(
+                url=e.url,
+                ready=e.ready,
+                outstanding_tokens=e.outstanding_tokens,
+                calls=e.calls,
+                last_error=e.last_error,
+            )
+            for e in self.engines
+        ]
+
+    def detail(self) -> str:
+        states = (f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}" for e in self.engines)
+        return "; ".join(states)
+
+    def forget_stuck(self, index: int) -> None:
+        """After its process was killed, engine ``index``'s unanswered calls are history."""
+        engine = self.engines[index]
+        engine.inflight_since.clear()
+        engine.stalled_since = None
 
     def oldest_inflight_age_s(self) -> float | None:
         now = time.monotonic()
@@ -180,7 +213,7 @@ class EnginePool:
         engine.outstanding_calls += 1
         engine.inflight_since[call_id] = time.monotonic()
         try:
-            body = orjson.dumps({"model": self._model, "input": batch, **self._wire})
+            body = wire.encode_request(self._model, batch, self._base64)
             status, content = await self._client.post_json(f"{engine.url}/v1/embeddings", body)
         except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
@@ -196,47 +229,12 @@ class EnginePool:
             self._mark_down(engine, f"engine answered {status}")
             raise EngineUnavailable(f"the engine failed ({status})", engine.url)
         if status >= 400:
-            raise EngineRejected(_engine_message(content), engine.url)
+            raise EngineRejected(wire.error_message(content), engine.url)
         engine.last_success = time.monotonic()
         engine.stalled_since = None
         engine.calls += 1
-        return _parse_vectors(content, len(batch))
-
-
-def _engine_message(content: bytes) -> str:
-    try:
-        data = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return content[:200].decode("utf-8", "replace")
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        return str(data.get("message", err))
-    return str(data)[:200]
-
-
-def _parse_vectors(content: bytes, expected: int) -> Matrix:
-    """Vectors in input order. We ask for base64 (little-endian float32, which SGLang and our
-    CPU engine send): no float text to print or parse on either side, a third of the bytes.
-    Float lists are accepted too, from engines that ignore ``encoding_format``. A malformed
-    answer is the engine's fault: 503 to the client, never a 500."""
-    try:
-        data = orjson.loads(content)["data"]
-        if len(data) != expected:
-            raise EngineUnavailable(f"engine returned {len(data)} vectors for {expected} inputs")
-        data.sort(key=lambda d: d["index"])
-        embeddings = [d["embedding"] for d in data]
-        if all(isinstance(e, str) for e in embeddings):
-            rows = [base64.b64decode(e, validate=True) for e in embeddings]
-            if len({len(r) for r in rows}) != 1 or len(rows[0]) % 4:
-                raise ValueError("base64 vectors of mixed or odd sizes")
-            vectors = np.frombuffer(b"".join(rows), dtype="<f4").reshape(expected, -1).astype(np.float32)
-        else:
-            with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
-                vectors = np.asarray(embeddings, dtype=np.float32)
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise EngineUnavailable(f"the engine returned an invalid response ({type(exc).__name__})") from exc
-    if vectors.ndim != 2 or vectors.shape[1] == 0 or not np.isfinite(vectors).all():
-        raise EngineUnavailable("the engine returned vectors of mixed sizes or non-finite values")
-    return vectors
+        try:
+            return wire.decode_response(content, len(batch))
+        except wire.WireError as exc:
+            # the engine's fault: 503 to the client, never a 500
+            raise EngineUnavailable(f"the engine returned an invalid response: {exc}", engine.url) from exc

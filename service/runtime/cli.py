@@ -12,12 +12,12 @@ import os
 import sys
 
 _DELEGATED = {
-    "engine": "service.sglang_launch",
-    "cpu-engine": "service.cpu_engine",
+    "engine": "embedserve.engines.sglang",
+    "cpu-engine": "embedserve.engines.cpu",
     "health": "health.cli",
     "loadtest": "loadtest.cli",
-    "synth-model": "service.synthetic",
-    "restart-controller": "service.restart_controller",
+    "synth-model": "embedserve.runtime.synth_model",
+    "restart-controller": "embedserve.runtime.restart_controller",
 }
 
 _FLAGS = {  # flag -> environment variable
@@ -59,9 +59,9 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None) -
     _apply_flags(args)
     if default_kind:
         os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", default_kind)
-    from service.logging_json import setup_logging
-    from service.settings import Settings
-    from service.stack import run_stack
+    from embedserve.config import Settings
+    from embedserve.logs import setup_logging
+    from embedserve.runtime.stack import run_stack
 
     settings = Settings()
     setup_logging(settings.log_level)
@@ -79,7 +79,7 @@ def _gateway(argv: list[str]) -> int:
 def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
     _apply_flags(args)
-    from service.settings import Settings
+    from embedserve.config import Settings
 
     print(json.dumps(Settings().redacted(), indent=2))
     return 0

@@ -1,7 +1,7 @@
 """uvicorn's httptools protocol with a cap on the request head.
 
 httptools (llhttp) parses HTTP in C: about 13% less gateway CPU per short request than h11
-(results/gpu-lab/gateway-cpu-ab, dev-box A/B), and one gateway's event loop is its
+(measured with ``python -m bench.cpu.gateway_cpu``), and one gateway's event loop is its
 throughput limit. But it has no head-size limit (a 100 MB header was buffered whole), so
 this counts the bytes fed while a head is unfinished and answers 431 in the OpenAI envelope
 once they pass the cap: at most the cap plus one read (64-256 KiB) is ever buffered.
@@ -15,7 +15,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import error_body, head_too_large
+from embedserve.contracts.errors import error_body, head_too_large_message
 
 
 def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
@@ -45,8 +45,8 @@ def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
                 self._refuse()
 
         def _refuse(self) -> None:
-            err = head_too_large(max_head_bytes)
-            body = error_body(err.status, err.message, err.param, err.code)
+            message = head_too_large_message(max_head_bytes)
+            body = error_body(431, message, code="request_header_fields_too_large")
             head = (
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)

@@ -6,7 +6,7 @@ goes to the engine as token ids and to the gateway as texts (it tokenises) and a
 alternate in rotating order over several rounds so a noisy neighbour hits all modes alike.
 Prints, and writes JSON + Markdown: throughput ratio and added P50/P95 per load level.
 
-    python -m loadtest.bench_gateway_overhead --out results/bench-cpu
+    python -m bench.cpu.gateway_overhead --out results/bench-cpu
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import aiohttp
 import numpy as np
 import psutil
 
-from loadtest.mixes import parse_count, parse_mix
-from loadtest.runner import RunConfig, Runner
-from loadtest.stats import percentiles
-from loadtest.textbuild import TextBuilder, load_tokenizer
-from loadtest.traffic import InputKind, RequestFactory
+from embedserve.loadtest.mixes import parse_count, parse_mix
+from embedserve.loadtest.runner import RunConfig, Runner
+from embedserve.loadtest.stats import percentiles
+from embedserve.loadtest.textbuild import TextBuilder, load_tokenizer
+from embedserve.loadtest.traffic import InputKind, RequestFactory
 
 MODES: dict[str, tuple[str, InputKind]] = {
     "engine (ids)": ("engine", "ids"),
@@ -165,7 +165,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_gateway_overhead",
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu.gateway_overhead",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gateway", default="http://127.0.0.1:8000")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write bench.json and bench.md here")
     a = ap.parse_args(argv)
     args = sys.argv[1:] if argv is None else argv
-    a.command = "python -m loadtest.bench_gateway_overhead " + " ".join(args)
+    a.command = "python -m bench.cpu.gateway_overhead " + " ".join(args)
     doc = asyncio.run(run(a))
     md = markdown(doc)
     print(md)

@@ -11,12 +11,15 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.engine_pool import EnginePool
-from gateway.postprocess import Matrix
+from embedserve.contracts.wire import Matrix
+
+#: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``).
+EmbedBatch = Callable[[list[list[int]]], Awaitable[Matrix]]
 
 
 @dataclass(slots=True)
@@ -39,20 +42,19 @@ class CoalescerStats:
     batches: int = 0
     inputs: int = 0
     dropped_abandoned: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class Coalescer:
     def __init__(
         self,
-        pool: EnginePool,
+        embed: EmbedBatch,
         *,
         token_budget: int,
         max_wait_s: float,
         max_concurrent_calls: int = 8,
         max_inputs_per_call: int = 256,
     ) -> None:
-        self._pool = pool
+        self._embed = embed
         self._budget = token_budget
         self._max_wait = max_wait_s
         self._max_inputs = max_inputs_per_call
@@ -147,7 +149,7 @@ class Coalescer:
         for item in batch:
             item.dispatched = start
         try:
-            vectors = await self._pool.embed([it.ids for it in batch])
+            vectors = await self._embed([it.ids for it in batch])
         except Exception as exc:
             for item in batch:
                 if not item.future.done():

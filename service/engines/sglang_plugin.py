@@ -1,13 +1,13 @@
 """SGLang plugin: CUDA cache clearing and allocator statistics inside each scheduler.
 
-Entry point ``embedserve = service.sglang_plugin:register`` in group ``sglang.srt.plugins``
+Entry point ``embedserve = embedserve.engines.sglang_plugin:register`` in group ``sglang.srt.plugins``
 (pyproject.toml). SGLang 0.5.17 calls ``sglang.srt.plugins.load_plugins()`` in the server
 process and again at the top of ``run_scheduler_process`` in every scheduler process; our
 ``register()`` adds two AFTER hooks with ``HookRegistry``:
 
 * ``Scheduler.process_batch_result``: runs once per forward batch, after its results
   (embeddings) have been handed on, in both the normal and the overlap event loop. We
-  count the batch, ask :class:`service.cache_policy.CachePolicy` whether to empty the
+  count the batch, ask :class:`embedserve.engines.cache_policy.CachePolicy` whether to empty the
   CUDA cache, do it (timed, synchronised), and publish statistics.
 * ``Scheduler.on_idle``: the loop's idle branch, so statistics stay fresh when no traffic
   comes.
@@ -15,7 +15,7 @@ process and again at the top of ``run_scheduler_process`` in every scheduler pro
 The model's memory lives in the scheduler process, so this is the only place where
 ``torch.cuda.memory_stats()`` sees it. Nothing here may break the scheduler: every hook
 body is wrapped, logs its first errors and carries on. Without CUDA it does nothing.
-The plugin is active only in engines launched by ``service.sglang_launch`` (which sets
+The plugin is active only in engines launched by ``embedserve.engines.sglang`` (which sets
 ``EMBEDSERVE_ENGINE__KIND=sglang``), not in an unrelated SGLang that happens to share the
 environment where embedserve is installed.
 
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.cache_policy import AllocatorSnapshot, CachePolicy
-from service.stats_file import EngineStats, write_stats
+from embedserve.contracts.stats import EngineStats, write_stats
+from embedserve.engines.cache_policy import AllocatorSnapshot, CachePolicy
 
 log = logging.getLogger("embedserve.sglang_plugin")
 
@@ -192,7 +192,7 @@ class Monitor:
             self.policy.reconfigure(_Rules(every, frag, unused, interval))
             log.info("cache-clear override removed: back to the configured policy")
             return
-        from service.settings import CacheClearSettings
+        from embedserve.config import CacheClearSettings
 
         rules = CacheClearSettings.model_validate_json(path.read_text())
         self.policy.reconfigure(rules)
@@ -224,7 +224,7 @@ def _get_monitor() -> Monitor | None:
             _disabled = True
             log.info("embedserve plugin: no CUDA in this process, statistics disabled")
             return None
-        from service.settings import Settings
+        from embedserve.config import Settings
 
         eng = Settings().engine
         _monitor = Monitor(
@@ -265,7 +265,7 @@ def after_idle(_result: Any, *_args: Any, **_kwargs: Any) -> None:
 
 def plugin_enabled() -> bool:
     try:
-        from service.settings import Settings
+        from embedserve.config import Settings
 
         return Settings().engine.kind == "sglang"
     except Exception:

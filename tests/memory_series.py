@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from health.forecast import ForecastParams, ResourceForecast, forecast_resource
-from health.history import Event, History, Sample
-from health.monitor import fit_start
-from health.report import advice
+from embedserve.contracts.memory import Advice
+from embedserve.health.forecast import ForecastParams, ResourceForecast, forecast_resource
+from embedserve.health.history import Event, History, Sample
+from embedserve.health.monitor import fit_start
+from embedserve.health.report import advice
 
 GiB = float(2**30)
 HOUR = 3600.0
@@ -96,5 +97,5 @@ def replay(
     return forecast_resource(resource, t, y, limit, "test", start, params, why)
 
 
-def verdict(f: ResourceForecast, warning: float = 6.0, critical: float = 1.0) -> dict:
+def verdict(f: ResourceForecast, warning: float = 6.0, critical: float = 1.0) -> Advice:
     return advice({f.resource: f}, warning, critical)

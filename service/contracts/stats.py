@@ -1,28 +1,32 @@
-"""The allocator-statistics channel between engine processes and the health probe.
+"""The engine statistics file: how an engine process tells the health sampler about the
+memory it owns.
 
-Engines own the memory (SGLang's scheduler subprocess, the CPU engine), the gateway
-process owns the probe; a JSON file per engine process in a shared folder connects them
-without a CUDA context or an RPC in the probe's path (docs/ARCHITECTURE.md).
+Engines own the memory (SGLang's scheduler subprocess, the CPU engine); the gateway
+process owns the probes. One JSON file per engine process, ``{stats_dir}/engine-{pid}.json``,
+replaced atomically, connects them without a CUDA context or an RPC in the probe's path.
+A file whose pid is gone is stale and skipped.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
 
-@dataclass
-class EngineStats:
-    """One engine process's memory figures; field names are the file's keys."""
+class EngineStats(BaseModel):
+    """One engine process's memory figures; the field names are the file's keys."""
 
-    pid: int = field(default_factory=os.getpid)
-    started_at: float = field(default_factory=time.time)
+    model_config = ConfigDict(extra="ignore")
+
+    pid: int = Field(default_factory=os.getpid)
+    started_at: float = Field(default_factory=time.time)
     time: float = 0.0
-    source: str = "cpu"
+    source: Literal["torch.cuda", "cpu"] = "cpu"
     device: int | None = None
     allocated_bytes: int = 0
     reserved_bytes: int = 0
@@ -37,6 +41,12 @@ class EngineStats:
     last_clear_freed_bytes: int = 0
     rss_bytes: int = 0
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def fragmentation(self) -> float | None:
+        """Inactive-split / reserved: the share of reserved memory empty_cache() cannot return."""
+        return self.inactive_split_bytes / self.reserved_bytes if self.reserved_bytes > 0 else None
+
 
 def stats_path(stats_dir: str | Path, pid: int) -> Path:
     return Path(stats_dir) / f"engine-{pid}.json"
@@ -50,7 +60,7 @@ def write_stats(stats_dir: str | Path, stats: EngineStats) -> None:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".engine-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(asdict(stats), fh)
+            fh.write(stats.model_dump_json())
         os.replace(tmp, stats_path(folder, stats.pid))
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -68,23 +78,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def read_all_stats(stats_dir: str | Path, check_pid: bool = True) -> list[EngineStats]:
-    """Live engines' latest figures; files of dead processes are skipped.
+    """Live engines' latest figures; unreadable files and dead processes are skipped.
 
     ``check_pid=False`` when the engines run in another PID namespace (another container).
     """
     folder = Path(stats_dir)
     if not folder.is_dir():
         return []
-    known = set(EngineStats.__dataclass_fields__)
     out: list[EngineStats] = []
     for path in sorted(folder.glob("engine-*.json")):
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError):
+            stats = EngineStats.model_validate_json(path.read_bytes())
+        except (OSError, ValidationError):
             continue
-        if not isinstance(raw, dict) or "pid" not in raw:
-            continue
-        if check_pid and not _pid_alive(int(raw["pid"])):
-            continue
-        out.append(EngineStats(**{k: v for k, v in raw.items() if k in known}))
+        if not check_pid or _pid_alive(stats.pid):
+            out.append(stats)
     return out

@@ -14,25 +14,14 @@ from collections.abc import Iterator
 import httpx
 import uvicorn
 
-from service.http_protocol import bounded_httptools
-from service.settings import Settings
-from service.supervisor import EngineStartError, LaunchSpec, ProcessSupervisor
+from embedserve.config import Settings
+from embedserve.engines.launch import engine_launch
+from embedserve.http_server import bounded_httptools
+from embedserve.model_info import ModelInfo
+from embedserve.nvml import gpu_count
+from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
 log = logging.getLogger(__name__)
-
-
-def gpu_present() -> bool:
-    """NVML, not torch: the gateway process must not create a CUDA context."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount()) > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
 
 
 def resolve_engine_kind(settings: Settings) -> str:
@@ -41,30 +30,15 @@ def resolve_engine_kind(settings: Settings) -> str:
         return kind
     if settings.engine.urls:
         return "external"
-    return "sglang" if importlib.util.find_spec("sglang") and gpu_present() else "cpu"
+    return "sglang" if importlib.util.find_spec("sglang") and gpu_count() > 0 else "cpu"
 
 
-def engine_launch(settings: Settings, kind: str, index: int) -> LaunchSpec:
-    """Local engine ``index`` listens on ``engine.port + index``; SGLang replicas get a GPU each."""
-    own = settings.for_replica(index)
-    if kind == "cpu":
-        env = {"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__PORT": str(own.engine.port)}
-        return LaunchSpec([sys.executable, "-m", "service.cpu_engine"], env)
-    from service.sglang_launch import build_launch
-
-    spec = build_launch(own)
-    env = dict(spec.env)
-    if settings.engine.replicas > 1:
-        env["CUDA_VISIBLE_DEVICES"] = str(index)
-    return LaunchSpec(list(spec.argv), env)
-
-
-async def warm_up(settings: Settings) -> None:
+async def warm_up(settings: Settings, info: ModelInfo) -> None:
     """One call at the largest batch the gateway will send, so an out-of-memory shows
     at boot rather than under the first burst of traffic."""
-    cap = settings.model.effective_max_seq_len()
+    cap = info.max_seq_len
     n = max(1, settings.engine.batch_token_budget // cap)
-    body = {"model": settings.model.served_name, "input": [[1] * cap for _ in range(n)]}
+    body = {"model": info.name, "input": [[1] * cap for _ in range(n)]}
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
         for url in settings.engine_urls():
             r = await client.post(url + "/v1/embeddings", json=body)
@@ -100,9 +74,10 @@ class _StackServer(uvicorn.Server):
 
 
 async def run_stack(settings: Settings) -> int:
-    from gateway.app import SupervisorView, create_app
+    from embedserve.gateway.app import SupervisorView, create_app
 
     kind = resolve_engine_kind(settings)
+    info = ModelInfo.load(settings.model)
     supervisors: list[ProcessSupervisor] = []
     if kind != "external":
         for index, url in enumerate(settings.engine_urls()):
@@ -129,7 +104,7 @@ async def run_stack(settings: Settings) -> int:
             detail="; ".join(f"{s.name} exited ({s.last_exit})" for s in dead),
         )
 
-    app = create_app(settings, supervisor=view if supervisors else None, engine_kind=kind)
+    app = create_app(settings, info, supervisor=view if supervisors else None, engine_kind=kind)
     g = settings.gateway
     server = _StackServer(
         uvicorn.Config(
@@ -148,7 +123,7 @@ async def run_stack(settings: Settings) -> int:
         try:
             if supervisors:
                 await asyncio.gather(*(s.wait_ready() for s in supervisors))
-                await warm_up(settings)
+                await warm_up(settings, info)
             while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
             print(_banner(settings), flush=True)
@@ -164,12 +139,11 @@ async def run_stack(settings: Settings) -> int:
         while True:
             await asyncio.sleep(min(5.0, hang_after / 4))
             now = time.monotonic()
-            for sup, engine in zip(supervisors, app.state.pool.engines, strict=True):
+            for index, (sup, engine) in enumerate(zip(supervisors, app.state.pool.engines, strict=True)):
                 stuck = engine.stuck_for_s(now)
                 if stuck is not None and stuck > hang_after:
                     sup.kill(f"a call has waited {stuck:.0f} s (limit {hang_after:.0f} s)")
-                    engine.inflight_since.clear()
-                    engine.stalled_since = None
+                    app.state.pool.forget_stuck(index)
 
     announcer = asyncio.create_task(announce())
     watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None

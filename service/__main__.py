@@ -1,0 +1,3 @@
+from embedserve.runtime.cli import main
+
+raise SystemExit(main())

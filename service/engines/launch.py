@@ -1,0 +1,36 @@
+"""How to start a local engine: its command line and the environment it adds."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from embedserve.config import Settings
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+    def env_lines(self) -> list[str]:
+        return [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+
+
+def engine_launch(settings: Settings, kind: str, index: int) -> LaunchSpec:
+    """Local engine ``index`` listens on ``engine.port + index``; SGLang replicas get a GPU each."""
+    own = settings.for_replica(index)
+    if kind == "cpu":
+        env = {"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__PORT": str(own.engine.port)}
+        return LaunchSpec([sys.executable, "-m", "embedserve.engines.cpu"], env)
+    from embedserve.engines.sglang import build_launch
+
+    spec = build_launch(own)
+    if settings.engine.replicas > 1:
+        return LaunchSpec(spec.argv, {**spec.env, "CUDA_VISIBLE_DEVICES": str(index)}, spec.notes)
+    return spec

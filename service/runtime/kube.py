@@ -1,0 +1,116 @@
+"""The two Kubernetes API calls the restart controller makes, as plain HTTPS with the
+service account's token (two calls do not justify a client library)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from embedserve.config import ControllerSettings
+
+log = logging.getLogger("embedserve.restart_controller")
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class EvictionBlocked(Exception):
+    """The API server refused the eviction (PDB would be violated): try next round."""
+
+
+class ServiceAccountToken(httpx.Auth):
+    """The projected token is rotated by the kubelet (hourly): read it for every request."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = f"Bearer {self.path.read_text().strip()}"
+        yield request
+
+
+class KubeApi:
+    """The two calls the controller needs, as plain HTTPS with a bearer token."""
+
+    def __init__(
+        self,
+        base_url: str,
+        namespace: str,
+        token: httpx.Auth | None,
+        verify: str | bool = True,
+        timeout_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            headers={"Accept": "application/json"},
+            auth=token,
+            verify=verify,
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    @classmethod
+    def in_cluster(cls, cfg: ControllerSettings) -> KubeApi:
+        """Service-account token, CA and namespace from the pod's mounted secret."""
+        token = ServiceAccountToken(SA_DIR / "token") if (SA_DIR / "token").exists() else None
+        namespace = cfg.namespace
+        if namespace is None and (SA_DIR / "namespace").exists():
+            namespace = (SA_DIR / "namespace").read_text().strip()
+        base = cfg.api_url
+        if base is None:
+            host = os.environ.get("KUBERNETES_SERVICE_HOST")  # set by the kubelet
+            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            if not host:
+                raise RuntimeError("not in a cluster: set EMBEDSERVE_CONTROLLER__API_URL")
+            base = f"https://{host}:{port}"
+        ca = SA_DIR / "ca.crt"
+        return cls(
+            base,
+            namespace or "default",
+            token,
+            verify=str(ca) if ca.exists() else True,
+            timeout_s=cfg.api_timeout_s,
+        )
+
+    async def list_pods(self, label_selector: str) -> list[dict[str, Any]]:
+        r = await self._client.get(
+            f"/api/v1/namespaces/{self.namespace}/pods",
+            params={"labelSelector": label_selector},
+        )
+        r.raise_for_status()
+        items = r.json().get("items", [])
+        return [i for i in items if isinstance(i, dict)]
+
+    async def evict(self, pod: str, dry_run: bool = False) -> None:
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": pod, "namespace": self.namespace},
+        }
+        if dry_run:
+            body["deleteOptions"] = {"dryRun": ["All"]}
+        r = await self._client.post(f"/api/v1/namespaces/{self.namespace}/pods/{pod}/eviction", json=body)
+        if r.status_code == 429:
+            raise EvictionBlocked(_message(r))
+        if r.status_code == 404:
+            log.info("pod %s is already gone", pod)
+            return
+        r.raise_for_status()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("message", r.text))
+    except ValueError:
+        return r.text
+
+
