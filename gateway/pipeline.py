@@ -22,6 +22,14 @@ from embedserve.gateway.vectors import shape_vectors
 from embedserve.model_info import ModelInfo
 
 
+TOKEN_IDS_REFUSED = (
+    "'input' holds token ids, but this server embeds text: ids made by another tokenizer would "
+    "give wrong vectors. LangChain's OpenAIEmbeddings sends tiktoken ids unless you pass "
+    "check_embedding_ctx_length=False; send the texts instead. Clients that tokenise with this "
+    "model's own tokenizer can send ids once the server sets EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS=true."
+)
+
+
 @dataclass
 class EmbeddingResult:
     body: dict[str, Any]
@@ -156,6 +164,8 @@ class EmbeddingPipeline:
                 inputs = await loop.run_in_executor(self.executor, self.tok.encode_texts, texts)
         else:
             assert id_batch is not None
+            if not self.s.accept_token_ids:
+                raise APIError(400, TOKEN_IDS_REFUSED, param="input", code="token_ids_not_accepted")
             if req.input_type == "query" or req.instruction is not None:
                 raise APIError(
                     400,

@@ -173,6 +173,12 @@ class GatewaySettings(BaseModel):
         "P50 on a busy 2-core box); 0 sends all to the threads",
     )
     normalize: bool = True
+    accept_token_ids: bool = Field(
+        False,
+        description="embed token-id input as this model's own ids. Off: ids are refused (400), "
+        "because ids from another tokenizer (LangChain's default sends tiktoken's) would give "
+        "wrong vectors with no error",
+    )
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_keys_file: str | None = None
     protect_health: bool = False

@@ -127,7 +127,10 @@ def minilm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
 
 @pytest.fixture(scope="session")
 def qwen_stack(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    stack = start_stack(tiny_qwen_dir, tmp_path_factory.mktemp("qwen-stack"))
+    # Accepts token ids (the MiniLM stack keeps the default, which refuses them): the load
+    # generator and the id tests tokenise with the model's own tokenizer.
+    env = {"EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS": "true"}
+    stack = start_stack(tiny_qwen_dir, tmp_path_factory.mktemp("qwen-stack"), env=env)
     yield stack
     stack.stop()
 

@@ -31,7 +31,7 @@ def served() -> Iterator[tuple[str, FakeEngine, Any]]:
     engine = FakeEngine(delay_s=2.5)  # slow: everything sent meanwhile queues behind the blockers
     settings = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
-        gateway={"request_timeout_s": 10.0, "batch_max_wait_ms": 0},
+        gateway={"request_timeout_s": 10.0, "batch_max_wait_ms": 0, "accept_token_ids": True},
         health={"sample_interval_s": 60},
         _env_file=None,
     )

@@ -4,12 +4,14 @@ against sentence-transformers (a reference nobody here wrote)."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from sentence_transformers import SentenceTransformer
+from tokenizers import Tokenizer
 
 from tests.conftest import MINILM_DIR, TINY_QWEN_MAX_SEQ, RunningStack
 
@@ -67,13 +69,23 @@ def test_float_and_base64_carry_the_same_vectors(minilm_stack: RunningStack) -> 
         np.testing.assert_allclose(decoded, np.array(fd["embedding"], dtype=np.float32), rtol=1e-6)
 
 
-def test_token_id_input_matches_text(minilm_stack: RunningStack, minilm_ref: SentenceTransformer) -> None:
-    ids = minilm_ref.tokenizer(TEXTS[0])["input_ids"]
-    c = client(minilm_stack)
-    by_ids = c.embeddings.create(model=minilm_stack.model_name, input=[ids, ids[:5]], encoding_format="float")
-    by_text = c.embeddings.create(model=minilm_stack.model_name, input=TEXTS[0], encoding_format="float")
+def test_token_id_input_matches_text_when_accepted(qwen_stack: RunningStack, tiny_qwen_dir: Path) -> None:
+    """A stack with ``accept_token_ids`` embeds the model's own ids as it embeds the text."""
+    ids = Tokenizer.from_file(str(tiny_qwen_dir / "tokenizer.json")).encode(TEXTS[0]).ids
+    c = client(qwen_stack)
+    by_ids = c.embeddings.create(model=qwen_stack.model_name, input=[ids, ids[:5]], encoding_format="float")
+    by_text = c.embeddings.create(model=qwen_stack.model_name, input=TEXTS[0], encoding_format="float")
     assert cos(np.array(by_ids.data[0].embedding), np.array(by_text.data[0].embedding)) > 0.99999
     assert by_ids.usage.prompt_tokens == len(ids) + 5
+
+
+def test_token_ids_are_refused_by_default(minilm_stack: RunningStack) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client(minilm_stack).embeddings.create(model=minilm_stack.model_name, input=[[101, 7592, 102]])
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert isinstance(body, dict) and body["code"] == "token_ids_not_accepted"
+    assert "check_embedding_ctx_length=False" in body["message"]
 
 
 def test_dimensions_keep_prefix_and_renormalise(minilm_stack: RunningStack) -> None:

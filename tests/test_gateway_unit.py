@@ -25,7 +25,7 @@ MODEL = "all-MiniLM-L6-v2"
 def make_client(engine: FakeEngine, **gateway: object) -> TestClient:
     settings = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
-        gateway={"request_timeout_s": 2.0, **gateway},
+        gateway={"request_timeout_s": 2.0, "accept_token_ids": True, **gateway},
         health={"sample_interval_s": 60},
         _env_file=None,
     )
@@ -260,3 +260,19 @@ def test_an_unexpected_error_is_a_500_in_the_envelope_and_the_next_request_works
         err = assert_error(post(c, {"model": MODEL, "input": "x"}), 500)
         assert "a bug" not in str(err)
         assert post(c, {"model": MODEL, "input": "x"}).status_code == 200
+
+
+def test_token_ids_are_refused_by_default(engine: FakeEngine) -> None:
+    """Ids from another tokenizer (LangChain's default sends tiktoken's) would give wrong
+    vectors with status 200: by default the gateway refuses ids and says how to fix it."""
+    with make_client(engine, accept_token_ids=False) as c:
+        wait_ready(c)
+        for ids in ([[15339, 1917]], [15339, 1917]):
+            r = c.post("/v1/embeddings", json={"model": MODEL, "input": ids})
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert err["code"] == "token_ids_not_accepted" and err["param"] == "input"
+            assert "check_embedding_ctx_length=False" in err["message"]
+            assert "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS" in err["message"]
+        assert engine.calls == []
+        assert c.post("/v1/embeddings", json={"model": MODEL, "input": "hello"}).status_code == 200
