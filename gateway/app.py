@@ -31,7 +31,7 @@ from embedserve.gateway.middleware import (
     RequestContextMiddleware,
     RouteFastPath,
 )
-from embedserve.gateway.pipeline import EmbeddingPipeline
+from embedserve.gateway.pipeline import EmbeddingPipeline, ServingGate
 from embedserve.gateway.routes import add_routes, embeddings_handler
 from embedserve.gateway.tokenize import ModelTokenizer
 from embedserve.health import EngineView, create_health
@@ -56,11 +56,13 @@ def load_api_keys(gw: GatewaySettings) -> list[str]:
     return keys
 
 
-def engine_view(pool: EnginePool, supervisor: Callable[[], SupervisorView] | None) -> EngineView:
+def engine_view(
+    pool: EnginePool, gate: ServingGate, supervisor: Callable[[], SupervisorView] | None
+) -> EngineView:
     """What the probes see: the pool's state, and the supervisor's where there is one."""
     sup = supervisor() if supervisor else None
     return EngineView(
-        ready=pool.any_ready,
+        ready=pool.any_ready and gate.is_open,
         alive=(sup.alive if sup else True) and pool.reachable(),
         started=pool.ever_ready,
         restarts=sup.restarts if sup else 0,
@@ -77,8 +79,10 @@ def create_app(
     supervisor: Callable[[], SupervisorView] | None = None,
     engine_client: EngineClient | None = None,
     engine_kind: str = "external",
+    starting: bool = False,
 ) -> FastAPI:
-    """``engine_client`` replaces the network to the engines (tests use a fake engine)."""
+    """``engine_client`` replaces the network to the engines (tests use a fake engine).
+    ``starting``: requests get 503 "warming up" until ``app.state.gate.open()``."""
     gw, eng = settings.gateway, settings.engine
     info = info or ModelInfo.load(settings.model)
     registry = CollectorRegistry()
@@ -95,9 +99,9 @@ def create_app(
     )
     coalescer = Coalescer(
         pool.embed,
-        token_budget=eng.batch_token_budget,
+        token_budget=settings.engine_call_tokens(engine_kind),
         max_wait_s=gw.batch_max_wait_ms / 1000,
-        max_concurrent_calls=gw.engine_calls_per_engine * len(pool.engines),
+        max_concurrent_calls=settings.engine_calls(engine_kind) * len(pool.engines),
         max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
@@ -109,12 +113,18 @@ def create_app(
         TokenAdmission(settings.tokens_in_flight_limit(engine_kind)),
         metrics,
         executor,
+        pool.tokens_per_s,
     )
+
+    if starting:
+        pipeline.gate.close("warming up")
 
     def process_pids() -> dict[str, int]:
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
 
-    health = create_health(settings, registry, lambda: engine_view(pool, supervisor), process_pids)
+    health = create_health(
+        settings, registry, lambda: engine_view(pool, pipeline.gate, supervisor), process_pids
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,6 +144,7 @@ def create_app(
     app.state.coalescer = coalescer
     app.state.metrics = metrics
     app.state.info = info
+    app.state.gate = pipeline.gate
     install_error_handlers(app)
     app.include_router(health.router)
     embeddings = embeddings_handler(pipeline, metrics)

@@ -2,7 +2,10 @@
 
 A call is dispatched as soon as a slot is free, so an idle engine adds no wait; while all
 slots are busy, inputs accumulate and leave together in the next call (optionally after a
-short, bounded ``max_wait``). Inputs whose request was abandoned are dropped before dispatch.
+short, bounded ``max_wait``). Requests take turns, one input each, so a request of a
+thousand inputs cannot make a one-input request wait behind all of them. Inputs whose
+request was abandoned (client gone, deadline passed) are never sent, and an engine call
+whose inputs were all abandoned is cancelled.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class CoalescerStats:
     batches: int = 0
     inputs: int = 0
     dropped_abandoned: int = 0
+    cancelled_calls: int = 0
 
 
 class Coalescer:
@@ -59,7 +63,8 @@ class Coalescer:
         self._max_wait = max_wait_s
         self._max_inputs = max_inputs_per_call
         self._slots = asyncio.Semaphore(max_concurrent_calls)
-        self._queue: deque[_Item] = deque()
+        self._turns: deque[deque[_Item]] = deque()  # one queue per request with inputs waiting
+        self._queued_inputs = 0
         self._queued_tokens = 0
         self._wakeup = asyncio.Event()
         self._inflight_calls = 0
@@ -69,7 +74,7 @@ class Coalescer:
 
     @property
     def queued_inputs(self) -> int:
-        return len(self._queue)
+        return self._queued_inputs
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="coalescer")
@@ -79,15 +84,17 @@ class Coalescer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for item in self._queue:
-            if not item.future.done():
-                item.future.cancel()
+        for queue in self._turns:
+            for item in queue:
+                if not item.future.done():
+                    item.future.cancel()
 
     async def embed(self, inputs: list[list[int]]) -> tuple[Matrix, StageTimes]:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         items = [_Item(ids, loop.create_future(), now) for ids in inputs]
-        self._queue.extend(items)
+        self._turns.append(deque(items))
+        self._queued_inputs += len(items)
         self._queued_tokens += sum(len(ids) for ids in inputs)
         self._wakeup.set()
         try:
@@ -106,28 +113,34 @@ class Coalescer:
         return np.stack(vectors), times
 
     def _take(self) -> list[_Item]:
+        """The next call's inputs: one from each waiting request in turn, within the budget."""
         batch: list[_Item] = []
         tokens = 0
-        while self._queue and len(batch) < self._max_inputs:
-            item = self._queue[0]
-            if item.future.done():  # abandoned by its client
-                self._queue.popleft()
-                self._queued_tokens -= len(item.ids)
-                self.stats.dropped_abandoned += 1
-                continue
-            if batch and tokens + len(item.ids) > self._budget:
+        while self._turns and len(batch) < self._max_inputs:
+            queue = self._turns[0]
+            item = queue[0]
+            abandoned = item.future.done()
+            if not abandoned and batch and tokens + len(item.ids) > self._budget:
                 break
-            self._queue.popleft()
+            queue.popleft()
+            self._queued_inputs -= 1
             self._queued_tokens -= len(item.ids)
-            tokens += len(item.ids)
-            batch.append(item)
+            if abandoned:
+                self.stats.dropped_abandoned += 1
+            else:
+                tokens += len(item.ids)
+                batch.append(item)
+            if not queue:
+                self._turns.popleft()
+            elif not abandoned:
+                self._turns.rotate(-1)  # this request's turn is over: to the back of the line
         return batch
 
     async def _run(self) -> None:
         while True:
             await self._slots.acquire()
             try:
-                while not self._queue:
+                while not self._turns:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 if self._inflight_calls and self._max_wait and self._queued_tokens < self._budget:
@@ -148,16 +161,29 @@ class Coalescer:
         start = time.monotonic()
         for item in batch:
             item.dispatched = start
+        call = asyncio.ensure_future(self._embed([it.ids for it in batch]))
+
+        def cancel_if_abandoned(_: object) -> None:
+            if not call.done() and all(it.future.done() for it in batch):
+                call.cancel()  # nobody waits for these vectors: free the engine
+
+        for item in batch:
+            item.future.add_done_callback(cancel_if_abandoned)
         try:
-            vectors = await self._embed([it.ids for it in batch])
-        except Exception as exc:
+            await asyncio.wait({call})
+        finally:
+            self._inflight_calls -= 1
+            self._slots.release()
+        if call.cancelled():
+            self.stats.cancelled_calls += 1
+            return
+        exc = call.exception()
+        if exc is not None:
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        finally:
-            self._inflight_calls -= 1
-            self._slots.release()
+        vectors = call.result()
         elapsed = time.monotonic() - start
         self.stats.batches += 1
         self.stats.inputs += len(batch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,6 @@ from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.gateway.vectors import shape_vectors
 from embedserve.model_info import ModelInfo
-
 
 TOKEN_IDS_REFUSED = (
     "'input' holds token ids, but this server embeds text: ids made by another tokenizer would "
@@ -49,38 +49,60 @@ def _as_batch(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
     return None, [list(x) for x in raw]
 
 
+class ServingGate:
+    """Closed while the stack starts: requests get an immediate 503 with Retry-After
+    instead of waiting behind the engines' start and warm-up."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.reason is None
+
+    def close(self, reason: str) -> None:
+        self.reason = reason
+
+    def open(self) -> None:
+        self.reason = None
+
+
 class EmbeddingPipeline:
     def __init__(
         self,
         settings: GatewaySettings,
-        card: ModelInfo,
+        info: ModelInfo,
         tokenizer: ModelTokenizer,
         coalescer: Coalescer,
         admission: TokenAdmission,
         metrics: GatewayMetrics,
         executor: Executor,
+        capacity: Callable[[], float | None] = lambda: None,
     ) -> None:
-        self.s = settings
-        self.card = card
-        self.tok = tokenizer
+        """``capacity``: the engines' measured tokens per second (None while unknown)."""
+        self.settings = settings
+        self.info = info
+        self.tokenizer = tokenizer
+        self.gate = ServingGate()
         self.coalescer = coalescer
         self.admission = admission
         self.metrics = metrics
         self.executor = executor
+        self.capacity = capacity
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
-        if not self.card.serves(req.model):
+        if not self.info.serves(req.model):
             raise APIError(
                 404,
-                f"The model '{req.model}' does not exist; this server has '{self.card.name}'",
+                f"The model '{req.model}' does not exist; this server has '{self.info.name}'",
                 param="model",
                 code="model_not_found",
             )
         if req.dimensions is not None:
-            allowed = self.card.matryoshka_dimensions
-            if not 1 <= req.dimensions <= self.card.dimension or (allowed and req.dimensions not in allowed):
-                span = f"one of {list(allowed)}" if allowed else f"1..{self.card.dimension}"
+            allowed = self.info.matryoshka_dimensions
+            if not 1 <= req.dimensions <= self.info.dimension or (allowed and req.dimensions not in allowed):
+                span = f"one of {list(allowed)}" if allowed else f"1..{self.info.dimension}"
                 raise APIError(
                     400,
                     f"'dimensions' must be {span}, got {req.dimensions}",
@@ -89,10 +111,10 @@ class EmbeddingPipeline:
                 )
 
     def _check_count(self, count: int) -> None:
-        if count > self.s.max_inputs:
+        if count > self.settings.max_inputs:
             raise APIError(
                 400,
-                f"'input' has {count} items; the limit is {self.s.max_inputs}",
+                f"'input' has {count} items; the limit is {self.settings.max_inputs}",
                 param="input",
                 code="too_many_inputs",
             )
@@ -102,17 +124,17 @@ class EmbeddingPipeline:
         for i, text in enumerate(texts):
             if not text.strip():
                 raise APIError(400, f"input[{i}] is empty", param="input", code="empty_input")
-            if len(text) > self.s.max_string_chars:
+            if len(text) > self.settings.max_string_chars:
                 raise APIError(
                     400,
-                    f"input[{i}] has {len(text)} characters; the limit is {self.s.max_string_chars}",
+                    f"input[{i}] has {len(text)} characters; the limit is {self.settings.max_string_chars}",
                     param="input",
                     code="input_too_long",
                 )
 
     def _check_ids(self, batch: list[list[int]]) -> None:
         self._check_count(len(batch))
-        vocab = self.tok.vocab_size
+        vocab = self.tokenizer.vocab_size
         for i, ids in enumerate(batch):
             if not ids:
                 raise APIError(400, f"input[{i}] is empty", param="input", code="empty_input")
@@ -136,35 +158,42 @@ class EmbeddingPipeline:
                     code="invalid_value",
                 )
             return texts
-        template = self.card.query_template
+        template = self.info.query_template
         if template is None:
             if req.instruction is not None:
                 raise APIError(
                     400,
-                    f"the model '{self.card.name}' takes no instructions",
+                    f"the model '{self.info.name}' takes no instructions",
                     param="instruction",
                     code="invalid_value",
                 )
             return texts
-        task = req.instruction or self.card.default_task
+        task = req.instruction or self.info.default_task
         return [template.format(task=task, text=t) for t in texts]
 
     # -- the pipeline ------------------------------------------------------------------
     async def run(self, req: EmbeddingRequest) -> EmbeddingResult:
+        if not self.gate.is_open:
+            raise APIError(
+                503,
+                f"The service is starting ({self.gate.reason}); retry shortly",
+                code="warming_up",
+                headers={"Retry-After": "2"},
+            )
         self._check_request(req)
         texts, id_batch = _as_batch(req.input)
         t0 = time.perf_counter()
         if texts is not None:
             self._check_texts(texts)
             texts = self._apply_instruction(req, texts)
-            if sum(map(len, texts)) <= self.s.inline_tokenize_chars:
-                inputs = self.tok.encode_texts(texts)
+            if sum(map(len, texts)) <= self.settings.inline_tokenize_chars:
+                inputs = self.tokenizer.encode_texts(texts)
             else:
                 loop = asyncio.get_running_loop()
-                inputs = await loop.run_in_executor(self.executor, self.tok.encode_texts, texts)
+                inputs = await loop.run_in_executor(self.executor, self.tokenizer.encode_texts, texts)
         else:
             assert id_batch is not None
-            if not self.s.accept_token_ids:
+            if not self.settings.accept_token_ids:
                 raise APIError(400, TOKEN_IDS_REFUSED, param="input", code="token_ids_not_accepted")
             if req.input_type == "query" or req.instruction is not None:
                 raise APIError(
@@ -174,17 +203,18 @@ class EmbeddingPipeline:
                     code="invalid_value",
                 )
             self._check_ids(id_batch)
-            inputs = [self.tok.frame_token_ids(ids) for ids in id_batch]
+            inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
         tokenize_s = time.perf_counter() - t0
         self._check_truncation(req, inputs)
         total = sum(len(x.ids) for x in inputs)
-        if total > self.s.max_tokens_per_request:
+        if total > self.settings.max_tokens_per_request:
             raise APIError(
                 400,
-                f"the request has {total} tokens; the limit is {self.s.max_tokens_per_request}",
+                f"the request has {total} tokens; the limit is {self.settings.max_tokens_per_request}",
                 param="input",
                 code="max_tokens_per_request",
             )
+        self._check_capacity(total)
         if not self.admission.try_acquire(total):
             self.metrics.rejected.labels("tokens_in_flight").inc()
             raise APIError(
@@ -195,7 +225,7 @@ class EmbeddingPipeline:
             )
         self.metrics.tokens_in_flight.set(self.admission.in_flight)
         try:
-            async with asyncio.timeout(self.s.request_timeout_s):
+            async with asyncio.timeout(self.settings.request_timeout_s):
                 vectors, times = await self.coalescer.embed([x.ids for x in inputs])
         except TimeoutError as exc:
             raise APIError(
@@ -210,8 +240,25 @@ class EmbeddingPipeline:
         finally:
             self.admission.release(total)
             self.metrics.tokens_in_flight.set(self.admission.in_flight)
-        vectors = shape_vectors(vectors, req.dimensions, self.s.normalize)
+        vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
+
+    def _check_capacity(self, total: int) -> None:
+        """Refuse at once what the engines could not embed before the deadline, rather
+        than compute it and answer 504 after the work was done."""
+        rate = self.capacity()
+        deadline = self.settings.request_timeout_s
+        if rate is None or total <= rate * deadline:
+            return
+        self.metrics.rejected.labels("capacity").inc()
+        raise APIError(
+            413,
+            f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s, "
+            f"so it would need about {total / rate:,.0f} s, longer than the {deadline:g} s deadline. "
+            f"Send at most {int(rate * deadline / 2):,} tokens per request.",
+            param="input",
+            code="request_exceeds_capacity",
+        )
 
     def _check_truncation(self, req: EmbeddingRequest, inputs: list[TokenizedInput]) -> None:
         cut = [i for i, x in enumerate(inputs) if x.truncated]
@@ -220,7 +267,7 @@ class EmbeddingPipeline:
             raise APIError(
                 400,
                 f"input[{i}] has {inputs[i].original_tokens} tokens; the "
-                f"limit is {self.tok.max_seq_len} (send truncate=true to cut it)",
+                f"limit is {self.tokenizer.max_seq_len} (send truncate=true to cut it)",
                 param="input",
                 code="context_length_exceeded",
             )

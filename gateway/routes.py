@@ -22,6 +22,7 @@ from embedserve.gateway.jsonbody import parse_object
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingPipeline
 from embedserve.gateway.schemas import EmbeddingRequest
+from embedserve.http_server import wait_disconnect
 from embedserve.model_info import ModelInfo
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -34,11 +35,6 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
         media_type="application/json",
         headers=headers,
     )
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> Handler:
@@ -70,7 +66,7 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
         except ValidationError as exc:
             raise validation_error(exc) from exc
         work = asyncio.ensure_future(pipeline.run(req))
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        watch = asyncio.ensure_future(wait_disconnect(request))
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client went away: drop its queued inputs, answer nobody
             work.cancel()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from embedserve.config import Settings
 from embedserve.health.sources.allocator import AllocatorReading, read_allocator
 from embedserve.health.sources.cgroup import CgroupReading, read_cgroup
 from embedserve.health.sources.nvml import GpuReading, NvmlSource
@@ -40,7 +40,7 @@ class Reading:
 
 @dataclass
 class SourceConfig:
-    stats_dir: str
+    stats_dir: str | None
     check_pid: bool = True
     gpu_limit_bytes: int | None = None
     host_limit_bytes: int | None = None
@@ -48,7 +48,7 @@ class SourceConfig:
     proc_cgroup: str = "/proc/self/cgroup"
 
     @classmethod
-    def from_settings(cls, settings: Any) -> SourceConfig:
+    def from_settings(cls, settings: Settings) -> SourceConfig:
         return cls(
             stats_dir=settings.engine.stats_dir,
             gpu_limit_bytes=settings.health.gpu_memory_limit_bytes,

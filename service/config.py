@@ -1,21 +1,25 @@
 """The one typed configuration object of the stack.
 
-Read once (``Settings()`` reads ``EMBEDSERVE_*`` environment variables and an optional
-``.env``), then passed down. Every module receives the section it needs; nothing reads
-the environment on its own. Nested fields use ``__``: ``EMBEDSERVE_ENGINE__PORT=30001``.
+Read once by ``load_settings`` (``EMBEDSERVE_*`` environment variables, an optional ``.env``
+and the command line's flags), then passed down; engine processes that ``up`` starts get
+the parent's resolved settings whole, as JSON in one variable. Nested fields use ``__``:
+``EMBEDSERVE_ENGINE__PORT=30001``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUNDLED_MODEL = "bundled:all-MiniLM-L6-v2"
+#: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
+CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
 
 
 def resolve_model_path(path: str) -> Path:
@@ -115,7 +119,12 @@ class EngineSettings(BaseModel):
         None, description="FlashInfer JIT cache; put it on a volume (cold start 250-290 s)"
     )
     cache_clear: CacheClearSettings = Field(default_factory=CacheClearSettings)
-    stats_dir: str = Field("/tmp/embedserve-stats", description="where engines publish allocator statistics")
+    stats_dir: str | None = Field(
+        None,
+        description="where engines publish allocator statistics for the health sampler; default: "
+        "a private folder per stack that `up` makes. Set it when engines run in another "
+        "container (both must mount it)",
+    )
     stats_interval_s: float = Field(1.0, gt=0)
     startup_timeout_s: float = Field(900.0, gt=0)
     health_check_interval_s: float = Field(2.0, gt=0, description="how often the gateway checks each engine")
@@ -149,13 +158,21 @@ class GatewaySettings(BaseModel):
     batch_max_wait_ms: float = Field(
         0.0, ge=0, description="extra wait for more inputs while all engine calls are busy"
     )
-    engine_calls_per_engine: int = Field(
-        4,
+    engine_calls_per_engine: int | None = Field(
+        None,
         ge=1,
-        description="coalesced calls in flight per engine; while all are busy, "
+        description="coalesced calls in flight per engine (default 4 for SGLang, 2 for the CPU "
+        "engine, which computes one at a time); while all are busy, "
         "inputs of concurrent requests gather into the next call",
     )
     max_inputs_per_engine_call: int = Field(256, ge=1)
+    max_tokens_per_engine_call: int | None = Field(
+        None,
+        ge=8,
+        description="one engine call's token budget, so other requests' inputs interleave with a "
+        "large request's. Default: engine.batch_token_budget for SGLang, 1,024 for the CPU "
+        "engine (about a second of its work)",
+    )
     max_tokens_in_flight: int | None = Field(
         None,
         ge=1,
@@ -263,6 +280,9 @@ class Settings(BaseSettings):
     health: HealthSettings = Field(default_factory=HealthSettings)
     controller: ControllerSettings = Field(default_factory=ControllerSettings)
     log_level: str = "INFO"
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto", description="auto: readable lines on a terminal, JSON lines otherwise"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -275,6 +295,16 @@ class Settings(BaseSettings):
             return self.gateway.max_tokens_in_flight
         return 32_768 if engine_kind == "cpu" else 262_144
 
+    def engine_calls(self, engine_kind: str) -> int:
+        if self.gateway.engine_calls_per_engine is not None:
+            return self.gateway.engine_calls_per_engine
+        return 2 if engine_kind == "cpu" else 4
+
+    def engine_call_tokens(self, engine_kind: str) -> int:
+        if self.gateway.max_tokens_per_engine_call is not None:
+            return self.gateway.max_tokens_per_engine_call
+        return 1024 if engine_kind == "cpu" else self.engine.batch_token_budget
+
     def hang_after_s(self) -> float:
         return self.health.hang_after_s or 4 * self.gateway.request_timeout_s
 
@@ -282,11 +312,27 @@ class Settings(BaseSettings):
         e = self.engine
         return e.urls or [f"http://{e.host}:{e.port + i}" for i in range(e.replicas)]
 
+    def with_engine(self, **changes: Any) -> Settings:
+        return self.model_copy(update={"engine": self.engine.model_copy(update=changes)})
+
     def for_replica(self, index: int) -> Settings:
         """The same settings as seen by local engine ``index`` (its own port)."""
-        engine = self.engine.model_copy(update={"port": self.engine.port + index, "replicas": 1})
-        return self.model_copy(update={"engine": engine})
+        return self.with_engine(port=self.engine.port + index, replicas=1)
+
+    def child_env(self) -> dict[str, str]:
+        """What an engine process needs to see exactly these settings (secrets stay hidden:
+        engines need none)."""
+        return {CHILD_SETTINGS_ENV: self.model_dump_json()}
 
     def redacted(self) -> dict[str, object]:
         """For logging: secrets stay hidden (SecretStr dumps as '**********')."""
         return json.loads(self.model_dump_json())
+
+
+def load_settings(overrides: dict[str, Any] | None = None) -> Settings:
+    """The settings of this process: a parent's, when it started this one (see
+    ``Settings.child_env``), else the environment and ``.env`` with ``overrides`` on top."""
+    inherited = os.environ.get(CHILD_SETTINGS_ENV)
+    if inherited:
+        return Settings.model_validate_json(inherited)
+    return Settings(**(overrides or {}))

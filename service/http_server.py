@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import uvicorn
+from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from embedserve.contracts.errors import error_body, head_too_large_message
@@ -55,3 +57,17 @@ def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
             self.transport.close()
 
     return BoundedHttpToolsProtocol
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn without its "running on" line: the stack prints its own URL once it can
+    answer, and an engine's port is no URL for a user."""
+
+    def _log_started_message(self, listeners: Any) -> None:
+        pass
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (read after the body: only a disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,5 +1,6 @@
-"""Structured logs: one JSON object per line, with the current request id when there is one.
-Request text is never logged here; callers pass only sizes and ids."""
+"""Structured logs: one JSON object per line (or, on a terminal, one readable line), with the
+current request id when there is one. Request text is never logged here; callers pass only
+sizes and ids."""
 
 from __future__ import annotations
 
@@ -33,9 +34,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup_logging(level: str = "INFO") -> None:
+class TextFormatter(JsonFormatter):
+    """``12:00:01 info  embedserve.x: message key=value ...`` for a person at a terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = json.loads(super().format(record))
+        head = time.strftime("%H:%M:%S", time.localtime(fields.pop("ts")))
+        level, name, msg = fields.pop("level"), fields.pop("logger"), fields.pop("msg")
+        exc = fields.pop("exc", None)
+        fields.pop("color_message", None)
+        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        line = f"{head} {level:<7} {name}: {msg}" + (f"  {extra}" if extra else "")
+        return line + (f"\n{exc}" if exc else "")
+
+
+def resolve_format(fmt: str) -> str:
+    """``auto``: readable lines on a terminal, JSON lines for log collectors."""
+    if fmt != "auto":
+        return fmt
+    return "text" if sys.stderr.isatty() else "json"
+
+
+def setup_logging(level: str = "INFO", fmt: str = "json") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(TextFormatter() if resolve_format(fmt) == "text" else JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -62,8 +62,13 @@ class RunningStack:
 
 
 def start_stack(
-    model: Path | str, workdir: Path, env: dict[str, str] | None = None, timeout: float = 240
+    model: Path | str,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 240,
+    wait: bool = True,
 ) -> RunningStack:
+    """``embedserve up`` in a subprocess; ``wait``: until it says it is up."""
     engine_port = free_port(consecutive=4)
     gw_port = free_port()
     while engine_port <= gw_port < engine_port + 4:
@@ -97,12 +102,14 @@ def start_stack(
         f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{engine_port}", proc, log_path, stats, name
     )
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while wait and time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"stack exited early:\n{stack.log_text()[-3000:]}")
         if "embedserve is up" in stack.log_text():
             return stack
         time.sleep(0.2)
+    if not wait:
+        return stack
     stack.stop()
     raise RuntimeError(f"stack not up after {timeout} s:\n{stack.log_text()[-3000:]}")
 

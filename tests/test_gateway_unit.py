@@ -25,7 +25,7 @@ MODEL = "all-MiniLM-L6-v2"
 def make_client(engine: FakeEngine, **gateway: object) -> TestClient:
     settings = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
-        gateway={"request_timeout_s": 2.0, "accept_token_ids": True, **gateway},
+        gateway={"request_timeout_s": 10.0, "accept_token_ids": True, **gateway},
         health={"sample_interval_s": 60},
         _env_file=None,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from embedserve.config import Settings
+from embedserve.config import CHILD_SETTINGS_ENV, Settings, load_settings
 from embedserve.engines import sglang as sglang_launch
 from embedserve.engines.sglang import (
     LaunchConfigError,
@@ -144,25 +144,22 @@ def test_extra_args_appended_last(model_dir: Path) -> None:
     assert argv[-2:] == ["--random-seed", "7"]
 
 
-def test_env_allocator_flashinfer_and_plugin_config(model_dir: Path, tmp_path: Path) -> None:
+def test_env_allocator_flashinfer_and_plugin_config(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = make(model_dir, flashinfer_cache_dir=str(tmp_path / "fi"), stats_dir="/run/es",
              stats_interval_s=2.0, cache_clear={"every_n_batches": 8, "fragmentation_ratio": None})
     env = build_launch(s).env
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "fi")
     assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / "fi"))
-    assert env["EMBEDSERVE_ENGINE__KIND"] == "sglang"
-    assert env["EMBEDSERVE_ENGINE__STATS_DIR"] == "/run/es"
-    # the scheduler process reads the same policy back with Settings()
-    child = dict(env)
-    for k, v in child.items():
-        os.environ[k] = v
-    try:
-        eng = Settings().engine
-    finally:
-        for k in child:
-            os.environ.pop(k, None)
+    # the scheduler process (our plugin) reads this launch's settings back whole
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__STATS_INTERVAL_S", "99")  # the parent's wins over this
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    eng = load_settings().engine
     assert eng.kind == "sglang"
+    assert eng.stats_dir == "/run/es"
     assert eng.stats_interval_s == 2.0
     assert eng.cache_clear.every_n_batches == 8
     assert eng.cache_clear.fragmentation_ratio is None
@@ -185,7 +182,7 @@ def test_dry_run_prints_exact_command(model_dir: Path, monkeypatch: pytest.Monke
     assert main(["--dry-run", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["argv"] == argv
-    assert data["env"]["EMBEDSERVE_ENGINE__KIND"] == "sglang"
+    assert json.loads(data["env"][CHILD_SETTINGS_ENV])["engine"]["kind"] == "sglang"
 
 
 def test_dry_run_reports_bad_config(model_dir: Path, monkeypatch: pytest.MonkeyPatch,

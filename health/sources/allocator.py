@@ -27,7 +27,9 @@ class AllocatorReading:
         return max(times) if times else None
 
 
-def read_allocator(stats_dir: str, check_pid: bool = True) -> AllocatorReading:
+def read_allocator(stats_dir: str | None, check_pid: bool = True) -> AllocatorReading:
+    if stats_dir is None:
+        return AllocatorReading(reason="engine.stats_dir is not set: no engine statistics")
     try:
         engines = read_all_stats(stats_dir, check_pid=check_pid)
     except OSError as exc:

@@ -25,10 +25,10 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from embedserve.config import Settings
+from embedserve.config import Settings, load_settings
 from embedserve.contracts import wire
-from embedserve.contracts.stats import EngineStats, write_stats
-from embedserve.http_server import bounded_httptools
+from embedserve.contracts.stats import EngineStats, stats_path, write_stats
+from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 def _error(status: int, message: str) -> Response:
     return Response(wire.error_body(status, message), status_code=status, media_type="application/json")
+
+
+class CallCancelled(Exception):
+    """The caller left before its call was computed."""
 
 
 class CpuEmbedder:
@@ -59,15 +63,19 @@ class CpuEmbedder:
             or self.model.get_sentence_embedding_dimension
         )
         self.dimension = int(dim_of() or 0)
+        self.vocab_size = int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
         self.lock = threading.Lock()
 
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
-        """Length-sorted micro-batches keep padding small; rows return in input order."""
+    def embed(self, batch: list[list[int]], cancelled: threading.Event | None = None) -> np.ndarray:
+        """Length-sorted micro-batches keep padding small; rows return in input order.
+        ``cancelled`` is checked before each micro-batch: a call whose caller left stops."""
         torch = self._torch
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
         out: np.ndarray | None = None
         start = 0
         while start < len(order):
+            if cancelled is not None and cancelled.is_set():
+                raise CallCancelled
             end = start + 1
             while end < len(order) and len(batch[order[end]]) * (end - start + 1) <= self.token_budget:
                 end += 1
@@ -95,28 +103,30 @@ def create_engine_app(settings: Settings) -> FastAPI:
     stats = EngineStats(source="cpu")
     proc = psutil.Process()
 
-    async def publish_stats() -> None:
+    async def publish_stats(stats_dir: str) -> None:
         while True:
             rss = proc.memory_info().rss
             stats.allocated_bytes = stats.reserved_bytes = stats.rss_bytes = rss
             stats.max_reserved_bytes = max(stats.max_reserved_bytes, rss)
             with contextlib.suppress(OSError):
-                write_stats(settings.engine.stats_dir, stats)
+                write_stats(stats_dir, stats)
             await asyncio.sleep(settings.engine.stats_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         state["embedder"] = await loop.run_in_executor(executor, CpuEmbedder, settings)
-        publisher = asyncio.create_task(publish_stats())
+        stats_dir = settings.engine.stats_dir
+        publisher = asyncio.create_task(publish_stats(stats_dir)) if stats_dir else None
         log.info("cpu engine ready", extra={"model": state["embedder"].path})
         try:
             yield
         finally:
-            publisher.cancel()
+            if publisher:
+                publisher.cancel()
             executor.shutdown(wait=False, cancel_futures=True)
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(settings.engine.stats_dir, f"engine-{os.getpid()}.json"))
+            if stats_dir:
+                stats_path(stats_dir, os.getpid()).unlink(missing_ok=True)
 
     app = FastAPI(title="embedserve cpu engine", lifespan=lifespan)
     name = settings.model.served_name
@@ -143,6 +153,9 @@ def create_engine_app(settings: Settings) -> FastAPI:
         batch = req.batch()
         if not batch or not all(batch):
             return _error(400, "input must be a non-empty list of non-empty token-id lists")
+        bad = next((t for ids in batch for t in ids if not 0 <= t < e.vocab_size), None)
+        if bad is not None:
+            return _error(400, f"token id {bad} is outside the vocabulary [0, {e.vocab_size})")
         context = e.max_seq_len + 1  # mirrors SGLang launched with --context-length cap+1
         for ids in batch:
             if len(ids) >= context:
@@ -151,8 +164,18 @@ def create_engine_app(settings: Settings) -> FastAPI:
                     f"The input ({len(ids)} tokens) is longer than the model's "
                     f"context length ({context} tokens).",
                 )
-        loop = asyncio.get_running_loop()
-        matrix = await loop.run_in_executor(executor, e.embed, batch)
+        cancelled = threading.Event()
+        job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled)
+        watch = asyncio.ensure_future(wait_disconnect(request))
+        racers: list[asyncio.Future[Any]] = [job, watch]
+        await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        if not job.done():  # the caller left: stop at the next micro-batch, answer nobody
+            cancelled.set()
+            with contextlib.suppress(CallCancelled):
+                await job
+            return Response(status_code=499)
+        watch.cancel()
+        matrix = job.result()
         stats.batches += 1
         tokens = sum(len(x) for x in batch)
         body = wire.encode_response(name, matrix, tokens, req.encoding_format == "base64")
@@ -170,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, help="default: engine.port from the config")
     ap.add_argument("--host", help="default: engine.host from the config")
     args = ap.parse_args(argv)
-    settings = Settings()
-    setup_logging(settings.log_level)
+    settings = load_settings()
+    setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    uvicorn.run(
+    config = uvicorn.Config(
         create_engine_app(settings),
         host=args.host or settings.engine.host,
         port=args.port or settings.engine.port,
@@ -182,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         # httptools is installed, so uvicorn's default would be its unbounded parser
         http=bounded_httptools(settings.gateway.max_head_bytes),
     )
+    QuietServer(config).run()
     return 0
 
 

@@ -22,11 +22,15 @@ class LaunchSpec:
         return [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
 
 
+#: Engines' progress bars would interleave with the stack's log lines.
+QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+
+
 def engine_launch(settings: Settings, kind: str, index: int) -> LaunchSpec:
     """Local engine ``index`` listens on ``engine.port + index``; SGLang replicas get a GPU each."""
-    own = settings.for_replica(index)
+    own = settings.for_replica(index).with_engine(kind=kind)
     if kind == "cpu":
-        env = {"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__PORT": str(own.engine.port)}
+        env = {"HF_HUB_OFFLINE": "1", **QUIET, **own.child_env()}
         return LaunchSpec([sys.executable, "-m", "embedserve.engines.cpu"], env)
     from embedserve.engines.sglang import build_launch
 

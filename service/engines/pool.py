@@ -17,6 +17,7 @@ from embedserve.contracts import wire
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
 from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
+from embedserve.engines.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineState:
     # start of the oldest call that timed out with no success since: a call gives up after
     # the deadline, so without this a hung engine would never look older than one deadline
     stalled_since: float | None = None
+    throughput: Throughput = field(default_factory=Throughput)
 
     def stuck_for_s(self, now: float) -> float | None:
         """How long the oldest unanswered (or timed-out, unrecovered) call has waited."""
@@ -135,6 +137,11 @@ class EnginePool:
             )
             for e in self.engines
         ]
+
+    def tokens_per_s(self) -> float | None:
+        """The ready engines' measured capacity together; ``None`` before any measurement."""
+        rates = [r for e in self.engines if e.ready and (r := e.throughput.tokens_per_s())]
+        return sum(rates) if rates else None
 
     def detail(self) -> str:
         states = (f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}" for e in self.engines)
@@ -212,9 +219,12 @@ class EnginePool:
         engine.outstanding_tokens += tokens
         engine.outstanding_calls += 1
         engine.inflight_since[call_id] = time.monotonic()
+        engine.throughput.started()
+        done = 0
         try:
             body = wire.encode_request(self._model, batch, self._base64)
             status, content = await self._client.post_json(f"{engine.url}/v1/embeddings", body)
+            done = tokens if status < 400 else 0
         except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
             raise EngineTimeout("the engine did not answer in time", engine.url) from exc
@@ -225,6 +235,7 @@ class EnginePool:
             engine.outstanding_tokens -= tokens
             engine.outstanding_calls -= 1
             engine.inflight_since.pop(call_id, None)
+            engine.throughput.finished(done)
         if status >= 500:
             self._mark_down(engine, f"engine answered {status}")
             raise EngineUnavailable(f"the engine failed ({status})", engine.url)

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from embedserve.config import Settings
+from embedserve.config import Settings, load_settings
 from embedserve.engines.launch import LaunchSpec
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_total_bytes
@@ -68,17 +68,12 @@ def mem_fraction(settings: Settings, total_bytes: int | None, notes: list[str]) 
 
 def engine_env(settings: Settings) -> dict[str, str]:
     """What the SGLang processes (and so our plugin in each scheduler) get on top of the
-    parent's environment. The plugin reads its policy with ``Settings()``; these variables
-    make sure it sees this launch's values even when ``settings`` was built in code."""
+    parent's environment: this launch's settings whole (the plugin activates only where
+    they say ``engine.kind`` is sglang, i.e. in engines started through this launcher)."""
     eng = settings.engine
     env = {
         "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF,
-        # the plugin activates only in engines started through this launcher
-        "EMBEDSERVE_ENGINE__KIND": "sglang",
-        "EMBEDSERVE_ENGINE__STATS_DIR": eng.stats_dir,
-        "EMBEDSERVE_ENGINE__STATS_INTERVAL_S": repr(eng.stats_interval_s),
-        "EMBEDSERVE_ENGINE__CACHE_CLEAR": eng.cache_clear.model_dump_json(),
-        "EMBEDSERVE_LOG_LEVEL": settings.log_level,
+        **settings.with_engine(kind="sglang").child_env(),
     }
     if eng.flashinfer_cache_dir:
         base = os.path.abspath(os.path.expanduser(eng.flashinfer_cache_dir))
@@ -154,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="with --dry-run: as JSON")
     args = ap.parse_args(argv)
     try:
-        spec = build_launch(Settings())
+        spec = build_launch(load_settings())
     except LaunchConfigError as exc:
         print(f"embedserve engine: {exc}", file=sys.stderr)
         return 2

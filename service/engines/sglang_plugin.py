@@ -93,7 +93,7 @@ class Monitor:
         self,
         backend: Any,
         policy: CachePolicy,
-        stats_dir: str,
+        stats_dir: str | None,
         stats_interval_s: float,
         clock: Any = time.monotonic,
         wall: Any = time.time,
@@ -167,7 +167,7 @@ class Monitor:
 
     def maybe_publish(self, force: bool = False) -> bool:
         now = self.clock()
-        if not force and now - self._last_write < self.stats_interval_s:
+        if self.stats_dir is None or (not force and now - self._last_write < self.stats_interval_s):
             return False
         self._last_write = now
         self._fill_stats(self.backend.memory_stats())
@@ -176,10 +176,11 @@ class Monitor:
 
     # --- runtime override ----------------------------------------------------------------
     def _maybe_reload_override(self, now: float) -> None:
-        if now - self._override_checked < 1.0:
+        stats_dir = self.stats_dir
+        if stats_dir is None or now - self._override_checked < 1.0:
             return
         self._override_checked = now
-        path = Path(self.stats_dir) / OVERRIDE_FILE
+        path = Path(stats_dir) / OVERRIDE_FILE
         try:
             mtime: float | None = path.stat().st_mtime
         except OSError:
@@ -224,9 +225,9 @@ def _get_monitor() -> Monitor | None:
             _disabled = True
             log.info("embedserve plugin: no CUDA in this process, statistics disabled")
             return None
-        from embedserve.config import Settings
+        from embedserve.config import load_settings
 
-        eng = Settings().engine
+        eng = load_settings().engine
         _monitor = Monitor(
             CudaBackend(), CachePolicy.from_settings(eng.cache_clear),
             eng.stats_dir, eng.stats_interval_s,
@@ -265,9 +266,9 @@ def after_idle(_result: Any, *_args: Any, **_kwargs: Any) -> None:
 
 def plugin_enabled() -> bool:
     try:
-        from embedserve.config import Settings
+        from embedserve.config import load_settings
 
-        return Settings().engine.kind == "sglang"
+        return load_settings().engine.kind == "sglang"
     except Exception:
         log.exception("embedserve plugin: settings unreadable; plugin off")
         return False

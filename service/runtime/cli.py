@@ -8,8 +8,8 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
 import sys
+from typing import Any
 
 _DELEGATED = {
     "engine": "embedserve.engines.sglang",
@@ -20,14 +20,15 @@ _DELEGATED = {
     "restart-controller": "embedserve.runtime.restart_controller",
 }
 
-_FLAGS = {  # flag -> environment variable
-    "model": "EMBEDSERVE_MODEL__PATH",
-    "model_name": "EMBEDSERVE_MODEL__NAME",
-    "max_seq_len": "EMBEDSERVE_MODEL__MAX_SEQ_LEN",
-    "engine_kind": "EMBEDSERVE_ENGINE__KIND",
-    "host": "EMBEDSERVE_GATEWAY__HOST",
-    "port": "EMBEDSERVE_GATEWAY__PORT",
-    "engine_port": "EMBEDSERVE_ENGINE__PORT",
+_FLAGS = {  # flag -> (section, field) of the settings it overrides
+    "model": ("model", "path"),
+    "model_name": ("model", "name"),
+    "max_seq_len": ("model", "max_seq_len"),
+    "engine_kind": ("engine", "kind"),
+    "engine_url": ("engine", "urls"),
+    "host": ("gateway", "host"),
+    "port": ("gateway", "port"),
+    "engine_port": ("engine", "port"),
 }
 
 
@@ -44,27 +45,26 @@ def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return ap
 
 
-def _apply_flags(args: argparse.Namespace) -> None:
-    for flag, env in _FLAGS.items():
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given, as settings on top of the environment's."""
+    out: dict[str, dict[str, Any]] = {}
+    for flag, (section, field) in _FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
-            os.environ[env] = str(value)
-    if getattr(args, "engine_url", None):
-        os.environ["EMBEDSERVE_ENGINE__URLS"] = json.dumps(args.engine_url)
-        os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", "external")
+            out.setdefault(section, {})[field] = value
+    return out
 
 
 def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None) -> int:
     args = _stack_parser(prog, doc).parse_args(argv)
-    _apply_flags(args)
-    if default_kind:
-        os.environ.setdefault("EMBEDSERVE_ENGINE__KIND", default_kind)
-    from embedserve.config import Settings
+    from embedserve.config import load_settings
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
 
-    settings = Settings()
-    setup_logging(settings.log_level)
+    settings = load_settings(_overrides(args))
+    if default_kind and settings.engine.kind == "auto":
+        settings = settings.with_engine(kind=default_kind)
+    setup_logging(settings.log_level, settings.log_format)
     return asyncio.run(run_stack(settings))
 
 
@@ -78,10 +78,9 @@ def _gateway(argv: list[str]) -> int:
 
 def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
-    _apply_flags(args)
-    from embedserve.config import Settings
+    from embedserve.config import load_settings
 
-    print(json.dumps(Settings().redacted(), indent=2))
+    print(json.dumps(load_settings(_overrides(args)).redacted(), indent=2))
     return 0
 
 

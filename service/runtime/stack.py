@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -16,9 +18,11 @@ import uvicorn
 
 from embedserve.config import Settings
 from embedserve.engines.launch import engine_launch
-from embedserve.http_server import bounded_httptools
+from embedserve.http_server import QuietServer, bounded_httptools
+from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_count
+from embedserve.runtime.ports import PortInUse, check_free, check_owner
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
 log = logging.getLogger(__name__)
@@ -33,17 +37,22 @@ def resolve_engine_kind(settings: Settings) -> str:
     return "sglang" if importlib.util.find_spec("sglang") and gpu_count() > 0 else "cpu"
 
 
-async def warm_up(settings: Settings, info: ModelInfo) -> None:
-    """One call at the largest batch the gateway will send, so an out-of-memory shows
-    at boot rather than under the first burst of traffic."""
+async def warm_up(settings: Settings, info: ModelInfo, kind: str) -> list[tuple[int, float]]:
+    """One call per engine at the largest batch the gateway will send, so an out-of-memory
+    shows at boot rather than under the first burst of traffic. Returns each call's tokens
+    and seconds: the engines' first measured capacity."""
     cap = info.max_seq_len
-    n = max(1, settings.engine.batch_token_budget // cap)
+    n = max(1, settings.engine_call_tokens(kind) // cap)
     body = {"model": info.name, "input": [[1] * cap for _ in range(n)]}
+    timings = []
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
         for url in settings.engine_urls():
+            t0 = time.monotonic()
             r = await client.post(url + "/v1/embeddings", json=body)
             if r.status_code != 200:
                 raise EngineStartError(f"warm-up of {url} failed: {r.status_code} {r.text[:300]}")
+            timings.append((n * cap, time.monotonic() - t0))
+    return timings
 
 
 def _banner(settings: Settings) -> str:
@@ -58,7 +67,7 @@ def _banner(settings: Settings) -> str:
     )
 
 
-class _StackServer(uvicorn.Server):
+class _StackServer(QuietServer):
     """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill this
     process before it stops the engines it started (they would be orphaned). Here the
     signal only starts the shutdown; ``run_stack`` then stops the engines and returns."""
@@ -73,26 +82,55 @@ class _StackServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+#: Engines that never became ready have nothing to drain: stop them at once.
+STARTING_ENGINE_GRACE_S = 2.0
+
+
+def check_ports(settings: Settings, local_engines: bool) -> None:
+    """Before anything starts: every port this stack will listen on is free."""
+    g, e = settings.gateway, settings.engine
+    check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
+    if local_engines:
+        for index in range(e.replicas):
+            check_free(e.host, e.port + index, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
+
+
 async def run_stack(settings: Settings) -> int:
+    """Exit status: 0 after a clean stop, 1 when an engine failed to start, 2 when a port is
+    taken (by another stack, or any other process)."""
+    try:
+        return await _run_stack(settings)
+    except PortInUse as exc:
+        log.error("port in use", extra={"error": str(exc)})
+        print(f"embedserve: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+async def _run_stack(settings: Settings) -> int:
     from embedserve.gateway.app import SupervisorView, create_app
 
     kind = resolve_engine_kind(settings)
     info = ModelInfo.load(settings.model)
-    supervisors: list[ProcessSupervisor] = []
-    if kind != "external":
-        for index, url in enumerate(settings.engine_urls()):
-            supervisors.append(
-                ProcessSupervisor(
-                    f"{kind}-{index}",
-                    engine_launch(settings, kind, index),
-                    url + "/health",
-                    startup_timeout_s=settings.engine.startup_timeout_s,
-                    backoff_s=settings.engine.restart_backoff_s,
-                    backoff_max_s=settings.engine.restart_backoff_max_s,
-                )
-            )
-        for sup in supervisors:
-            await sup.start()
+    local = kind != "external"
+    check_ports(settings, local)
+    private_stats = None
+    if local and settings.engine.stats_dir is None:  # two stacks on one host never mix stats
+        private_stats = tempfile.mkdtemp(prefix="embedserve-stats-")
+        settings = settings.with_engine(stats_dir=private_stats)
+    settings = settings.model_copy(update={"log_format": resolve_format(settings.log_format)})
+    supervisors = [
+        ProcessSupervisor(
+            f"{kind}-{index}",
+            engine_launch(settings, kind, index),
+            url + "/health",
+            startup_timeout_s=settings.engine.startup_timeout_s,
+            backoff_s=settings.engine.restart_backoff_s,
+            backoff_max_s=settings.engine.restart_backoff_max_s,
+        )
+        for index, url in enumerate(settings.engine_urls() if local else [])
+    ]
+    for sup in supervisors:
+        await sup.start()
 
     def view() -> SupervisorView:
         dead = [s for s in supervisors if not s.alive]
@@ -104,7 +142,9 @@ async def run_stack(settings: Settings) -> int:
             detail="; ".join(f"{s.name} exited ({s.last_exit})" for s in dead),
         )
 
-    app = create_app(settings, info, supervisor=view if supervisors else None, engine_kind=kind)
+    app = create_app(
+        settings, info, supervisor=view if supervisors else None, engine_kind=kind, starting=True
+    )
     g = settings.gateway
     server = _StackServer(
         uvicorn.Config(
@@ -118,18 +158,27 @@ async def run_stack(settings: Settings) -> int:
             http=bounded_httptools(g.max_head_bytes),
         )
     )
+    failure: list[BaseException] = []
 
     async def announce() -> None:
         try:
+            for index, sup in enumerate(supervisors):
+                await sup.wait_ready()
+                assert sup.pid is not None
+                check_owner(settings.engine.port + index, sup.pid, sup.name)
             if supervisors:
-                await asyncio.gather(*(s.wait_ready() for s in supervisors))
-                await warm_up(settings, info)
+                timings = await warm_up(settings, info, kind)
+                for engine, (tokens, seconds) in zip(app.state.pool.engines, timings, strict=True):
+                    engine.throughput.record(tokens, seconds)
             while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
+            app.state.gate.open()
             print(_banner(settings), flush=True)
-        except EngineStartError as exc:
-            log.error("engine did not start", extra={"error": str(exc)})
-            print(f"embedserve: the engine did not start:\n{exc}", file=sys.stderr, flush=True)
+        except (EngineStartError, PortInUse) as exc:
+            failure.append(exc)
+            if isinstance(exc, EngineStartError):
+                log.error("engine did not start", extra={"error": str(exc)})
+                print(f"embedserve: the engine did not start:\n{exc}", file=sys.stderr, flush=True)
             server.should_exit = True
 
     async def restart_hung_engines() -> None:
@@ -155,5 +204,11 @@ async def run_stack(settings: Settings) -> int:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await asyncio.gather(*(s.stop(settings.gateway.graceful_shutdown_s) for s in supervisors))
-    return 1 if any(s.failed for s in supervisors) else 0
+        await asyncio.gather(
+            *(s.stop(g.graceful_shutdown_s if s.ready_once else STARTING_ENGINE_GRACE_S) for s in supervisors)
+        )
+        if private_stats:
+            shutil.rmtree(private_stats, ignore_errors=True)
+    if any(isinstance(f, PortInUse) for f in failure):
+        raise failure[0]
+    return 1 if failure or any(s.failed for s in supervisors) else 0

@@ -1,0 +1,55 @@
+"""A stack talks only to engines it started: ports are checked before anything starts, and
+the engine that answers on a port must be the process ``up`` launched."""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+
+
+class PortInUse(Exception):
+    """Another process listens where this stack must; ``up`` exits 2 with this sentence."""
+
+
+def check_free(host: str, port: int, what: str, flag: str, variable: str) -> None:
+    """Raise ``PortInUse`` when something already listens on ``host:port``."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(
+                f"{what} port {port} on {host} is already in use ({exc.strerror}); "
+                f"choose another with {flag} or {variable}"
+            ) from exc
+
+
+def listener_pids(port: int) -> set[int | None]:
+    """Processes listening on ``port`` (None for one this user may not inspect)."""
+    return {
+        c.pid
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+    }
+
+
+def family(pid: int) -> set[int]:
+    """The process and all its descendants (SGLang serves HTTP from a child)."""
+    try:
+        proc = psutil.Process(pid)
+        return {pid, *(c.pid for c in proc.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def check_owner(port: int, pid: int, name: str) -> None:
+    """Raise ``PortInUse`` unless the process listening on ``port`` is ``pid`` or its child."""
+    listeners = listener_pids(port)
+    if listeners & family(pid):
+        return
+    who = ", ".join(f"pid {p}" if p else "another user's process" for p in listeners) or "nobody"
+    raise PortInUse(
+        f"engine port {port} answers, but not from the engine embedserve started ({name}, pid {pid}; "
+        f"listening: {who}); choose another port with --engine-port or EMBEDSERVE_ENGINE__PORT"
+    )
