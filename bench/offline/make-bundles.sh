@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# (Copied from ../shared/gpu-lab/make-bundles.sh; b2 also carries embedserve's own deps.)
-# Builds wheel bundles that bring SGLang 0.5.17 + FlashInfer 0.6.15 onto an
-# offline GPU host whose Python 3.12 already has torch 2.11.0+cu130 (and
-# numpy, triton, safetensors, aiohttp, psutil, requests, ...). Each bundle
-# stays under 60 MiB so that it can be moved in one transfer of at most 64 MiB.
-# Usage: make-bundles.sh OUT_DIR     (needs a package index; run on the dev box)
+# Builds wheel bundles that bring SGLang 0.5.17 + FlashInfer 0.6.15 (b1-b3), embedserve itself
+# (b2) and the Infinity peer (b4) onto a GPU host with no package index whose Python 3.12
+# already has torch 2.11.0+cu130 (and numpy, triton, safetensors, aiohttp, psutil, requests,
+# scipy, scikit-learn, ...). Each bundle stays under 60 MiB, so that one bundle fits a
+# transfer of at most 64 MiB. Stage them on the host with stage.sh (b4 into its own folder).
+# Usage: bench/offline/make-bundles.sh OUT_DIR     (on a machine that reaches a package index)
 set -euo pipefail
 OUT=${1:?usage: make-bundles.sh OUT_DIR}
-mkdir -p "$OUT"/{b1,b2,b3}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUT"/{b1,b2,b3,b4}
 TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -28,12 +30,14 @@ dl "$TMP" sglang-kernel==0.4.5
   && tar czf "$OUT/b1/sgl_kernel_sm90.tgz" . )
 
 # b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
-# and what embedserve itself needs beyond b1 and the host (pydantic-settings, python-dotenv,
-# httptools)
+# what embedserve needs beyond b1 and the host, and embedserve's own wheel (its SGLang
+# plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
 dl "$OUT/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
   pydantic-settings python-dotenv httptools==0.9.0
+rm -f "$OUT"/b2/embedserve-*.whl
+pip wheel -q --no-deps -w "$OUT/b2" "$ROOT"
 
-# b3: transformers pinned to what SGLang 0.5.17 expects (the host's 5.17 clashes on
+# b3: transformers pinned to what SGLang 0.5.17 expects (transformers 5.17 clashes on
 # 'qwen3_asr'), and the remaining modules SGLang imports at start-up
 dl "$OUT/b3" transformers==5.12.1 tokenizers==0.22.2 \
   ipython traitlets decorator matplotlib-inline jedi parso prompt-toolkit wcwidth pexpect \
@@ -44,7 +48,16 @@ dl "$OUT/b3" transformers==5.12.1 tokenizers==0.22.2 \
   opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common \
   opentelemetry-proto importlib-metadata googleapis-common-protos \
   jsonschema jsonschema-specifications referencing rpds-py
-rm -rf "$TMP"
+
+# b4: Infinity 0.0.78, the peer, for a folder of its own (stage.sh b4 /tmp/site-infinity,
+# then PYTHONPATH=/tmp/site-infinity:/tmp/site): transformers 5.x breaks it
+# ("TokenizersBackend has no attribute batch_encode_plus"); FastAPI and pydantic come from b1.
+dl "$OUT/b4" infinity-emb==0.0.78 transformers==4.57.3 sentence-transformers==5.1.2 \
+  tokenizers==0.22.2 huggingface-hub==0.36.0 hf-xet opentelemetry-api importlib-metadata zipp \
+  'click<8.2' 'typer>=0.12.5,<0.13' 'rich>=13,<14' markdown-it-py mdurl pygments shellingham \
+  posthog backoff six python-dateutil prometheus-fastapi-instrumentator
+echo infinity > "$OUT/b4/SITE_SUFFIX"
+
 du -sh "$OUT"/b*
 for b in "$OUT"/b*; do
   s=$(du -sm "$b" | cut -f1); [ "$s" -lt 60 ] || { echo "bundle $b is ${s} MiB (limit 60)"; exit 1; }
