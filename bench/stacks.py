@@ -107,14 +107,17 @@ def start_infinity(host: Host, tag: str, shape: str, port: int) -> dict[str, Any
 
 
 def wait_ready(host: Host, tag: str, path: str, port: int, budget_end: float,
-               banner: str | None = None) -> float:
+               banner: str | None = None, limit_s: float = 900.0) -> float:
     """Seconds from start until ``path`` answers 200 (and ``banner`` is in the log: `up` prints
     it once every engine is ready; its gateway's readiness passes with one of several)."""
     info = host.work.state["procs"][tag]
     log = Path(info["log"])
+    give_up = info["started_at"] + limit_s
     while True:
         if not alive(info["pid"]):
             raise RuntimeError(f"{tag} exited:\n{log_tail(log, 2500)}")
+        if time.time() > give_up:
+            raise RuntimeError(f"{tag} not ready {limit_s:.0f} s after its start:\n{log_tail(log, 2500)}")
         if time.time() > budget_end:
             raise TimeoutError(f"{tag} not ready yet")
         ok = banner is None or banner in log_tail(log, 200_000)

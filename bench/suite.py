@@ -61,7 +61,7 @@ def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = 
         procs[shape] = subprocess.Popen(argv, env=child_env(), stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True)
     for shape, proc in procs.items():
-        output, _ = proc.communicate(timeout=max(30.0, budget_end - time.time()))
+        output, _ = proc.communicate(timeout=max(30.0, min(budget_end - time.time(), 1800.0)))
         if proc.returncode:
             raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
     return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs)}
