@@ -10,7 +10,6 @@ import subprocess
 import sys
 from typing import Any
 
-import results_md
 import stacks
 from loadgen import Load, Target
 from scenarios import ENGINE_PORTS, Case, alternate, engine_memory
@@ -36,34 +35,42 @@ def infinity_importable(host: Host) -> str | None:
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:300]
 
 
-def step_infinity(host: Host, budget_end: float, shape: str = "4b") -> dict[str, Any]:
+PEER_PARTS = {1: ("short, 1 input/request", "short, 32 inputs/request"),
+              2: ("~1,000 words", "one in flight")}  # one step each; Infinity stays up between
+
+
+def step_infinity(host: Host, budget_end: float, shape: str = "4b", part: int = 1) -> dict[str, Any]:
     """Infinity and embedserve's gateway (in front of the main raw engine), alternating, same
-    seeds so the same texts; Infinity's own tokenizer counts its tokens, so both columns count
-    tokens with the same tokenizer on the client side."""
+    seeds so the same texts; the load generator counts tokens with the model's tokenizer for
+    both."""
     why = infinity_importable(host)
     if why:
         return {"skipped": f"Infinity not importable from {host.infinity_site}: {why}"}
     gw = stacks.start_gateway(host, "gateway-peers", shape, GATEWAY_PORT, [ENGINE_PORTS[shape]])
-    stacks.start_infinity(host, "infinity", shape, INFINITY_PORT)
+    if "infinity" not in host.work.state["procs"]:
+        stacks.start_infinity(host, "infinity", shape, INFINITY_PORT)
+    last = part == max(PEER_PARTS)
+    out: dict[str, Any] = {}
     try:
         stacks.wait_ready(host, "gateway-peers", "/health/ready", GATEWAY_PORT, budget_end)
-        ready = stacks.wait_ready(host, "infinity", "/health", INFINITY_PORT, budget_end)
-        memory = engine_memory(host, [f"engine-{shape}", "infinity"])
+        out["ready_s"] = stacks.wait_ready(host, "infinity", "/health", INFINITY_PORT, budget_end)
+        out["gpu_gb_idle"] = engine_memory(host, [f"engine-{shape}", "infinity"])
         sides = [("embedserve", stacks.gateway_target(host, shape, GATEWAY_PORT, [ENGINE_PORTS[shape]],
                                                       gw["pid"])),
                  ("infinity", Target(f"http://127.0.0.1:{INFINITY_PORT}/embeddings", host.model(shape),
                                      raw=False, cap=host.cap))]
         warm = Case("warm-up", Load("uniform:16-512", 32, seconds=8, warmup=0))
-        alternate(host, sides, warm, "peers-warm", 400)
-        rows = []
+        alternate(host, sides, warm, f"peers-warm-{part}", 400)
+        out["rows"] = []
         for i, case in enumerate(PEER_CASES):
-            rows += alternate(host, sides, case, "peers", 410 + 10 * i, tags={"shape": shape})
-        memory_after = engine_memory(host, [f"engine-{shape}", "infinity"])
+            if case.name in PEER_PARTS[part]:
+                out["rows"] += alternate(host, sides, case, "peers", 410 + 10 * i, tags={"shape": shape})
+        out["gpu_gb_after"] = engine_memory(host, [f"engine-{shape}", "infinity"])
     finally:
-        host.work.stop("infinity", 60)
         host.work.stop("gateway-peers", 30)
-    return {"infinity_ready_s": ready, "gpu_gb_idle": memory, "gpu_gb_after": memory_after, "rows": rows,
-            "comparison": results_md.side_by_side(rows, "embedserve", "infinity")}
+        if last:
+            host.work.stop("infinity", 60)
+    return out
 
 
 def step_vllm(host: Host, budget_end: float) -> dict[str, Any]:

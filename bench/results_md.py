@@ -110,12 +110,20 @@ def every_run(rows: list[dict[str, Any]]) -> list[str]:
     return ["<details><summary>every run</summary>", "", *table(rows, RUN_COLS), "", "</details>", ""]
 
 
-def comparison_section(title: str, step: dict[str, Any]) -> list[str]:
-    cmp = step.get("comparison") or []
-    if not cmp:
+def comparison_section(title: str, rows: list[dict[str, Any]], base: str, alt: str) -> list[str]:
+    if not rows:
         return []
-    base, alt = cmp[0]["base"], cmp[0]["alt"]
-    return [f"## {title}", "", *table(cmp, comparison_cols(base, alt)), "", *every_run(step["rows"])]
+    cmp = side_by_side(rows, base, alt)
+    return [f"## {title}", "", *table(cmp, comparison_cols(base, alt)), "", *every_run(rows)]
+
+
+def rows_of(steps: dict[str, Any], prefix: str, key: str = "rows") -> list[dict[str, Any]]:
+    """The rows of every step whose name starts with ``prefix`` (a scenario split in parts)."""
+    return [r for name, s in steps.items() if name.startswith(prefix) for r in s.get(key) or []]
+
+
+def first_of(steps: dict[str, Any], prefix: str, key: str) -> Any:
+    return next((s[key] for name, s in steps.items() if name.startswith(prefix) and s.get(key)), None)
 
 
 def header(res: dict[str, Any]) -> list[str]:
@@ -137,32 +145,41 @@ def render(res: dict[str, Any]) -> str:
     """results.md of one run of the suite."""
     st = res.get("steps", {})
     md = header(res)
-    ready = [f"- {name}: ready after {s['ready_s']} s" for name, s in st.items() if s.get("ready_s")]
+    ready = [f"- {name}: ready after {s['ready_s']} s" for name, s in st.items()
+             if s.get("ready_s") and isinstance(s["ready_s"], int | float)]
+    ready += [f"- {name}: {k.removeprefix('ready_s_')} engine ready after {v} s" for name, s in st.items()
+              for k, v in s.items() if k.startswith("ready_s_")]
     if ready:
         md += [*ready, ""]
     for shape in ("4b", "0.6b"):
-        s = st.get(f"raw-vs-gateway-{shape}", {})
-        if vc := s.get("vector_check"):
+        prefix = f"raw-vs-gateway-{shape}"
+        if vc := first_of(st, prefix, "vector_check"):
             md += [f"Vectors, the same token ids ({fmt(vc.get('tokens'))} tokens) each alone through the "
                    f"gateway and straight to SGLang: cosine {fmt(vc.get('cosines'))} "
                    f"({'ok' if vc.get('ok') else 'MISMATCH ' + str(vc.get('error', ''))}).", ""]
-        md += comparison_section(f"Raw SGLang (token ids) vs the gateway (texts), {shape}", s)
-        if s.get("crosscheck"):
+        rows = rows_of(st, prefix)
+        md += comparison_section(f"Raw SGLang (token ids) vs the gateway (texts), {shape}", rows,
+                                 "raw", "gateway")
+        if cross := rows_of(st, prefix, "crosscheck_rows"):
             md += [f"Cross-check with bench/crosscheck.py (an independent client), {shape}:", "",
-                   *table(s["crosscheck"], [("case", "case"), ("side", "side"),
-                                            ("loadtest_tok_s", "loadtest tok/s"),
-                                            ("crosscheck_tok_s", "crosscheck tok/s"),
-                                            ("deviation", "deviation"), ("agree", "within 5%")]), ""]
+                   *table(crosscheck_agreement(rows, cross),
+                          [("case", "case"), ("side", "side"), ("loadtest_tok_s", "loadtest tok/s"),
+                           ("crosscheck_tok_s", "crosscheck tok/s"), ("deviation", "deviation"),
+                           ("agree", "within 5%")]), ""]
     kv = st.get("kv-pool", {})
-    md += comparison_section("KV pool: 65,536 vs 16,384 tokens (4B, raw token ids)", kv)
-    if kv.get("engine_gpu_gb_idle"):
+    if kv.get("rows"):
+        md += comparison_section("KV pool: 65,536 vs 16,384 tokens (4B, raw token ids)", kv["rows"],
+                                 *kv["sides"])
         md += [f"Engine GPU memory (its processes, NVML): idle {fmt_dict(kv['engine_gpu_gb_idle'])}; "
                f"after the runs {fmt_dict(kv.get('engine_gpu_gb_after', {}))}.", ""]
-    md += comparison_section("Radix (prefix) cache on vs off (4B, through the gateway)", st.get("radix", {}))
-    inf = st.get("peers-infinity", {})
-    md += comparison_section("Peers on the same GPU: embedserve vs Infinity 0.0.78 (same texts)", inf)
-    if inf.get("gpu_gb_after"):
-        md += [f"GPU memory of each server's processes after the runs: {fmt_dict(inf['gpu_gb_after'])}.", ""]
+    radix = st.get("radix", {})
+    if radix.get("rows"):
+        md += comparison_section("Radix (prefix) cache on vs off (4B, through the gateway)", radix["rows"],
+                                 *radix["sides"])
+    md += comparison_section("Peers on the same GPU: embedserve vs Infinity 0.0.78 (same texts)",
+                             rows_of(st, "peers-infinity"), "embedserve", "infinity")
+    if after := first_of(dict(reversed(list(st.items()))), "peers-infinity", "gpu_gb_after"):
+        md += [f"GPU memory of each server's processes after the runs: {fmt_dict(after)}.", ""]
     cap = st.get("soak-capacity", {})
     if cap.get("row"):
         r = cap["row"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import results_md
 import stacks
 from gpu_memory import gpu_used_gb
 from loadgen import Load, measure
@@ -66,7 +65,3 @@ def step_scale_load(host: Host, budget_end: float, replicas: int = 1) -> dict[st
 def step_down(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
     return {"clean": host.work.stop(f"up-{replicas}", 120)}
 
-
-def summary(steps: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = [r for n in (1, 2) for r in steps.get(f"scale-load-{n}", {}).get("rows", [])]
-    return results_md.scale_summary(rows)

@@ -9,7 +9,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import results_md
 import stacks
 from gpu_memory import group_used_gb
 from loadgen import INPUT_TYPE_FLAGS, Load, Target, measure, supported
@@ -104,35 +103,40 @@ def alternate(host: Host, sides: list[tuple[str, Target]], case: Case, prefix: s
     return rows
 
 
-def step_raw_vs_gateway(host: Host, budget_end: float, shape: str = "4b") -> dict[str, Any]:
-    """Raw SGLang (token ids) against the gateway in front of it (texts of the same token
-    counts), alternating, per case; on the 4B, headline rows again with crosscheck.py."""
+RAW_VS_GATEWAY_PARTS = {1: ("short", "seed mix"), 2: ("seed mix, 1-16 inputs", "medium", "long"),
+                        3: ("one in flight",)}  # one step each, so each fits a 10-minute slice
+
+
+def step_raw_vs_gateway(host: Host, budget_end: float, shape: str = "4b", part: int = 1) -> dict[str, Any]:
+    """Raw SGLang (token ids) against a gateway in front of it (texts of the same token
+    counts), alternating, for this part's cases. Part 1 first checks that the gateway's hop
+    leaves vectors alone; part 3 on the 4B repeats the headline cases with crosscheck.py."""
     port, gw_port = ENGINE_PORTS[shape], GATEWAY_PORTS[shape]
     tag = f"gateway-{shape}"
     info = stacks.start_gateway(host, tag, shape, gw_port, [port])
+    out: dict[str, Any] = {"shape": shape}
     try:
         stacks.wait_ready(host, tag, "/health/ready", gw_port, budget_end)
         raw = stacks.raw_target(host, shape, port)
         gateway = stacks.gateway_target(host, shape, gw_port, [port], info["pid"])
-        check = vector_check(raw, gateway)
-        host.work.note(f"vectors {shape}, gateway vs raw: {check}")
+        sides = [("raw", raw), ("gateway", gateway)]
+        if part == 1:
+            out["vector_check"] = vector_check(raw, gateway)
+            host.work.note(f"vectors {shape}, gateway vs raw: {out['vector_check']}")
         warm = Case("warm-up", Load("uniform:16-512", 64, seconds=8, warmup=0))
-        alternate(host, [("raw", raw), ("gateway", gateway)], warm, f"warm-{shape}", 90)
-        rows: list[dict[str, Any]] = []
+        alternate(host, sides, warm, f"warm-{shape}-{part}", 90)
+        out["rows"] = []
         for i, case in enumerate(RAW_VS_GATEWAY):
-            rows += alternate(host, [("raw", raw), ("gateway", gateway)], case, shape, 20 + 10 * i,
-                              tags={"shape": shape})
-        cross: list[dict[str, Any]] = []
-        if shape == "4b":
-            for case in (c for c in RAW_VS_GATEWAY if c.name in CROSSCHECKED):
-                one = Case(case.name, case.load, rounds=1)
-                cross += alternate(host, [("raw", raw), ("gateway", gateway)], one, f"cross-{shape}", 70,
-                                   tags={"shape": shape}, client="crosscheck")
+            if case.name in RAW_VS_GATEWAY_PARTS[part]:
+                out["rows"] += alternate(host, sides, case, shape, 20 + 10 * i, tags={"shape": shape})
+        if shape == "4b" and part == max(RAW_VS_GATEWAY_PARTS):
+            out["crosscheck_rows"] = [
+                r for case in RAW_VS_GATEWAY if case.name in CROSSCHECKED
+                for r in alternate(host, sides, Case(case.name, case.load), f"cross-{shape}", 70,
+                                   tags={"shape": shape}, client="crosscheck")]
     finally:
         host.work.stop(tag, 30)
-    return {"shape": shape, "vector_check": check, "rows": rows, "crosscheck_rows": cross,
-            "comparison": results_md.side_by_side(rows, "raw", "gateway"),
-            "crosscheck": results_md.crosscheck_agreement(rows, cross)}
+    return out
 
 
 def step_kv_pool(host: Host, budget_end: float) -> dict[str, Any]:
@@ -152,7 +156,7 @@ def step_kv_pool(host: Host, budget_end: float) -> dict[str, Any]:
     finally:
         host.work.stop("engine-4b-kv16k", 60)
     return {"ready_s": ready, "engine_gpu_gb_idle": idle, "engine_gpu_gb_after": after, "rows": rows,
-            "comparison": results_md.side_by_side(rows, sides[0][0], sides[1][0])}
+            "sides": [sides[0][0], sides[1][0]]}
 
 
 def step_radix(host: Host, budget_end: float) -> dict[str, Any]:
@@ -179,12 +183,11 @@ def step_radix(host: Host, budget_end: float) -> dict[str, Any]:
     finally:
         for tag in ("gateway-radix-on", "gateway-radix-off", "engine-4b-noradix"):
             host.work.stop(tag, 60)
-    return {"ready_s": ready, "client": client, "rows": rows,
-            "comparison": results_md.side_by_side(rows, "cache on", "cache off")}
+    return {"ready_s": ready, "client": client, "rows": rows, "sides": ["cache on", "cache off"]}
 
 
 def step_stop_engines(host: Host, budget_end: float) -> dict[str, Any]:
-    stopped = [t for t in list(host.work.state["procs"]) if t.startswith(("engine-", "gateway-"))]
+    stopped = [t for t in list(host.work.state["procs"]) if t.startswith(("engine-", "gateway-", "infinity"))]
     for tag in stopped:
         host.work.stop(tag, 60)
     return {"stopped": stopped}

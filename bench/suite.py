@@ -89,12 +89,13 @@ def plan(selected: tuple[str, ...], out: Path) -> list[Step]:
     steps = [
         Step("models", SCENARIOS, partial(step_models, shapes=shapes), 90),
         Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150),
-        Step("raw-vs-gateway-4b", ("raw-vs-gateway",), scenarios.step_raw_vs_gateway, 330),
-        Step("raw-vs-gateway-0.6b", ("raw-vs-gateway",),
-             partial(scenarios.step_raw_vs_gateway, shape="0.6b"), 270),
-        Step("kv-pool", ("kv-pool",), scenarios.step_kv_pool, 210),
-        Step("radix", ("radix",), scenarios.step_radix, 210),
-        Step("peers-infinity", ("peers",), peers.step_infinity, 330),
+        *(Step(f"raw-vs-gateway-{shape}-{part}", ("raw-vs-gateway",),
+               partial(scenarios.step_raw_vs_gateway, shape=shape, part=part), seconds)
+          for shape in shapes for part, seconds in ((1, 200), (2, 190), (3, 230 if shape == "4b" else 150))),
+        Step("kv-pool", ("kv-pool",), scenarios.step_kv_pool, 380),
+        Step("radix", ("radix",), scenarios.step_radix, 300),
+        Step("peers-infinity-1", ("peers",), peers.step_infinity, 300),
+        Step("peers-infinity-2", ("peers",), partial(peers.step_infinity, part=2), 230),
         Step("peers-vllm", ("peers",), peers.step_vllm, 1),
         Step("stop-engines", engines_for, scenarios.step_stop_engines, 20),
         Step("up-1", up_for, scaleout.step_up, 100),
@@ -158,6 +159,8 @@ def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None,
         try:
             data = step.run(host, t_end)
             work.state["steps"][step.name] = {"ok": True, "seconds": round(time.time() - t0, 1), **data}
+            if step.name == "models":  # the engine's command line needs the checkpoint
+                work.state["meta"] = meta(host)
             work.note(f"step {step.name} done in {time.time() - t0:.0f} s")
         except TimeoutError as exc:  # waiting on a start-up past the budget: the next slice goes on
             work.note(f"step {step.name}: {exc}")
