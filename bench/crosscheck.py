@@ -49,8 +49,11 @@ async def main(a: argparse.Namespace) -> dict[str, float | int]:
             if a.input_type:
                 body["input_type"] = a.input_type
             t = time.perf_counter()
-            async with s.post(a.url, json=body) as r:
-                data = await r.json(content_type=None) if r.status == 200 else None
+            try:
+                async with s.post(a.url, json=body) as r:
+                    data = await r.json(content_type=None) if r.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError):
+                data = None
             if data is None:
                 errors += 1
                 continue

@@ -53,7 +53,8 @@ def crosscheck_agreement(rows: list[dict[str, Any]], cross: list[dict[str, Any]]
         dev = round(c["tok_s"] / main - 1, 3) if main else None
         out.append({"case": c["case"], "side": c["side"], "loadtest_tok_s": main,
                     "crosscheck_tok_s": c["tok_s"], "deviation": dev,
-                    "agree": dev is not None and abs(dev) <= CROSSCHECK_TOLERANCE})
+                    "errors": c.get("errors", 0),
+                    "agree": dev is not None and abs(dev) <= CROSSCHECK_TOLERANCE and not c.get("errors")})
     return out
 
 
@@ -165,7 +166,7 @@ def render(res: dict[str, Any]) -> str:
                    *table(crosscheck_agreement(rows, cross),
                           [("case", "case"), ("side", "side"), ("loadtest_tok_s", "loadtest tok/s"),
                            ("crosscheck_tok_s", "crosscheck tok/s"), ("deviation", "deviation"),
-                           ("agree", "within 5%")]), ""]
+                           ("errors", "errors"), ("agree", "within 5%")]), ""]
     kv = st.get("kv-pool", {})
     if kv.get("rows"):
         md += comparison_section("KV pool: 65,536 vs 16,384 tokens (4B, raw token ids)", kv["rows"],
