@@ -31,13 +31,16 @@ def make_input(a: argparse.Namespace, rng: random.Random, words: list[str]) -> l
     lo, hi = (int(x) for x in (a.ids or a.text).split("-"))
     n = rng.randint(lo, hi)
     if a.ids:
-        return [rng.randrange(1000, 100_000) for _ in range(n)]
+        return [rng.randrange(1000, a.vocab) for _ in range(n)]
     return " ".join(rng.choice(words) for _ in range(n))
 
 
 async def main(a: argparse.Namespace) -> dict[str, float | int]:
     rng = random.Random(a.seed)
     words = vocab_words(a.tokenizer) if a.text else []
+    a.vocab = 100_000  # token ids below the model's vocabulary size
+    if a.tokenizer and (config := Path(a.tokenizer) / "config.json").exists():
+        a.vocab = min(a.vocab, json.loads(config.read_text()).get("vocab_size", a.vocab))
     tokens, lat, errors = 0, [], 0
     stop = time.perf_counter() + a.seconds
 
@@ -78,7 +81,7 @@ if __name__ == "__main__":
     kind = ap.add_mutually_exclusive_group(required=True)
     kind.add_argument("--ids", help="token ids per input, A-B (raw engines)")
     kind.add_argument("--text", help="texts of about A-B tokens per input (the gateway)")
-    ap.add_argument("--tokenizer", help="model folder (with --text)")
+    ap.add_argument("--tokenizer", help="model folder (texts from its vocabulary, ids below its size)")
     ap.add_argument("--batch", type=int, default=1, help="inputs per request")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=20)

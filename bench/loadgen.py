@@ -165,7 +165,7 @@ def run_crosscheck(t: Target, load: Load, seed: int) -> dict[str, Any]:
             "--model", Path(t.model_dir).name, "--concurrency", str(load.conc),
             "--seconds", f"{load.seconds:g}", "--seed", str(seed + 1000),
             "--batch", load.inputs.split("-")[-1]]
-    argv += ["--ids", lo_hi] if t.raw else ["--text", lo_hi, "--tokenizer", t.model_dir]
+    argv += ["--ids" if t.raw else "--text", lo_hi, "--tokenizer", t.model_dir]
     if load.input_type:
         argv += ["--input-type", load.input_type]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=load.seconds + 300,

@@ -34,7 +34,7 @@ import scaleout
 import scenarios
 import stacks
 from gpu_memory import gpu_description
-from procs import WorkDir, child_env, embedserve_cmd
+from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
 SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
@@ -137,6 +137,9 @@ def write_results(host: stacks.Host, out: Path) -> None:
     res = {k: v for k, v in host.work.state.items() if k != "procs"}
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     (out / "results.md").write_text(results_md.render(res))
+    tails = [f"===== {log.name} =====\n{log_tail(log, 6000)}\n"
+             for log in sorted((host.work.root / "logs").glob("*.log"))]
+    (out / "logs.txt").write_text("".join(tails))  # one file: a remote host may return only a few
 
 
 def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None, redo: list[str]) -> int:
