@@ -47,7 +47,7 @@ def step_infinity(host: Host, budget_end: float, shape: str = "4b", part: int = 
     if why:
         return {"skipped": f"Infinity not importable from {host.infinity_site}: {why}"}
     gw = stacks.start_gateway(host, "gateway-peers", shape, GATEWAY_PORT, [ENGINE_PORTS[shape]])
-    if "infinity" not in host.work.state["procs"]:
+    if not host.work.running("infinity"):
         stacks.start_infinity(host, "infinity", shape, INFINITY_PORT)
     last = part == max(PEER_PARTS)
     out: dict[str, Any] = {}

@@ -149,6 +149,10 @@ class WorkDir:
         self.note(f"started {tag}: pid {pid}: {' '.join(argv[-6:])}")
         return info
 
+    def running(self, tag: str) -> bool:
+        info = self.state["procs"].get(tag)
+        return bool(info) and alive(info["pid"])
+
     def stop(self, tag: str, wait_s: float = 90) -> bool | None:
         info = self.state["procs"].pop(tag, None)
         if not info:

@@ -27,7 +27,7 @@ def step_up(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
     if replicas > 1 and not host.cpu and gpus() < replicas:
         return {"skipped": f"{replicas} engines need {replicas} GPUs; this host has {gpus()}"}
     tag = f"up-{replicas}"
-    if tag not in host.work.state["procs"]:
+    if not host.work.running(tag):
         stacks.start_up(host, tag, "4b", UP_PORT, replicas=replicas, engine_port=UP_ENGINE_PORT,
                         extra=UP_EXTRA)
     ready = stacks.wait_ready(host, tag, "/health/ready", UP_PORT, budget_end, banner="embedserve is up")
@@ -49,7 +49,7 @@ def step_capacity(host: Host, budget_end: float) -> dict[str, Any]:
 
 def step_scale_load(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
     """Each load at its in-flight count per engine (so two engines get twice as many)."""
-    if f"up-{replicas}" not in host.work.state["procs"]:
+    if not host.work.running(f"up-{replicas}"):
         return {"skipped": f"no stack with {replicas} engine(s)"}
     t = target(host, replicas)
     measure(f"scale-{replicas}-warm", t, Load("uniform:16-512", 64, seconds=8, warmup=0).scaled(

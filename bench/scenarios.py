@@ -53,7 +53,7 @@ def step_engines(host: Host, budget_end: float, shapes: tuple[str, ...] = ("4b",
     out: dict[str, Any] = {}
     for shape in shapes:
         tag = f"engine-{shape}"
-        if tag not in host.work.state["procs"]:
+        if not host.work.running(tag):
             stacks.start_engine(host, tag, shape, ENGINE_PORTS[shape], kv_pool=MAIN_KV_POOL, gpu=0)
     for shape in shapes:
         tag = f"engine-{shape}"

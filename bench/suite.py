@@ -46,6 +46,8 @@ class Step:
     used_by: tuple[str, ...]  # the scenarios that need it
     run: StepFn
     seconds: float  # roughly what it takes at time scale 1 with a warm JIT cache
+    holds: tuple[str, ...] = ()  # processes it leaves running: done again when one is gone
+    always: bool = False  # stops and clean-ups run on every pass
 
 
 def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = ("4b",)) -> dict[str, Any]:
@@ -88,7 +90,8 @@ def plan(selected: tuple[str, ...], out: Path) -> list[Step]:
     up_for = ("soak-capacity", "scale")
     steps = [
         Step("models", SCENARIOS, partial(step_models, shapes=shapes), 90),
-        Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150),
+        Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150,
+             holds=tuple(f"engine-{s}" for s in shapes)),
         *(Step(f"raw-vs-gateway-{shape}-{part}", ("raw-vs-gateway",),
                partial(scenarios.step_raw_vs_gateway, shape=shape, part=part), seconds)
           for shape in shapes for part, seconds in ((1, 200), (2, 190), (3, 230 if shape == "4b" else 150))),
@@ -97,15 +100,15 @@ def plan(selected: tuple[str, ...], out: Path) -> list[Step]:
         Step("peers-infinity-1", ("peers",), peers.step_infinity, 300),
         Step("peers-infinity-2", ("peers",), partial(peers.step_infinity, part=2), 230),
         Step("peers-vllm", ("peers",), peers.step_vllm, 1),
-        Step("stop-engines", engines_for, scenarios.step_stop_engines, 20),
-        Step("up-1", up_for, scaleout.step_up, 100),
+        Step("stop-engines", engines_for, scenarios.step_stop_engines, 20, always=True),
+        Step("up-1", up_for, scaleout.step_up, 100, holds=("up-1",)),
         Step("soak-capacity", ("soak-capacity",), scaleout.step_capacity, 45),
         Step("scale-load-1", ("scale",), scaleout.step_scale_load, 85),
-        Step("down-1", up_for, scaleout.step_down, 30),
-        Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100),
+        Step("down-1", up_for, scaleout.step_down, 30, always=True),
+        Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
         Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
-        Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30),
-        Step("finish", SCENARIOS, partial(step_finish, out=out), 20),
+        Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
+        Step("finish", SCENARIOS, partial(step_finish, out=out), 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]
 
@@ -149,7 +152,8 @@ def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None,
         work.state["steps"].pop(name, None)
     t_end = time.time() + budget_s if budget_s else float("inf")
     for step in steps:
-        if work.state["steps"].get(step.name, {}).get("ok"):
+        done = work.state["steps"].get(step.name, {})
+        if done.get("ok") and not step.always and all(work.running(t) for t in step.holds):
             continue
         need = step.seconds * max(host.time_scale, 0.1)
         if budget_s and time.time() + need > t_end:
