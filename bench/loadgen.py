@@ -160,10 +160,12 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
 
 def run_crosscheck(t: Target, load: Load, seed: int) -> dict[str, Any]:
     """bench/crosscheck.py with the same lengths, inputs per request and in-flight count."""
-    lo_hi = load.mix.split(":", 1)[1] if load.mix.startswith("uniform:") else "16-512"
+    lo, hi = (int(x) for x in (load.mix.split(":", 1)[1] if load.mix.startswith("uniform:")
+                               else "16-512").split("-"))
+    lo_hi = f"{min(lo, t.cap)}-{min(hi, t.cap)}"  # as loadtest's --max-tokens clamps them
     argv = [sys.executable, str(HERE / "crosscheck.py"), t.url.rstrip("/") + "/v1/embeddings",
             "--model", Path(t.model_dir).name, "--concurrency", str(load.conc),
-            "--seconds", f"{load.seconds:g}", "--seed", str(seed + 1000),
+            "--seconds", f"{load.seconds:g}", "--warmup", f"{load.warmup:g}", "--seed", str(seed + 1000),
             "--batch", load.inputs.split("-")[-1]]
     argv += ["--ids" if t.raw else "--text", lo_hi, "--tokenizer", t.model_dir]
     if load.input_type:
