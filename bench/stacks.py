@@ -78,7 +78,9 @@ def start_gateway(host: Host, tag: str, shape: str, port: int, engine_ports: lis
     for p in engine_ports:
         argv += ["--engine-url", f"http://127.0.0.1:{p}"]
     env = {"EMBEDSERVE_MODEL__PATH": host.model(shape), "EMBEDSERVE_MODEL__MAX_SEQ_LEN": str(host.cap),
-           "EMBEDSERVE_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+           "EMBEDSERVE_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
+           # the vector check sends the model's own token ids through the gateway
+           "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS": "true"}
     return host.work.start(tag, argv, env)
 
 
