@@ -55,7 +55,7 @@ dl "$OUT/b3" transformers==5.12.1 tokenizers==0.22.2 \
 dl "$OUT/b4" infinity-emb==0.0.78 transformers==4.57.3 sentence-transformers==5.1.2 \
   tokenizers==0.22.2 huggingface-hub==0.36.0 hf-xet opentelemetry-api importlib-metadata zipp \
   'click<8.2' 'typer>=0.12.5,<0.13' 'rich>=13,<14' markdown-it-py mdurl pygments shellingham \
-  posthog backoff six python-dateutil prometheus-fastapi-instrumentator
+  posthog backoff six python-dateutil distro prometheus-fastapi-instrumentator
 echo infinity > "$OUT/b4/SITE_SUFFIX"
 
 du -sh "$OUT"/b*

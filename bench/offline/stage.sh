@@ -18,6 +18,19 @@ install_wheels() {
 
 if [ "$B" = "--project" ]; then
   ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+  # An embedserve installed earlier (b2's wheel, or an older checkout) goes first, file by file
+  # from its RECORD: pip cannot uninstall from a --target folder, and a second dist-info would
+  # register a second SGLang plugin.
+  $PY - "$SITE" <<'PY'
+import csv, shutil, sys
+from pathlib import Path
+site = Path(sys.argv[1])
+for info in site.glob("embedserve-*.dist-info"):
+    for row in csv.reader((info / "RECORD").read_text().splitlines()):
+        if row and not row[0].startswith(".."):
+            (site / row[0]).unlink(missing_ok=True)
+    shutil.rmtree(info, ignore_errors=True)
+PY
   WHEELS=$(mktemp -d)
   ( cd "$ROOT" && PIP_NO_INDEX=1 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" . )
   install_wheels "$WHEELS"/embedserve-*.whl
