@@ -25,11 +25,17 @@ if [ "$B" = "--project" ]; then
 import csv, shutil, sys
 from pathlib import Path
 site = Path(sys.argv[1])
+folders = set()
 for info in site.glob("embedserve-*.dist-info"):
     for row in csv.reader((info / "RECORD").read_text().splitlines()):
         if row and not row[0].startswith(".."):
             (site / row[0]).unlink(missing_ok=True)
+            folders.add((site / row[0]).parent)
     shutil.rmtree(info, ignore_errors=True)
+for folder in sorted(folders, key=lambda p: -len(p.parts)):  # the package folders left empty
+    shutil.rmtree(folder / "__pycache__", ignore_errors=True)
+    if folder.is_dir() and folder != site and not any(folder.iterdir()):
+        folder.rmdir()
 PY
   WHEELS=$(mktemp -d)
   ( cd "$ROOT" && PIP_NO_INDEX=1 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" . )
