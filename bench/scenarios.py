@@ -59,6 +59,7 @@ def step_engines(host: Host, budget_end: float, shapes: tuple[str, ...] = ("4b",
         tag = f"engine-{shape}"
         out[f"ready_s_{shape}"] = ready_engine(host, tag, ENGINE_PORTS[shape], budget_end)
     out["engine_gpu_gb"] = engine_memory(host, [f"engine-{s}" for s in shapes])
+    out["fi_cache_tgz_mb"] = stacks.pack_fi_cache(host)  # now: a later slice may never come
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class Host:
     fi_cache: str = "/tmp/fi-cache"
     infinity_site: str = "/tmp/site-infinity"
     models: dict[str, str] = field(default_factory=dict)  # shape -> checkpoint folder
+    out: Path | None = None  # where results go (and the packed FlashInfer JIT cache)
 
     @property
     def cpu(self) -> bool:
@@ -138,3 +140,19 @@ def gateway_target(host: Host, shape: str, port: int, engine_ports: list[int],
     return Target(f"http://127.0.0.1:{port}", host.model(shape), raw=False,
                   engine_urls=[f"http://127.0.0.1:{p}" for p in engine_ports], cap=host.cap,
                   gateway_pid=pid)
+
+
+def pack_fi_cache(host: Host) -> float | None:
+    """The FlashInfer JIT cache as ``fi-cache.tgz`` next to the results (MiB), so the next
+    fresh host starts warm: put it in a bundle folder staged after b1 (bench/offline/stage.sh).
+    Left out when over 48 MiB: it must fit one transfer with a bundle."""
+    cache = Path(host.fi_cache)
+    if host.out is None or host.cpu or not cache.is_dir():
+        return None
+    host.out.mkdir(parents=True, exist_ok=True)
+    tgz = host.out / "fi-cache.tgz"
+    subprocess.run(["tar", "czf", str(tgz), "-C", str(cache), "."], check=True)
+    size_mb = round(tgz.stat().st_size / 2**20, 1)
+    if size_mb > 48:
+        tgz.unlink()
+    return size_mb

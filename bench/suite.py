@@ -69,22 +69,13 @@ def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = 
     return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs)}
 
 
-def step_finish(host: stacks.Host, budget_end: float, out: Path | None = None) -> dict[str, Any]:
-    """Stop whatever is still running; pack the FlashInfer JIT cache next to the results, so that
-    the next fresh host starts warm (put fi-cache.tgz in a bundle folder, bench/offline/stage.sh)."""
-    stopped = host.work.stop_all()
-    cache = Path(host.fi_cache)
-    size_mb = None
-    if out and not host.cpu and cache.is_dir():
-        tgz = out / "fi-cache.tgz"
-        subprocess.run(["tar", "czf", str(tgz), "-C", str(cache), "."], check=True)
-        size_mb = round(tgz.stat().st_size / 2**20, 1)
-        if size_mb > 48:  # must fit one transfer next to a bundle folder
-            tgz.unlink()
-    return {"stopped": stopped, "fi_cache_tgz_mb": size_mb}
+def step_finish(host: stacks.Host, budget_end: float) -> dict[str, Any]:
+    """Stop whatever is still running; pack the FlashInfer JIT cache again (kernels compiled
+    since the engines started are in it too)."""
+    return {"stopped": host.work.stop_all(), "fi_cache_tgz_mb": stacks.pack_fi_cache(host)}
 
 
-def plan(selected: tuple[str, ...], out: Path) -> list[Step]:
+def plan(selected: tuple[str, ...]) -> list[Step]:
     shapes = ("4b", "0.6b") if "raw-vs-gateway" in selected else ("4b",)
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
     up_for = ("soak-capacity", "scale")
@@ -108,7 +99,7 @@ def plan(selected: tuple[str, ...], out: Path) -> list[Step]:
         Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
         Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
         Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
-        Step("finish", SCENARIOS, partial(step_finish, out=out), 20, always=True),
+        Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]
 
@@ -208,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     host = stacks.Host(work, device=a.device, cap=a.cap or (512 if cpu else 8192),
                        time_scale=a.time_scale or (0.1 if cpu else 1.0), fi_cache=a.fi_cache,
                        infinity_site=a.infinity_site,
-                       models=dict(m.split("=", 1) for m in a.model))
-    return run(host, plan(selected, a.out), a.out, a.budget_s, a.redo)
+                       models=dict(m.split("=", 1) for m in a.model), out=a.out)
+    return run(host, plan(selected), a.out, a.budget_s, a.redo)
 
 
 if __name__ == "__main__":

@@ -83,12 +83,12 @@ def test_raw_runs_send_capped_ids_and_optional_flags_only_when_supported(monkeyp
 
 
 def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
-    names = [s.name for s in suite.plan(("peers",), Path("/o"))]
+    names = [s.name for s in suite.plan(("peers",))]
     assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "peers-vllm",
                      "stop-engines", "finish"]
-    scale = [s.name for s in suite.plan(("scale",), Path("/o"))]
+    scale = [s.name for s in suite.plan(("scale",))]
     assert "engines" not in scale and scale[-4:] == ["up-2", "scale-load-2", "down-2", "finish"]
-    everything = [s.name for s in suite.plan(suite.SCENARIOS, Path("/o"))]
+    everything = [s.name for s in suite.plan(suite.SCENARIOS)]
     assert len(set(everything)) == len(everything) == 22
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
 
