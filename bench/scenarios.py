@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ def alternate(host: Host, sides: list[tuple[str, Target]], case: Case, prefix: s
     for rnd in range(case.rounds):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for side, target in order:
-            slug = f"{prefix}-{case.name.replace(' ', '-').replace(',', '')}-{side}-{rnd}"
+            slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{prefix}-{case.name}-{side}-{rnd}")
             rows.append(measure(slug, target, load, runs_dir(host), seed=seed + rnd, client=client,
                                 tags={"case": case.name, "side": side, "round": rnd, **(tags or {})}))
     return rows
