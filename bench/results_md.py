@@ -135,6 +135,9 @@ def header(res: dict[str, Any]) -> list[str]:
           "speed and memory depend on shapes, not weight values. Every input is unique unless a "
           "row says repeated content; `cache hits` is SGLang's prefix-cache hit rate over the run. "
           "GPU GB is the memory in use on the GPUs (NVML), peak over the run.", ""]
+    if meta.get("device") == "cpu":
+        md += ["**Dry run on CPU**: tiny checkpoints, the CPU engine in SGLang's place, short runs. It "
+               "checks the suite and its report; its figures say nothing about performance.", ""]
     for key in ("gpus", "cpus", "python", "versions", "engine_argv", "device", "time_scale"):
         if meta.get(key) is not None:
             value = f"`{' '.join(meta[key])}`" if key == "engine_argv" else fmt(meta[key])

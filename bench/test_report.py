@@ -96,12 +96,20 @@ def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
 def test_the_recorded_dry_run_renders_every_table() -> None:
     res = json.loads(FIXTURE.read_text())
     md = results_md.render(res)
-    for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "KV pool", "Radix", "Soak capacity",
-                  "Scale-out", "Cross-check with bench/crosscheck.py"):
+    for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "the gateway (texts), 0.6b", "KV pool",
+                  "Radix", "Peers on the same GPU", "Soak capacity", "Scale-out",
+                  "Cross-check with bench/crosscheck.py"):
         assert title in md
     assert "| case | runs raw+gateway | raw tok/s | gateway tok/s | ratio |" in md
-    assert "peers-infinity: Infinity not importable" in md and "## Failed steps" not in md
-    cmp = res["steps"]["raw-vs-gateway-4b"]["comparison"]
+    assert "**Dry run on CPU**" in md and "## Failed steps" not in md
+    assert "peers-vllm: vLLM is not installed here" in md
+    assert "| one in flight | 4+4 |" in md  # Infinity vs embedserve, alternating rounds
+    rows = results_md.rows_of(res["steps"], "raw-vs-gateway-4b")
+    cmp = results_md.side_by_side(rows, "raw", "gateway")
     assert [c["case"] for c in cmp] == ["short", "seed mix", "seed mix, 1-16 inputs", "medium", "long",
                                         "one in flight"]
-    assert all(r["errors"] == 0 for r in res["steps"]["raw-vs-gateway-4b"]["rows"])
+    assert [c["runs"] for c in cmp] == ["2+2", "1+1", "1+1", "1+1", "1+1", "6+6"]
+    assert all(r["errors"] == 0 for r in rows)
+    cross = results_md.rows_of(res["steps"], "raw-vs-gateway-4b", "crosscheck_rows")
+    assert [(c["case"], c["side"]) for c in cross] == [("short", "raw"), ("short", "gateway"),
+                                                       ("medium", "raw"), ("medium", "gateway")]
