@@ -31,7 +31,8 @@ def step_up(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
         stacks.start_up(host, tag, "4b", UP_PORT, replicas=replicas, engine_port=UP_ENGINE_PORT,
                         extra=UP_EXTRA)
     ready = stacks.wait_ready(host, tag, "/health/ready", UP_PORT, budget_end, banner="embedserve is up")
-    return {"ready_s": ready, "replicas": replicas, "gpu_used_gb": gpu_used_gb()}
+    return {"ready_s": ready, "replicas": replicas, "gpu_used_gb": gpu_used_gb(),
+            "fi_cache_tgz_mb": stacks.pack_fi_cache(host)}  # now: a later slice may never come
 
 
 def target(host: Host, replicas: int) -> Any:

@@ -79,8 +79,15 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
     shapes = ("4b", "0.6b") if "raw-vs-gateway" in selected else ("4b",)
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
     up_for = ("soak-capacity", "scale")
-    steps = [
-        Step("models", SCENARIOS, partial(step_models, shapes=shapes), 90),
+    steps = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
+        Step("models", SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
+        Step("up-1", up_for, scaleout.step_up, 150, holds=("up-1",)),
+        Step("soak-capacity", ("soak-capacity",), scaleout.step_capacity, 45),
+        Step("scale-load-1", ("scale",), scaleout.step_scale_load, 85),
+        Step("down-1", up_for, scaleout.step_down, 30, always=True),
+        Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
+        Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
+        Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
         Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150,
              holds=tuple(f"engine-{s}" for s in shapes)),
         *(Step(f"raw-vs-gateway-{shape}-{part}", ("raw-vs-gateway",),
@@ -92,13 +99,6 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("peers-infinity-2", ("peers",), partial(peers.step_infinity, part=2), 230),
         Step("peers-vllm", ("peers",), peers.step_vllm, 1),
         Step("stop-engines", engines_for, scenarios.step_stop_engines, 20, always=True),
-        Step("up-1", up_for, scaleout.step_up, 100, holds=("up-1",)),
-        Step("soak-capacity", ("soak-capacity",), scaleout.step_capacity, 45),
-        Step("scale-load-1", ("scale",), scaleout.step_scale_load, 85),
-        Step("down-1", up_for, scaleout.step_down, 30, always=True),
-        Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
-        Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
-        Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]

@@ -88,6 +88,8 @@ def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
                      "stop-engines", "finish"]
     scale = [s.name for s in suite.plan(("scale",))]
     assert "engines" not in scale and scale[-4:] == ["up-2", "scale-load-2", "down-2", "finish"]
+    both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
+    assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
     assert len(set(everything)) == len(everything) == 22
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
