@@ -1,122 +1,117 @@
-"""The GPU lab's verdict arithmetic and run plans (loadtest/gpu_lab), checked on CPU."""
+"""The suite's arithmetic, report and run plan, checked without a GPU:
+`python3 -m pytest bench/test_report.py` (pytest puts bench/ on the import path)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+import cachestats
+import loadgen
 import pytest
+import results_md
+import suite
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loadtest" / "gpu_lab"))
-
-import labreport as lr
-import labsteps
-
-
-def row(case: str, side: str, tok: int, p50: float, errors: int = 0, **kw: Any) -> dict[str, Any]:
-    return {"case": case, "side": side, "tok_s": tok, "p50_ms": p50, "p95_ms": p50 * 2,
-            "errors": errors, **kw}
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results-cpu-dry-run.json"
 
 
-def test_compare_uses_medians_and_targets() -> None:
-    rows = [row("short", "raw", 50_000, 200), row("short", "gateway", 66_000, 150),
-            row("short", "raw", 60_000, 220), row("short", "gateway", 70_000, 160),
-            row("medium", "raw", 80_000, 900), row("medium", "gateway", 77_000, 930),
-            row("low", "raw", 5_000, 20.0), row("low", "gateway", 5_000, 22.5)]
-    out = {c["case"]: c for c in lr.compare(rows)}
-    assert out["short"]["raw_tok_s"] == 55_000 and out["short"]["gateway_tok_s"] == 68_000
-    assert out["short"]["ratio"] == pytest.approx(1.236, abs=1e-3) and out["short"]["pass"] is True
-    assert out["medium"]["ratio"] == pytest.approx(0.963, abs=1e-3) and out["medium"]["pass"] is False
-    assert out["low"]["added_p50_ms"] == 2.5 and out["low"]["pass"] is True
+def row(case: str, side: str, tok: int, p50: float, **kw: Any) -> dict[str, Any]:
+    return {"case": case, "side": side, "tok_s": tok, "p50_ms": p50, "p95_ms": p50 * 2, "errors": 0, **kw}
 
 
-def test_errors_fail_a_case_and_best_knobs_skip_errors() -> None:
-    rows = [row("long", "raw", 50_000, 1000), row("long", "gateway", 60_000, 1000, errors=3)]
-    assert lr.compare(rows)[0]["pass"] is False
-    sweep = [row("short", "raw", 90_000, 1), row("short", "gateway", 80_000, 1, errors=1, calls=8),
-             row("short", "gateway", 70_000, 1, calls=4, wait_ms=2.0)]
-    best = lr.pick_best(sweep)
-    assert best is not None and best["calls"] == 4
+def test_side_by_side_takes_medians_and_the_worst_cache_hit_rate() -> None:
+    rows = [row("short", "raw", 50_000, 200, prefix_cache_hit_rate=0.0, gpu_used_gb=20.1),
+            row("short", "gateway", 66_000, 150, prefix_cache_hit_rate=0.01),
+            row("short", "raw", 60_000, 220, prefix_cache_hit_rate=0.02, gpu_used_gb=20.4),
+            row("short", "gateway", 70_000, 160)]
+    (c,) = results_md.side_by_side(rows, "raw", "gateway")
+    assert c["base_tok_s"] == 55_000 and c["alt_tok_s"] == 68_000 and c["runs"] == "2+2"
+    assert c["ratio"] == pytest.approx(1.236, abs=1e-3) and c["added_p50_ms"] == -55
+    assert c["base_hit_rate"] == 0.02 and c["alt_hit_rate"] == 0.01
+    assert c["base_gpu_gb"] == 20.4 and c["alt_gpu_gb"] is None
 
 
-def test_scale_ratio_takes_the_best_concurrency_per_replica_count() -> None:
-    rows = [{"case": "medium", "replicas": n, "conc": c, "tok_s": t, "errors": 0}
-            for n, c, t in [(1, 64, 70_000), (1, 128, 71_000), (2, 64, 100_000), (2, 128, 136_000)]]
-    s = lr.scale_summary(rows)[0]
-    assert s["one_conc"] == 128 and s["two_conc"] == 128
-    assert s["ratio"] == pytest.approx(1.915, abs=1e-3) and s["pass"] is True
-    assert s["per_engine_ratio"] == pytest.approx(136_000 / 70_000, abs=1e-3)  # 2 at 128 vs 1 at 64
+def test_crosscheck_must_agree_within_five_percent() -> None:
+    rows = [row("short", "raw", 60_000, 1), row("short", "raw", 62_000, 1),
+            row("short", "gateway", 70_000, 1)]
+    cross = [row("short", "raw", 63_000, 1), row("short", "gateway", 60_000, 1)]
+    raw, gw = results_md.crosscheck_agreement(rows, cross)
+    assert raw["loadtest_tok_s"] == 61_000 and raw["agree"] is True
+    assert gw["deviation"] == pytest.approx(-0.143, abs=1e-3) and gw["agree"] is False
 
 
-def test_soak_rate_and_sweep_spec() -> None:
-    assert lr.soak_rate(20.0) == pytest.approx(17.0)
-    with pytest.raises(ValueError):
-        lr.soak_rate(0.0)
-    assert labsteps.parse_sweep("2:0, 8:2.5") == [(2, 0.0), (8, 2.5)]
+def test_scale_compares_one_and_two_engines_per_load() -> None:
+    rows = [{"case": "short", "replicas": 1, "conc": 128, "tok_s": 80_000, "errors": 0},
+            {"case": "short", "replicas": 2, "conc": 256, "tok_s": 158_000, "errors": 1}]
+    (s,) = results_md.scale_summary(rows)
+    assert s["ratio"] == pytest.approx(1.975) and s["two_conc"] == 256 and s["errors"] == 1
 
 
-def test_raw_runs_send_ids_clamped_to_the_cap_and_gateway_runs_texts() -> None:
-    raw = labsteps.loadtest_argv("http://h:30000/v1/embeddings", Path("/o"), model_dir="/m/m4",
-                                 mix="uniform:16-512", duration=20, conc=64, ids=True)
-    gw = labsteps.loadtest_argv("http://h:8000", Path("/o"), model_dir="/m/m4", mix="seed",
-                                duration=900, rate=12.5, extra=["--health-url", "/health/memory"])
-    assert raw[raw.index("--input") + 1] == "ids" and "--max-tokens" in raw
-    assert raw[raw.index("--concurrency") + 1] == "64" and raw[raw.index("--model") + 1] == "m4"
-    assert "--input" not in gw and gw[gw.index("--rate") + 1] == "12.5" and "--concurrency" not in gw
-    assert gw[-2:] == ["--health-url", "/health/memory"]
+def test_cache_hit_rate_from_sglang_counters_sums_labelled_series() -> None:
+    page = ("# TYPE sglang:prompt_tokens_total counter\n"
+            'sglang:prompt_tokens_total{model_name="m4"} 1000.0\n'
+            'sglang:cached_tokens_total{model_name="m4",cache_source="device"} 30.0\n'
+            'sglang:cached_tokens_total{model_name="m4",cache_source="host"} 10.0\n'
+            'sglang:prompt_tokens_histogram_bucket{le="8"} 3\n')
+    before = cachestats.parse_counters(page)
+    assert before == {cachestats.PROMPT_TOKENS: 1000.0, cachestats.CACHED_TOKENS: 40.0}
+    after = {cachestats.PROMPT_TOKENS: 3000.0, cachestats.CACHED_TOKENS: 240.0}
+    assert cachestats.hit_rate(before, after) == 0.1
+    assert cachestats.hit_rate(before, before) is None and cachestats.hit_rate(None, after) is None
 
 
-def test_render_handles_a_partial_visit() -> None:
-    res = {"visit": "perf", "steps": {
-        "ready-4b": {"ok": True, "ready_after_s": 260.0},
-        "perf-4b": {"ok": True, "knobs": {"calls": 8, "wait_ms": 2.0},
-                    "rows": [row("short", "raw", 50_000, 200, name="a"),
-                             row("short", "gateway", 61_000, 150, name="b")],
-                    "comparison": lr.compare([row("short", "raw", 50_000, 200),
-                                              row("short", "gateway", 61_000, 150)])},
-        "perf-0.6b": {"ok": False, "error": "boom"}}}
-    md = lr.render(res)
-    assert "| short | 1+1 | 50,000 | 61,000 | 1.22 |" in md
-    assert "perf-0.6b: `boom`" in md
+def test_hit_rate_from_the_loadtest_report_wins_wherever_it_sits() -> None:
+    assert loadgen.find_hit_rate({"prefix_cache_hit_rate": 0.25}) == 0.25
+    assert loadgen.find_hit_rate({"target": {"prefix_cache_hit_rate": 0}}) == 0.0
+    assert loadgen.find_hit_rate({"measured": {}}) is None
 
 
-def test_engine_visit_report_renders_the_committed_lab_results() -> None:
-    results = Path(__file__).resolve().parents[1] / "results" / "gpu-lab" / "results.json"
-    md = lr.render_engine(json.loads(results.read_text()), 8192)
-    correctness = [ln for ln in md.splitlines() if "| SGLang token ids |" in ln or "| gateway text |" in ln]
-    assert len(correctness) == 15 and all("| yes |" in ln for ln in correctness)
-    assert "| p50 ms | p95 ms | p99 ms |" in md  # cache-clearing columns in order
-    assert "5 runs, mean 58,325 tok/s, median 56,643" in md
-    assert "## Failed steps" not in md
+def test_raw_runs_send_capped_ids_and_optional_flags_only_when_supported(monkeypatch: Any) -> None:
+    monkeypatch.setattr(loadgen, "embedserve_cmd", lambda: ["embedserve"])
+    monkeypatch.setattr(loadgen, "loadtest_help", lambda: "  --unique   no prefix cache\n  --raw-engine\n")
+    raw = loadgen.Target("http://h:30000", "/m/4b", raw=True, cap=8192)
+    gw = loadgen.Target("http://h:8000", "/m/4b", raw=False)
+    a = loadgen.loadtest_argv(raw, loadgen.Load("uniform:16-512", 64), Path("/o"), 3)
+    assert a[a.index("--input") + 1] == "ids" and a[a.index("--max-tokens") + 1] == "8192"
+    assert "--raw-engine" in a and "--unique" in a and a[a.index("--model") + 1] == "4b"
+    repeated = loadgen.Load("seed", 32, inputs="1-16", repeated_content=True)
+    b = loadgen.loadtest_argv(gw, repeated, Path("/o"), 3)
+    assert "--input" not in b and "--unique" not in b and b[b.index("--inputs") + 1] == "1-16"
+    with pytest.raises(RuntimeError, match="input_type"):
+        loadgen.loadtest_argv(gw, loadgen.Load("seed", 1, input_type="query"), Path("/o"), 0)
 
 
-def test_side_by_side_names_columns_after_the_sides() -> None:
-    rows = [row("low", "graphs", 50_000, 6.0), row("low", "eager", 45_000, 7.5),
-            row("low", "graphs", 52_000, 6.2), row("low", "eager", 47_000, 7.3)]
-    (c,) = lr.side_by_side(rows, "graphs", "eager")
-    assert c["graphs_tok_s"] == 51_000 and c["eager_tok_s"] == 46_000 and c["runs"] == "2+2"
-    assert c["ratio"] == pytest.approx(0.902, abs=1e-3) and c["added_p50_ms"] == pytest.approx(1.3)
+def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
+    names = [s.name for s in suite.plan(("peers",))]
+    assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "peers-vllm",
+                     "stop-engines", "finish"]
+    scale = [s.name for s in suite.plan(("scale",))]
+    assert "engines" not in scale and scale[-4:] == ["up-2", "scale-load-2", "down-2", "finish"]
+    both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
+    assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
+    everything = [s.name for s in suite.plan(suite.SCENARIOS)]
+    assert len(set(everything)) == len(everything) == 22
+    assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
 
 
-@pytest.mark.parametrize("visit", ["perf", "perf-recheck"])
-def test_perf_reports_render_the_committed_lab_results(visit: str) -> None:
-    """The committed results.md of each perf visit is what results.json renders to."""
-    folder = Path(__file__).resolve().parents[1] / "results" / "gpu-lab" / visit
-    md = lr.render(json.loads((folder / "results.json").read_text()))
-    assert md.strip() == (folder / "results.md").read_text().strip()
-
-
-def test_vector_lines_tell_the_gateway_hop_from_sglangs_own_spread() -> None:
-    old = lr.vector_lines({"tokens": [8], "min_cos": 0.9992, "ok": False})
-    assert old == ["Vectors, same token ids ([8]) through the gateway and straight to SGLang: "
-                   "min cosine 0.9992 (MISMATCH)."]
-    new = lr.vector_lines({"tokens": [8, 300], "hop_cos": [1.0, 1.0], "batch_cos": [0.9995, 0.9992],
-                           "raw_spread_cos": [0.9995, 0.9992], "min_cos": 0.9992, "ok": True})
-    assert "gateway vs SGLang: [1.0, 1.0] (ok, >= 0.9999)" in new[1]
-    assert new[2].endswith("[0.9995, 0.9992]") and "SGLang against itself" in new[3]
-
-
-def test_visit_names_on_the_command_line_are_the_visits_defined() -> None:
-    assert ("engine", *labsteps.VISITS) == labsteps.lab.VISIT_NAMES
+def test_the_recorded_dry_run_renders_every_table() -> None:
+    res = json.loads(FIXTURE.read_text())
+    md = results_md.render(res)
+    for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "the gateway (texts), 0.6b", "KV pool",
+                  "Radix", "Peers on the same GPU", "Soak capacity", "Scale-out",
+                  "Cross-check with bench/crosscheck.py"):
+        assert title in md
+    assert "| case | runs raw+gateway | raw tok/s | gateway tok/s | ratio |" in md
+    assert "**Dry run on CPU**" in md and "## Failed steps" not in md
+    assert "peers-vllm: vLLM is not installed here" in md
+    assert "| one in flight | 4+4 |" in md  # Infinity vs embedserve, alternating rounds
+    rows = results_md.rows_of(res["steps"], "raw-vs-gateway-4b")
+    cmp = results_md.side_by_side(rows, "raw", "gateway")
+    assert [c["case"] for c in cmp] == ["short", "seed mix", "seed mix, 1-16 inputs", "medium", "long",
+                                        "one in flight"]
+    assert [c["runs"] for c in cmp] == ["2+2", "1+1", "1+1", "1+1", "1+1", "6+6"]
+    assert all(r["errors"] == 0 for r in rows)
+    cross = results_md.rows_of(res["steps"], "raw-vs-gateway-4b", "crosscheck_rows")
+    assert [(c["case"], c["side"]) for c in cross] == [("short", "raw"), ("short", "gateway"),
+                                                       ("medium", "raw"), ("medium", "gateway")]

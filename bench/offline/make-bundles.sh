@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# (Copied from ../shared/gpu-lab/make-bundles.sh; b2 also carries embedserve's own deps.)
-# Builds wheel bundles that bring SGLang 0.5.17 + FlashInfer 0.6.15 onto an
-# offline GPU host whose Python 3.12 already has torch 2.11.0+cu130 (and
-# numpy, triton, safetensors, aiohttp, psutil, requests, ...). Each bundle
-# stays under 60 MiB so that it can be moved in one transfer of at most 64 MiB.
-# Usage: make-bundles.sh OUT_DIR     (needs a package index; run on the dev box)
+# Builds wheel bundles that bring SGLang 0.5.17 + FlashInfer 0.6.15 (b1-b3), embedserve itself
+# (b2) and the Infinity peer (b4) onto a GPU host with no package index whose Python 3.12
+# already has torch 2.11.0+cu130 (and numpy, triton, safetensors, aiohttp, psutil, requests,
+# scipy, scikit-learn, ...). Each bundle stays under 60 MiB, so that one bundle fits a
+# transfer of at most 64 MiB. Stage them on the host with stage.sh (b4 into its own folder).
+# Usage: bench/offline/make-bundles.sh DEST_DIR     (on a machine that reaches a package index)
 set -euo pipefail
-OUT=${1:?usage: make-bundles.sh OUT_DIR}
-mkdir -p "$OUT"/{b1,b2,b3}
+DEST=${1:?usage: make-bundles.sh DEST_DIR}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$DEST"/{b1,b2,b3,b4}
 TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -17,7 +19,7 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
 dl() { local dest=$1; shift; pip download -q --no-deps "${PLAT[@]}" -d "$dest" "$@"; }
 
 # b1: the engine itself, FlashInfer, and the server stack
-dl "$OUT/b1" sglang==0.5.17 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11 \
+dl "$DEST/b1" sglang==0.5.17 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11 \
   fastapi starlette pydantic pydantic-core uvicorn orjson msgspec pyzmq setproctitle \
   python-multipart pybase64 partial-json-parser interegular typing-inspection annotated-types
 # sgl_kernel: only the Hopper (sm90) build of common_ops plus the Python sources;
@@ -25,17 +27,19 @@ dl "$OUT/b1" sglang==0.5.17 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.
 dl "$TMP" sglang-kernel==0.4.5
 ( cd "$TMP" && mkdir sk && cd sk && unzip -q ../sglang_kernel-0.4.5-*.whl \
     -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/infllm_ops*' 'sgl_kernel/sm100/*' 'sgl_kernel/flashmla_ops.abi3.so' \
-  && tar czf "$OUT/b1/sgl_kernel_sm90.tgz" . )
+  && tar czf "$DEST/b1/sgl_kernel_sm90.tgz" . )
 
 # b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
-# and what embedserve itself needs beyond b1 and the host (pydantic-settings, python-dotenv,
-# httptools)
-dl "$OUT/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
+# what embedserve needs beyond b1 and the host, and embedserve's own wheel (its SGLang
+# plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
+dl "$DEST/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
   pydantic-settings python-dotenv httptools==0.9.0
+rm -f "$DEST"/b2/embedserve-*.whl
+pip wheel -q --no-deps -w "$DEST/b2" "$ROOT"
 
-# b3: transformers pinned to what SGLang 0.5.17 expects (the host's 5.17 clashes on
+# b3: transformers pinned to what SGLang 0.5.17 expects (transformers 5.17 clashes on
 # 'qwen3_asr'), and the remaining modules SGLang imports at start-up
-dl "$OUT/b3" transformers==5.12.1 tokenizers==0.22.2 \
+dl "$DEST/b3" transformers==5.12.1 tokenizers==0.22.2 \
   ipython traitlets decorator matplotlib-inline jedi parso prompt-toolkit wcwidth pexpect \
   ptyprocess stack-data asttokens executing pure-eval ipython-pygments-lexers \
   zstandard compressed-tensors gguf anthropic blobfile pycryptodomex easydict watchfiles \
@@ -44,8 +48,17 @@ dl "$OUT/b3" transformers==5.12.1 tokenizers==0.22.2 \
   opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common \
   opentelemetry-proto importlib-metadata googleapis-common-protos \
   jsonschema jsonschema-specifications referencing rpds-py
-rm -rf "$TMP"
-du -sh "$OUT"/b*
-for b in "$OUT"/b*; do
+
+# b4: Infinity 0.0.78, the peer, for a folder of its own (stage.sh b4 /tmp/site-infinity,
+# then PYTHONPATH=/tmp/site-infinity:/tmp/site): transformers 5.x breaks it
+# ("TokenizersBackend has no attribute batch_encode_plus"); FastAPI and pydantic come from b1.
+dl "$DEST/b4" infinity-emb==0.0.78 transformers==4.57.3 sentence-transformers==5.1.2 \
+  tokenizers==0.22.2 huggingface-hub==0.36.0 hf-xet opentelemetry-api importlib-metadata zipp \
+  'click<8.2' 'typer>=0.12.5,<0.13' 'rich>=13,<14' markdown-it-py mdurl pygments shellingham \
+  posthog backoff six python-dateutil distro prometheus-fastapi-instrumentator
+echo infinity > "$DEST/b4/SITE_SUFFIX"
+
+du -sh "$DEST"/b*
+for b in "$DEST"/b*; do
   s=$(du -sm "$b" | cut -f1); [ "$s" -lt 60 ] || { echo "bundle $b is ${s} MiB (limit 60)"; exit 1; }
 done

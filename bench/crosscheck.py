@@ -1,0 +1,95 @@
+"""A second load client, independent of `embedserve loadtest`, to cross-check headline rows:
+closed loop, N requests in flight, every input unique: random token ids (raw engines), or
+texts of random whole-word vocabulary entries, one token each, so a text of N words is about
+N tokens (the gateway). Tokens are counted from the server's `usage`. Prints one JSON line.
+
+    python3 bench/crosscheck.py URL --model M --ids 16-512 --concurrency 64 --seconds 20
+    python3 bench/crosscheck.py URL --model M --text 16-512 --tokenizer MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+
+def vocab_words(model_dir: str) -> list[str]:
+    """Entries of the tokenizer's vocabulary that are a space and 3+ lowercase letters."""
+    vocab = json.loads((Path(model_dir) / "tokenizer.json").read_text())["model"]["vocab"]
+    return [w[1:] for w in vocab if w.startswith("\u0120") and len(w) > 3 and w[1:].isalpha()
+            and w[1:].islower()]
+
+
+def make_input(a: argparse.Namespace, rng: random.Random, words: list[str]) -> list[int] | str:
+    lo, hi = (int(x) for x in (a.ids or a.text).split("-"))
+    n = rng.randint(lo, hi)
+    if a.ids:
+        return [rng.randrange(1000, a.vocab) for _ in range(n)]
+    return " ".join(rng.choice(words) for _ in range(n))
+
+
+async def main(a: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(a.seed)
+    words = vocab_words(a.tokenizer) if a.text else []
+    a.vocab = 100_000  # token ids below the model's vocabulary size
+    if a.tokenizer and (config := Path(a.tokenizer) / "config.json").exists():
+        a.vocab = min(a.vocab, json.loads(config.read_text()).get("vocab_size", a.vocab))
+    tokens, lat, errors = 0, [], 0
+    start = time.perf_counter() + a.warmup  # only answers between start and stop count
+    stop = start + a.seconds
+
+    async def worker(s: aiohttp.ClientSession) -> None:
+        nonlocal tokens, errors
+        while time.perf_counter() < stop:
+            inputs = [make_input(a, rng, words) for _ in range(a.batch)]
+            body: dict[str, Any] = {"model": a.model, "input": inputs}
+            if a.input_type:
+                body["input_type"] = a.input_type
+            t = time.perf_counter()
+            try:
+                async with s.post(a.url, json=body) as r:
+                    data = await r.json(content_type=None) if r.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError):
+                data = None
+            done = time.perf_counter()
+            if not start <= done <= stop:
+                continue
+            if data is None:
+                errors += 1
+                continue
+            lat.append(done - t)
+            usage = data.get("usage") or {}
+            tokens += usage.get("prompt_tokens") or sum(len(x) for x in inputs if isinstance(x, list))
+
+    conn = aiohttp.TCPConnector(limit=a.concurrency)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await asyncio.gather(*(worker(s) for _ in range(a.concurrency)))
+    secs = a.seconds
+    return {"tok_s": round(tokens / secs), "req_s": round(len(lat) / secs, 2), "requests": len(lat),
+            "errors": errors, "seconds": round(secs, 1),
+            "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("url", help="full /v1/embeddings URL")
+    ap.add_argument("--model", required=True)
+    kind = ap.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--ids", help="token ids per input, A-B (raw engines)")
+    kind.add_argument("--text", help="texts of about A-B tokens per input (the gateway)")
+    ap.add_argument("--tokenizer", help="model folder (texts from its vocabulary, ids below its size)")
+    ap.add_argument("--batch", type=int, default=1, help="inputs per request")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=20, help="measured time")
+    ap.add_argument("--warmup", type=float, default=3, help="seconds first, not measured")
+    ap.add_argument("--input-type", help="e.g. query (the gateway adds the model's instruction)")
+    ap.add_argument("--seed", type=int, default=0)
+    print(json.dumps(asyncio.run(main(ap.parse_args()))))

@@ -1,0 +1,105 @@
+"""GPU memory in use, read from outside the engine (NVML, else nvidia-smi): the engine's
+memory lives in SGLang's scheduler process, so only the driver sees all of it. Without a
+GPU every reading is None, so the same steps run on a CPU-only machine."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from typing import Any
+
+GB = 1e9
+
+
+def gpu_used_gb() -> list[float] | None:
+    """Memory in use on every visible GPU, in GB; None without a GPU driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return _from_smi()
+    try:
+        return [round(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used / GB, 2)
+                for i in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def group_used_gb(pgids: dict[str, int]) -> dict[str, float]:
+    """GPU memory of each named process group (an engine and its scheduler children), over
+    all GPUs, from NVML's per-process figures; empty without NVML."""
+    import os
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    out = dict.fromkeys(pgids, 0.0)
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                try:
+                    group = os.getpgid(int(proc.pid))
+                except OSError:
+                    continue
+                for name, pgid in pgids.items():
+                    if group == pgid:
+                        out[name] += int(proc.usedGpuMemory or 0) / GB
+    finally:
+        pynvml.nvmlShutdown()
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def _from_smi() -> list[float] | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return [round(float(x) * 2**20 / GB, 2) for x in out.split()]  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def gpu_description() -> list[str]:
+    """Name and memory of each GPU, for the report's "how it was produced" lines."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+class PeakSampler:
+    """The highest total GPU memory in use while a run lasts (every 0.5 s, in a thread)."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.peak: float | None = None
+        self.per_gpu: list[float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            used = gpu_used_gb()
+            if used is not None and (self.peak is None or sum(used) > self.peak):
+                self.peak, self.per_gpu = round(sum(used), 2), used
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)

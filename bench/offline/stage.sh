@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# On a GPU host with no package index: install one bundle (a folder of wheels from
+# make-bundles.sh, maybe with sgl_kernel_sm90.tgz and fi-cache.tgz) into SITE, one bundle per
+# transfer, in the order b1, b2, b3 (b4, the Infinity peer, goes to its own folder). Then
+# `export PYTHONPATH=/tmp/site`. SITE defaults to /tmp/site, or /tmp/site-infinity for b4.
+# `stage.sh --project [SITE]` builds embedserve's wheel from this checkout and installs it, so
+# that SGLang's plugin loader finds our entry point (group sglang.srt.plugins) next to SGLang.
+set -euo pipefail
+B=${1:?usage: stage.sh BUNDLE_DIR|--project [SITE]}
+SITE=${2:-/tmp/site}
+if [ -z "${2:-}" ] && [ -f "$B/SITE_SUFFIX" ]; then SITE=/tmp/site-$(cat "$B/SITE_SUFFIX"); fi
+PY=${PYTHON:-python3}
+mkdir -p "$SITE"
+install_wheels() {
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$@" 2>&1 \
+    | grep -v "already exists" || true
+}
+
+if [ "$B" = "--project" ]; then
+  ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+  # An embedserve installed earlier (b2's wheel, or an older checkout) goes first, file by file
+  # from its RECORD: pip cannot uninstall from a --target folder, and a second dist-info would
+  # register a second SGLang plugin.
+  $PY - "$SITE" <<'PY'
+import csv, shutil, sys
+from pathlib import Path
+site = Path(sys.argv[1])
+folders = set()
+for info in site.glob("embedserve-*.dist-info"):
+    for row in csv.reader((info / "RECORD").read_text().splitlines()):
+        if row and not row[0].startswith(".."):
+            (site / row[0]).unlink(missing_ok=True)
+            folders.add((site / row[0]).parent)
+    shutil.rmtree(info, ignore_errors=True)
+for folder in sorted(folders, key=lambda p: -len(p.parts)):  # the package folders left empty
+    shutil.rmtree(folder / "__pycache__", ignore_errors=True)
+    if folder.is_dir() and folder != site and not any(folder.iterdir()):
+        folder.rmdir()
+PY
+  WHEELS=$(mktemp -d)
+  ( cd "$ROOT" && PIP_NO_INDEX=1 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" . )
+  install_wheels "$WHEELS"/embedserve-*.whl
+  rm -rf "$WHEELS"
+  PYTHONPATH=$SITE $PY - <<'PY'
+from importlib.metadata import entry_points
+eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "embedserve"]
+assert eps, "embedserve entry point not visible"
+print("entry point:", eps[0].value, "from", eps[0].dist.name)
+PY
+  exit 0
+fi
+
+ls "$B"/*.whl >/dev/null
+install_wheels "$B"/*.whl
+if [ -f "$B/sgl_kernel_sm90.tgz" ]; then tar xzf "$B/sgl_kernel_sm90.tgz" -C "$SITE"; fi
+# A FlashInfer JIT cache packed by an earlier run of the suite (bench/suite.py writes
+# fi-cache.tgz next to its results): put it in a bundle folder staged after b1.
+if [ -f "$B/fi-cache.tgz" ]; then
+  CACHE=${FI_CACHE_DIR:-/tmp/fi-cache}
+  mkdir -p "$CACHE" && tar xzf "$B/fi-cache.tgz" -C "$CACHE"
+  # FlashInfer builds through ninja, which compares mtimes: pip gives the headers and sources
+  # it compiles from (b1) the time of staging, newer than the cached objects, so every kernel
+  # would be compiled again (a 301 s cold start with the cache on one H200). Touching the cache
+  # instead does not help: outputs newer than .ninja_deps records also count as dirty.
+  # So the inputs get an old time (2000-01-01); `ninja -n` in each op dir: "no work to do"
+  # (116 s to ready on a fresh host).
+  if [ -d "$SITE/flashinfer" ]; then
+    find "$SITE/flashinfer" "$SITE/tvm_ffi" -type f -exec touch -c -d @946684800 {} + 2>/dev/null || true
+  else
+    echo "warning: FlashInfer is not staged yet (stage b1 first), so the cache will be rebuilt" >&2
+  fi
+fi
+echo "staged $B into $SITE ($(ls "$SITE" | wc -l) entries)"

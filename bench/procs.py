@@ -1,0 +1,168 @@
+"""Long-lived processes of a benchmark run: started in their own process group (setsid), so
+they can outlive one command when the suite runs in slices, recorded by pid in the work dir,
+stopped by that pid's group. Only the ``embedserve`` CLI and plain HTTP are used."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def embedserve_cmd() -> list[str]:
+    """How to call ``embedserve``: on PATH, or the script pip put in ``SITE/bin`` when it
+    installed into a target folder on PYTHONPATH (a host with no package index)."""
+    found = shutil.which("embedserve")
+    if found:
+        return [found]
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        script = Path(entry, "bin", "embedserve")
+        if entry and script.is_file():
+            return [sys.executable, str(script)]
+    raise RuntimeError("no `embedserve` command: pip install the project, or stage it (bench/README.md)")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def spawn(argv: list[str], log: Path, env: dict[str, str]) -> int:
+    """Start ``argv`` in a new session, output appended to ``log``; returns its pid (= pgid)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc.pid
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it when it is our own child
+    try:
+        os.killpg(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stop_group(pid: int, wait_s: float = 90) -> bool:
+    """SIGTERM the process group (``up`` drains and stops its engines); SIGKILL if it lingers.
+    True when it ended on SIGTERM."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    until = time.time() + wait_s
+    while time.time() < until:
+        if not alive(pid):
+            return True
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    return False
+
+
+def port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """Status and body (status 0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except (OSError, ValueError):
+        return 0, ""
+
+
+def http_post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_ok(url: str, until: float, pid: int | None = None) -> float | None:
+    """Poll ``url`` until it answers 200 (returns the time), ``until`` passes or ``pid``'s
+    group is gone (None)."""
+    while time.time() < until:
+        if http_get(url, timeout=5)[0] == 200:
+            return time.time()
+        if pid is not None and not alive(pid):
+            return None
+        time.sleep(1)
+    return None
+
+
+def log_tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_bytes()[-chars:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class WorkDir:
+    """The run's state: ``state.json`` (finished steps and live processes) and logs, so that
+    ``--budget-s`` slices resume where the last one stopped."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / "state.json"
+        self.state: dict[str, Any] = (json.loads(self.path.read_text()) if self.path.exists()
+                                      else {"steps": {}, "procs": {}, "log": []})
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1, default=str))
+        tmp.replace(self.path)
+
+    def note(self, msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        self.state["log"].append(line)
+        self.save()
+
+    def start(self, tag: str, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        """Start a process under ``tag`` (which must not be running already)."""
+        old = self.state["procs"].get(tag)
+        if old and alive(old["pid"]):
+            raise RuntimeError(f"{tag} is still running (pid {old['pid']})")
+        log = self.root / "logs" / f"{tag}.log"
+        pid = spawn(argv, log, child_env(env))
+        info = {"pid": pid, "argv": argv, "started_at": time.time(), "log": str(log)}
+        self.state["procs"][tag] = info
+        self.note(f"started {tag}: pid {pid}: {' '.join(argv[-6:])}")
+        return info
+
+    def running(self, tag: str) -> bool:
+        info = self.state["procs"].get(tag)
+        return bool(info) and alive(info["pid"])
+
+    def stop(self, tag: str, wait_s: float = 90) -> bool | None:
+        info = self.state["procs"].pop(tag, None)
+        if not info:
+            return None
+        clean = stop_group(info["pid"], wait_s)
+        self.note(f"stopped {tag} ({'clean' if clean else 'killed'})")
+        return clean
+
+    def stop_all(self) -> list[str]:
+        tags = list(self.state["procs"])
+        for tag in tags:
+            self.stop(tag, 60)
+        return tags

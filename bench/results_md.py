@@ -1,0 +1,212 @@
+"""results.md from a suite's results.json: the arithmetic behind each table (medians over
+alternating rounds, ratios, the cross-check's agreement, scale-out) and the tables. Pure:
+no I/O, no GPU, so it is tested on any machine (bench/test_report.py)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+CROSSCHECK_TOLERANCE = 0.05  # the second client must agree within 5% on tok/s
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return round(statistics.median(vals), 2) if vals else None
+
+
+def _max(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return max(vals) if vals else None
+
+
+def side_by_side(rows: list[dict[str, Any]], base: str, alt: str) -> list[dict[str, Any]]:
+    """Per case, medians of the ``base`` and ``alt`` runs, tok/s ratio alt/base, the P50 that
+    ``alt`` adds, the highest GPU memory and prefix-cache hit rate seen on either side."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        b = [r for r in rows if r["case"] == case and r["side"] == base]
+        a = [r for r in rows if r["case"] == case and r["side"] == alt]
+        b_tok, a_tok = _median(b, "tok_s"), _median(a, "tok_s")
+        b_p50, a_p50 = _median(b, "p50_ms"), _median(a, "p50_ms")
+        out.append({
+            "case": case, "runs": f"{len(b)}+{len(a)}", "base": base, "alt": alt,
+            "base_tok_s": b_tok, "alt_tok_s": a_tok,
+            "ratio": round(a_tok / b_tok, 3) if b_tok and a_tok is not None else None,
+            "base_p50_ms": b_p50, "alt_p50_ms": a_p50,
+            "added_p50_ms": round(a_p50 - b_p50, 2) if b_p50 is not None and a_p50 is not None else None,
+            "base_p95_ms": _median(b, "p95_ms"), "alt_p95_ms": _median(a, "p95_ms"),
+            "base_gpu_gb": _max(b, "gpu_used_gb"), "alt_gpu_gb": _max(a, "gpu_used_gb"),
+            "base_hit_rate": _max(b, "prefix_cache_hit_rate"),
+            "alt_hit_rate": _max(a, "prefix_cache_hit_rate"),
+            "errors": sum(int(r.get("errors") or 0) for r in a + b)})
+    return out
+
+
+def crosscheck_agreement(rows: list[dict[str, Any]], cross: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each crosscheck.py run against the median `embedserve loadtest` tok/s of the same case
+    and side: agreement within CROSSCHECK_TOLERANCE."""
+    out = []
+    for c in cross:
+        same = [r for r in rows if r["case"] == c["case"] and r["side"] == c["side"]]
+        main = _median(same, "tok_s")
+        dev = round(c["tok_s"] / main - 1, 3) if main else None
+        out.append({"case": c["case"], "side": c["side"], "loadtest_tok_s": main,
+                    "crosscheck_tok_s": c["tok_s"], "deviation": dev,
+                    "errors": c.get("errors", 0),
+                    "agree": dev is not None and abs(dev) <= CROSSCHECK_TOLERANCE and not c.get("errors")})
+    return out
+
+
+def scale_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per load, tok/s with one engine and with two (same in-flight count per engine)."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        one = next((r for r in rows if r["case"] == case and r["replicas"] == 1), None)
+        two = next((r for r in rows if r["case"] == case and r["replicas"] == 2), None)
+        ratio = round(two["tok_s"] / one["tok_s"], 3) if one and two and one["tok_s"] else None
+        out.append({"case": case, "one_tok_s": one and one["tok_s"], "one_conc": one and one["conc"],
+                    "two_tok_s": two and two["tok_s"], "two_conc": two and two["conc"], "ratio": ratio,
+                    "errors": sum(int(r.get("errors") or 0) for r in (one, two) if r)})
+    return out
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:g}"
+    if isinstance(v, list):
+        return ", ".join(fmt(x) for x in v)
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> list[str]:
+    """Markdown table lines: ``cols`` is (key, header) pairs."""
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
+
+
+def comparison_cols(base: str, alt: str) -> list[tuple[str, str]]:
+    return [("case", "case"), ("runs", f"runs {base}+{alt}"), ("base_tok_s", f"{base} tok/s"),
+            ("alt_tok_s", f"{alt} tok/s"), ("ratio", "ratio"), ("base_p50_ms", f"{base} P50 ms"),
+            ("alt_p50_ms", f"{alt} P50 ms"), ("added_p50_ms", "added P50 ms"),
+            ("base_p95_ms", f"{base} P95 ms"), ("alt_p95_ms", f"{alt} P95 ms"),
+            ("base_gpu_gb", f"{base} GPU GB"), ("alt_gpu_gb", f"{alt} GPU GB"),
+            ("base_hit_rate", f"{base} cache hits"), ("alt_hit_rate", f"{alt} cache hits"),
+            ("errors", "errors")]
+
+
+RUN_COLS = [("name", "run"), ("client", "client"), ("tok_s", "tok/s"), ("req_s", "req/s"),
+            ("p50_ms", "P50 ms"), ("p95_ms", "P95 ms"), ("errors", "errors"),
+            ("gpu_used_gb", "GPU GB"), ("prefix_cache_hit_rate", "cache hits"),
+            ("gateway_cpu_pct", "gateway CPU %")]
+
+
+def every_run(rows: list[dict[str, Any]]) -> list[str]:
+    return ["<details><summary>every run</summary>", "", *table(rows, RUN_COLS), "", "</details>", ""]
+
+
+def comparison_section(title: str, rows: list[dict[str, Any]], base: str, alt: str) -> list[str]:
+    if not rows:
+        return []
+    cmp = side_by_side(rows, base, alt)
+    return [f"## {title}", "", *table(cmp, comparison_cols(base, alt)), "", *every_run(rows)]
+
+
+def rows_of(steps: dict[str, Any], prefix: str, key: str = "rows") -> list[dict[str, Any]]:
+    """The rows of every step whose name starts with ``prefix`` (a scenario split in parts)."""
+    return [r for name, s in steps.items() if name.startswith(prefix) for r in s.get(key) or []]
+
+
+def first_of(steps: dict[str, Any], prefix: str, key: str) -> Any:
+    return next((s[key] for name, s in steps.items() if name.startswith(prefix) and s.get(key)), None)
+
+
+def header(res: dict[str, Any]) -> list[str]:
+    meta = res.get("meta", {})
+    md = [f"# embedserve GPU benchmark ({meta.get('hardware', 'unknown hardware')})", "",
+          "How it was produced: `python bench/suite.py` (bench/README.md). Checkpoints have random "
+          "weights and the exact Qwen3-Embedding shapes and tokenizer (`embedserve synth-model`): "
+          "speed and memory depend on shapes, not weight values. Every input is unique unless a "
+          "row says repeated content; `cache hits` is SGLang's prefix-cache hit rate over the run. "
+          "GPU GB is the memory in use on the GPUs (NVML), peak over the run.", ""]
+    if meta.get("device") == "cpu":
+        md += ["**Dry run on CPU**: tiny checkpoints, the CPU engine in SGLang's place, short runs. It "
+               "checks the suite and its report; its figures say nothing about performance.", ""]
+    for key in ("gpus", "cpus", "python", "versions", "engine_argv", "device", "time_scale"):
+        if meta.get(key) is not None:
+            value = f"`{' '.join(meta[key])}`" if key == "engine_argv" else fmt(meta[key])
+            md.append(f"- {key.replace('_', ' ')}: {value}")
+    return [*md, ""]
+
+
+def render(res: dict[str, Any]) -> str:
+    """results.md of one run of the suite."""
+    st = res.get("steps", {})
+    md = header(res)
+    ready = [f"- {name}: ready after {s['ready_s']} s" for name, s in st.items()
+             if s.get("ready_s") and isinstance(s["ready_s"], int | float)]
+    ready += [f"- {name}: {k.removeprefix('ready_s_')} engine ready after {v} s" for name, s in st.items()
+              for k, v in s.items() if k.startswith("ready_s_")]
+    if ready:
+        md += [*ready, ""]
+    for shape in ("4b", "0.6b"):
+        prefix = f"raw-vs-gateway-{shape}"
+        if vc := first_of(st, prefix, "vector_check"):
+            md += [f"Vectors, the same token ids ({fmt(vc.get('tokens'))} tokens) each alone through the "
+                   f"gateway and straight to SGLang: cosine {fmt(vc.get('cosines'))} "
+                   f"({'ok' if vc.get('ok') else 'MISMATCH ' + str(vc.get('error', ''))}).", ""]
+        rows = rows_of(st, prefix)
+        md += comparison_section(f"Raw SGLang (token ids) vs the gateway (texts), {shape}", rows,
+                                 "raw", "gateway")
+        if cross := rows_of(st, prefix, "crosscheck_rows"):
+            md += [f"Cross-check with bench/crosscheck.py (an independent client), {shape}:", "",
+                   *table(crosscheck_agreement(rows, cross),
+                          [("case", "case"), ("side", "side"), ("loadtest_tok_s", "loadtest tok/s"),
+                           ("crosscheck_tok_s", "crosscheck tok/s"), ("deviation", "deviation"),
+                           ("errors", "errors"), ("agree", "within 5%")]), ""]
+    kv = st.get("kv-pool", {})
+    if kv.get("rows"):
+        md += comparison_section("KV pool: 65,536 vs 16,384 tokens (4B, raw token ids)", kv["rows"],
+                                 *kv["sides"])
+        md += [f"Engine GPU memory (its processes, NVML): idle {fmt_dict(kv['engine_gpu_gb_idle'])}; "
+               f"after the runs {fmt_dict(kv.get('engine_gpu_gb_after', {}))}.", ""]
+    radix = st.get("radix", {})
+    if radix.get("rows"):
+        md += comparison_section("Radix (prefix) cache on vs off (4B, through the gateway)", radix["rows"],
+                                 *radix["sides"])
+    md += comparison_section("Peers on the same GPU: embedserve vs Infinity 0.0.78 (same texts)",
+                             rows_of(st, "peers-infinity"), "embedserve", "infinity")
+    if after := first_of(dict(reversed(list(st.items()))), "peers-infinity", "gpu_gb_after"):
+        md += [f"GPU memory of each server's processes after the runs: {fmt_dict(after)}.", ""]
+    cap = st.get("soak-capacity", {})
+    if cap.get("row"):
+        r = cap["row"]
+        md += ["## Soak capacity (`embedserve up`, seed mix, 1-16 inputs per request, closed loop)", "",
+               f"{fmt(r['tok_s'])} tok/s, {fmt(r['req_s'])} req/s at {r['conc']} in flight, P50 "
+               f"{fmt(r['p50_ms'])} ms, P95 {fmt(r['p95_ms'])} ms, errors {r['errors']}, GPU "
+               f"{fmt(r['gpu_used_gb'])} GB, cache hits {fmt(r['prefix_cache_hit_rate'])}; a soak "
+               f"at 85% of it: `--rate {cap['soak_rate_req_s']}`.", ""]
+    scale_rows = [r for n in (1, 2) for r in st.get(f"scale-load-{n}", {}).get("rows", [])]
+    if scale_rows:
+        md += ["## Scale-out: one gateway, one then two 4B engines (one GPU each)", "",
+               *table(scale_summary(scale_rows), [("case", "case"), ("one_tok_s", "1 engine tok/s"),
+                                                  ("one_conc", "in flight"), ("two_tok_s", "2 engines tok/s"),
+                                                  ("two_conc", "in flight"), ("ratio", "ratio"),
+                                                  ("errors", "errors")]), "", *every_run(scale_rows)]
+    skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
+    failed = [f"- {name}: `{s.get('error')}`" for name, s in st.items() if s.get("ok") is False]
+    if skipped:
+        md += ["## Not run", "", *skipped, ""]
+    if failed:
+        md += ["## Failed steps", "", *failed, ""]
+    return "\n".join(md)
+
+
+def fmt_dict(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {fmt(v)} GB" for k, v in d.items())

@@ -1,0 +1,207 @@
+"""The GPU benchmark suite: embedserve on SGLang + FlashInfer, measured as an operator runs it.
+
+    python bench/suite.py --out results/gpu-perf                         # everything, in one go
+    python bench/suite.py --out results/gpu-perf --only raw-vs-gateway,peers
+    python bench/suite.py --out results/gpu-perf --budget-s 540          # a slice; run again to go on
+    python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
+
+Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale. Each is a list
+of named steps; state (finished steps, processes started with setsid and their pids) lives in
+the work dir, so a run cut by --budget-s resumes where it stopped. Writes results.json and
+results.md to --out after every step. bench/README.md says what each scenario measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import peers
+import results_md
+import scaleout
+import scenarios
+import stacks
+from gpu_memory import gpu_description
+from procs import WorkDir, child_env, embedserve_cmd, log_tail
+
+SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale")
+StepFn = Callable[[stacks.Host, float], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    used_by: tuple[str, ...]  # the scenarios that need it
+    run: StepFn
+    seconds: float  # roughly what it takes at time scale 1 with a warm JIT cache
+    holds: tuple[str, ...] = ()  # processes it leaves running: done again when one is gone
+    always: bool = False  # stops and clean-ups run on every pass
+
+
+def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = ("4b",)) -> dict[str, Any]:
+    """Random-weight checkpoints of the real shapes (`embedserve synth-model`), built at once."""
+    procs = {}
+    for shape in shapes:
+        out = Path(host.model(shape))
+        if (out / "config.json").exists():
+            continue
+        kind = stacks.SHAPES_ON_CPU if host.cpu else shape
+        argv = [*embedserve_cmd(), "synth-model", kind, str(out), "--device", host.device,
+                "--max-seq-length", str(host.cap)]
+        procs[shape] = subprocess.Popen(argv, env=child_env(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+    for shape, proc in procs.items():
+        output, _ = proc.communicate(timeout=max(30.0, min(budget_end - time.time(), 1800.0)))
+        if proc.returncode:
+            raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
+    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs)}
+
+
+def step_finish(host: stacks.Host, budget_end: float) -> dict[str, Any]:
+    """Stop whatever is still running; pack the FlashInfer JIT cache again (kernels compiled
+    since the engines started are in it too)."""
+    return {"stopped": host.work.stop_all(), "fi_cache_tgz_mb": stacks.pack_fi_cache(host)}
+
+
+def plan(selected: tuple[str, ...]) -> list[Step]:
+    shapes = ("4b", "0.6b") if "raw-vs-gateway" in selected else ("4b",)
+    engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
+    up_for = ("soak-capacity", "scale")
+    steps = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
+        Step("models", SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
+        Step("up-1", up_for, scaleout.step_up, 150, holds=("up-1",)),
+        Step("soak-capacity", ("soak-capacity",), scaleout.step_capacity, 45),
+        Step("scale-load-1", ("scale",), scaleout.step_scale_load, 85),
+        Step("down-1", up_for, scaleout.step_down, 30, always=True),
+        Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
+        Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
+        Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
+        Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150,
+             holds=tuple(f"engine-{s}" for s in shapes)),
+        *(Step(f"raw-vs-gateway-{shape}-{part}", ("raw-vs-gateway",),
+               partial(scenarios.step_raw_vs_gateway, shape=shape, part=part), seconds)
+          for shape in shapes for part, seconds in ((1, 200), (2, 190), (3, 230 if shape == "4b" else 150))),
+        Step("kv-pool", ("kv-pool",), scenarios.step_kv_pool, 380),
+        Step("radix", ("radix",), scenarios.step_radix, 300),
+        Step("peers-infinity-1", ("peers",), peers.step_infinity, 300),
+        Step("peers-infinity-2", ("peers",), partial(peers.step_infinity, part=2), 230),
+        Step("peers-vllm", ("peers",), peers.step_vllm, 1),
+        Step("stop-engines", engines_for, scenarios.step_stop_engines, 20, always=True),
+        Step("finish", SCENARIOS, step_finish, 20, always=True),
+    ]
+    return [s for s in steps if set(s.used_by) & set(selected)]
+
+
+def meta(host: stacks.Host) -> dict[str, Any]:
+    """How the figures were produced: hardware, versions, the engine's command line."""
+    gpus = gpu_description()
+    names = sorted({g.split(",")[0] for g in gpus})
+    versions = {}
+    for dist in ("embedserve", "sglang", "flashinfer-python", "torch", "transformers", "tokenizers"):
+        with contextlib.suppress(PackageNotFoundError):
+            versions[dist] = version(dist)
+    info: dict[str, Any] = {
+        "hardware": f"{len(gpus)} x {', '.join(names)}" if gpus else f"CPU only, {os.cpu_count()} cores",
+        "gpus": gpus or None, "cpus": os.cpu_count(), "python": platform.python_version(),
+        "versions": ", ".join(f"{k} {v}" for k, v in versions.items()), "device": host.device,
+        "time_scale": host.time_scale, "cap": host.cap}
+    if not host.cpu:
+        env = child_env(stacks.engine_env(host, "4b", 30000, kv_pool=scenarios.MAIN_KV_POOL))
+        done = subprocess.run([*embedserve_cmd(), "engine", "--dry-run", "--json"], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode == 0:
+            info["engine_argv"] = json.loads(done.stdout)["argv"][1:]
+    return info
+
+
+def write_results(host: stacks.Host, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    res = {k: v for k, v in host.work.state.items() if k != "procs"}
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "results.md").write_text(results_md.render(res))
+    tails = [f"===== {log.name} =====\n{log_tail(log, 6000)}\n"
+             for log in sorted((host.work.root / "logs").glob("*.log"))]
+    (out / "logs.txt").write_text("".join(tails))  # one file: a remote host may return only a few
+
+
+def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None, redo: list[str]) -> int:
+    work = host.work
+    work.state.setdefault("meta", meta(host))
+    for name in redo:
+        work.state["steps"].pop(name, None)
+    t_end = time.time() + budget_s if budget_s else float("inf")
+    for step in steps:
+        done = work.state["steps"].get(step.name, {})
+        if done.get("ok") and not step.always and all(work.running(t) for t in step.holds):
+            continue
+        need = step.seconds * (0.4 + 0.6 * host.time_scale)  # starts and client launches do not scale
+        if budget_s and time.time() + need > t_end:
+            work.note(f"stopping before {step.name}: {t_end - time.time():.0f} s left, needs ~{need:.0f} s; "
+                      "run the same command again to go on")
+            write_results(host, out)
+            return 3
+        work.note(f"step {step.name}")
+        t0 = time.time()
+        try:
+            data = step.run(host, t_end)
+            work.state["steps"][step.name] = {"ok": True, "seconds": round(time.time() - t0, 1), **data}
+            if step.name == "models":  # the engine's command line needs the checkpoint
+                work.state["meta"] = meta(host)
+            work.note(f"step {step.name} done in {time.time() - t0:.0f} s")
+        except TimeoutError as exc:  # waiting on a start-up past the budget: the next slice goes on
+            work.note(f"step {step.name}: {exc}")
+            write_results(host, out)
+            return 3
+        except Exception as exc:
+            work.state["steps"][step.name] = {"ok": False, "error": repr(exc)[:2000]}
+            work.note(f"step {step.name} FAILED: {exc!r}"[:600])
+        work.save()
+        write_results(host, out)
+    write_results(host, out)
+    failed = [k for k, v in work.state["steps"].items() if v.get("ok") is False]
+    print(f"results: {out / 'results.md'}" + (f" (failed: {', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="results.json, results.md (and fi-cache.tgz)")
+    ap.add_argument("--only", help=f"comma-separated scenarios of: {', '.join(SCENARIOS)}")
+    ap.add_argument("--budget-s", type=float, help="stop before a step that would not fit; resume later")
+    ap.add_argument("--redo", nargs="*", default=[], help="forget these steps' results first")
+    ap.add_argument("--work", type=Path, help="state, logs, models (default: /tmp/embedserve-bench)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--cap", type=int, help="max sequence length (default 8192; 512 on cpu)")
+    ap.add_argument("--time-scale", type=float, help="multiply every run's duration (default 1; cpu 0.1)")
+    ap.add_argument("--model", action="append", default=[], metavar="SHAPE=DIR",
+                    help="use this checkpoint instead of building one (e.g. 4b=/models/q4b)")
+    ap.add_argument("--fi-cache", default="/tmp/fi-cache", help="FlashInfer JIT cache folder")
+    ap.add_argument("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
+    a = ap.parse_args(argv)
+    selected = tuple(a.only.split(",")) if a.only else SCENARIOS
+    unknown = set(selected) - set(SCENARIOS)
+    if unknown:
+        ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    cpu = a.device == "cpu"
+    work = WorkDir(a.work or Path("/tmp/embedserve-bench" + ("-cpu" if cpu else "")))
+    host = stacks.Host(work, device=a.device, cap=a.cap or (512 if cpu else 8192),
+                       time_scale=a.time_scale or (0.1 if cpu else 1.0), fi_cache=a.fi_cache,
+                       infinity_site=a.infinity_site,
+                       models=dict(m.split("=", 1) for m in a.model), out=a.out)
+    return run(host, plan(selected), a.out, a.budget_s, a.redo)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
