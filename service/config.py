@@ -161,7 +161,7 @@ class GatewaySettings(BaseModel):
     engine_calls_per_engine: int | None = Field(
         None,
         ge=1,
-        description="coalesced calls in flight per engine (default 4 for SGLang, 2 for the CPU "
+        description="coalesced calls in flight per engine (default 4 for SGLang, 1 for the CPU "
         "engine, which computes one at a time); while all are busy, "
         "inputs of concurrent requests gather into the next call",
     )
@@ -170,8 +170,8 @@ class GatewaySettings(BaseModel):
         None,
         ge=8,
         description="one engine call's token budget, so other requests' inputs interleave with a "
-        "large request's. Default: engine.batch_token_budget for SGLang, 1,024 for the CPU "
-        "engine (about a second of its work)",
+        "large request's. Default: engine.batch_token_budget for SGLang, 512 for the CPU "
+        "engine (a fraction of a second of its work on two cores)",
     )
     max_tokens_in_flight: int | None = Field(
         None,
@@ -298,12 +298,12 @@ class Settings(BaseSettings):
     def engine_calls(self, engine_kind: str) -> int:
         if self.gateway.engine_calls_per_engine is not None:
             return self.gateway.engine_calls_per_engine
-        return 2 if engine_kind == "cpu" else 4
+        return 1 if engine_kind == "cpu" else 4
 
     def engine_call_tokens(self, engine_kind: str) -> int:
         if self.gateway.max_tokens_per_engine_call is not None:
             return self.gateway.max_tokens_per_engine_call
-        return 1024 if engine_kind == "cpu" else self.engine.batch_token_budget
+        return 512 if engine_kind == "cpu" else self.engine.batch_token_budget
 
     def hang_after_s(self) -> float:
         return self.health.hang_after_s or 4 * self.gateway.request_timeout_s

@@ -117,11 +117,17 @@ CASES = [
     Case("2049 strings", req(input=["a"] * 2049), param="input", code="too_many_inputs", real=True),
     Case("2049 id lists", req(input=[[1]] * 2049), param="input", code="too_many_inputs"),
     Case(
+        "over 300k tokens of text",
+        req(input=["word " * 300] * 2048),
+        param="input",
+        code="max_tokens_per_request",
+        real=True,
+    ),
+    Case(
         "over 300k tokens",
         req(input=[[1000] * 200] * 2048),
         param="input",
         code="max_tokens_per_request",
-        real=True,
     ),
     Case("10M characters", req(input="a" * 10_000_000), param="input", code="input_too_long", real=True),
     Case(

@@ -65,6 +65,7 @@ def test_garbage_from_the_engine_is_503(name: str) -> None:
 
     settings = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
+        gateway={"accept_token_ids": True},
         health={"sample_interval_s": 60},
         _env_file=None,
     )

@@ -23,7 +23,7 @@ from tests.fake_engine import FakeEngine, HttpxEngineClient
 from tests.test_gateway_unit import make_client, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
-BODY = {"model": MODEL, "input": [[1, 2, 3]]}
+BODY = {"model": MODEL, "input": "a short text"}
 
 
 def client_from_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> TestClient:

@@ -63,7 +63,8 @@ class CpuEmbedder:
             or self.model.get_sentence_embedding_dimension
         )
         self.dimension = int(dim_of() or 0)
-        self.vocab_size = int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
+        transformer: Any = self.model[0].auto_model
+        self.vocab_size = int(transformer.get_input_embeddings().num_embeddings)
         self.lock = threading.Lock()
 
     def embed(self, batch: list[list[int]], cancelled: threading.Event | None = None) -> np.ndarray:

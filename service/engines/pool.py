@@ -182,9 +182,10 @@ class EnginePool:
 
     async def _check(self, engine: EngineState) -> None:
         assert self._client is not None
+        answered = False
         try:
             status = await self._client.get_status(f"{engine.url}/health", self._health_timeout)
-            ok = status == 200
+            ok = answered = status == 200
             why = f"health answered {status}"
         except CallTimeout:
             # A busy engine answers /health slowly (SGLang runs a forward pass); recent
@@ -194,6 +195,8 @@ class EnginePool:
         except CallFailed as exc:
             ok, why = False, f"unreachable: {exc}"
         if ok:
+            if answered:  # it answered just now: whatever stalled before has passed
+                engine.stalled_since = None
             if not engine.ready:
                 log.info("engine ready", extra={"engine": engine.url})
             engine.ready = engine.ever_ready = True
@@ -231,6 +234,12 @@ class EnginePool:
         except CallFailed as exc:
             self._mark_down(engine, f"call failed: {exc}")
             raise EngineUnavailable("the engine is unreachable", engine.url) from exc
+        except asyncio.CancelledError:
+            started = engine.inflight_since.get(call_id)
+            if started is not None and time.monotonic() - started >= 0.9 * self._timeout:
+                # abandoned at its deadline: to the hang detector, the engine did not answer
+                engine.stalled_since = engine.stalled_since or started
+            raise
         finally:
             engine.outstanding_tokens -= tokens
             engine.outstanding_calls -= 1
