@@ -45,7 +45,6 @@ from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokeniz
 from embedserve.loadtest.traffic import RequestFactory
 from embedserve.loadtest.verdict import Targets
 
-
 # Qwen3-Embedding's instruction for web search queries (its model card's example)
 PREFIX_PRESETS = {
     "qwen3-query": "Instruct: Given a web search query, retrieve relevant passages that answer "

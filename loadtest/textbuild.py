@@ -15,7 +15,10 @@ most the template's leading special tokens (BERT's ``[CLS]``) and K - 1 marker t
 any run shorter than ``n**K`` >= 2**40 inputs; inputs too short to hold the whole marker
 share at most their own few tokens. The least significant digit comes first, so even
 neighbouring serials differ at the first token. The body after the marker is cut from the
-corpus at a random word as before. An optional shared prefix (``--shared-prefix``, the
+corpus at a random word as before. (No generator can do better than one token: once a
+cache holds more inputs than the vocabulary has first tokens, every new input finds its
+first token cached, a hit of 1/length; for Qwen3's 151k-token vocabulary that takes over
+150k cached inputs.) An optional shared prefix (``--shared-prefix``, the
 labelled repeated-content scenario) goes before the marker.
 """
 
@@ -217,8 +220,8 @@ class TextBuilder:
         """Like ``text`` and also its measured token count."""
         target = max(n_tokens, self.min_len)
         lead, lead_n = self._lead(target - self.n_special, rng, serial)
-        _, k, start = self._cut(target - lead_n, rng)
-        k = target - self.n_special - lead_n
+        start = self._cut(target - lead_n, rng)[2]
+        k = target - self.n_special - lead_n  # corpus tokens: a first guess, then measured
         if k <= 0:  # the marker fills the input
             return lead, self.count(lead)
         best, best_err = "", None
@@ -271,7 +274,7 @@ class TextBuilder:
         m = min(mk.length, room)
         symbols = self._id_symbols
         marker = [symbols[d] for d in mk.digits(self._serial(rng, serial, mk.space), m)]
-        _, k, start = self._cut(room - m + self.n_special, rng)
+        start = self._cut(room - m + self.n_special, rng)[2]
         head, tail = self._wrap
         body = self._corpus_ids[start:start + room - m]
         return head + self.prefix_ids + marker + body + tail

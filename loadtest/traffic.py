@@ -50,7 +50,7 @@ class ContentStats:
     tokens: int = 0
     repeated_inputs: int = 0  # exact copies of an earlier input of the run
     repeated_tokens: int = 0
-    shared_prefix_tokens: int = 0  # tokens of the shared prefix, in the new inputs
+    shared_prefix_tokens: int = 0  # tokens of the shared prefix, summed over the inputs
 
     def to_json(self) -> dict[str, Any]:
         return {"inputs_built": self.inputs, "tokens_built": self.tokens,
@@ -94,12 +94,16 @@ class RequestFactory:
         self._history: list[tuple[str | list[int], int]] = []
         self._sent_texts = bytearray(len(self.mix.texts)) if isinstance(self.mix, FileMix) else None
         self.stats = ContentStats()
+        b: Any = self.builder
+        # tokens of the shared prefix in each input (words without a tokenizer)
+        self._prefix_n = len(getattr(b, "prefix_ids", ())) or len(getattr(b, "prefix", "").split())
 
     def _new(self) -> tuple[str | list[int], int]:
         b: Any = self.builder
         if isinstance(self.mix, FileMix):
             i = self.mix.pick_index(self._rng)
-            text = self.mix.texts[i]
+            prefix = getattr(b, "prefix", "")
+            text = f"{prefix} {self.mix.texts[i]}" if prefix else self.mix.texts[i]
             if self.input_kind == "ids":
                 ids = b.encode(text, self.max_tokens)
                 item: tuple[str | list[int], int] = (ids, len(ids))
@@ -114,8 +118,6 @@ class RequestFactory:
         assert isinstance(self.mix, BucketMix)
         n = max(self.mix.sample(self._rng, self.max_tokens), b.min_len)
         serial, self._serial = self._serial, self._serial + 1
-        self.stats.shared_prefix_tokens += len(getattr(b, "prefix_ids", ())) or len(
-            getattr(b, "prefix", "").split())
         if self.input_kind == "ids":
             ids = b.ids(n, self._rng, serial)
             return ids, len(ids)
@@ -135,6 +137,7 @@ class RequestFactory:
                     self._history[self.stats.inputs % REPEAT_HISTORY] = item
         self.stats.inputs += 1
         self.stats.tokens += item[1]
+        self.stats.shared_prefix_tokens += self._prefix_n
         return item
 
     def make(self) -> Planned:

@@ -6,12 +6,15 @@ The model here is a radix tree with LRU eviction by token count (65,536 tokens, 
 policy: least recently used leaves go first); for each input it counts the longest cached
 prefix, then caches the input.
 
-20,000 inputs replay in a few seconds. The bound holds at any count because it does not
-rest on chance: input ``i`` opens with the marker that spells ``i`` through a bijection on
-at least 2**40 serials (see ``embedserve.loadtest.textbuild``), so any two inputs of a run
-share at most the template's leading special tokens plus marker length - 1 tokens, whether
-the run sends 20,000 inputs or 10 million; ``test_no_two_inputs_share_more_than_a_few_tokens``
-checks that bound directly on every pair.
+20,000 inputs (ids; 5,000 texts) replay in a few seconds. The bound holds at any count
+because it does not rest on chance: input ``i`` opens with the marker that spells ``i``
+through a bijection on at least 2**40 serials (see ``embedserve.loadtest.textbuild``), so
+any two inputs of a run share at most the template's leading special tokens plus marker
+length - 1 tokens, whether the run sends 20,000 inputs or 10 million
+(``test_no_two_inputs_share_more_than_a_few_tokens`` checks that on every pair). A hit is
+then at most those few tokens per input, and in practice one (a first token seen before):
+under 1% of inputs of 16-512 tokens, at any count. Replayed by hand with 100,000 inputs:
+0.00% (ids) and 0.38% (texts) for the tiny Qwen3 tokenizer, 0.38% for MiniLM (its [CLS]).
 """
 
 from __future__ import annotations
