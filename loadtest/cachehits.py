@@ -88,7 +88,9 @@ def hit_rate(before: Scrape | None, after: Scrape | None, urls: list[str],
     out: dict[str, Any] = {"urls": urls, "status": "not exposed", "hit_rate": None,
                            "cached_tokens": None, "prompt_tokens": None, "counters": None,
                            "max_hit_rate": MAX_HIT_RATE, "flagged": False,
-                           "repeated_content": repeated_content}
+                           "repeated_content": repeated_content,
+                           "scope": "the whole run, warm-up included, and any other traffic "
+                                    "the target served meanwhile"}
     if not urls:
         out["status"] = "not read (--metrics-url none)"
         return out

@@ -311,6 +311,9 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
         tokenizer_desc = f"{a.tokenizer} (special tokens included)"
     else:
         builder = WordBuilder(a.seed, prefix=prefix)
+    if a.max_tokens is not None and a.max_tokens < builder.min_len and not isinstance(mix, FileMix):
+        raise ValueError(f"--max-tokens {a.max_tokens} leaves no room: an input needs "
+                         f"{builder.min_len} tokens (special tokens, shared prefix, one more)")
     if a.duration is None and a.requests is None:
         a.duration = 60.0
     extra: dict[str, Any] = {}

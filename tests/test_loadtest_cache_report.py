@@ -18,14 +18,6 @@ from embedserve.loadtest import cachehits
 from embedserve.loadtest.cli import main
 from embedserve.loadtest.fake_target import FakeConfig, FakeServer, PrefixCache
 from embedserve.loadtest.textbuild import TextBuilder, load_tokenizer
-from embedserve.runtime.synth_model import write_tokenizer_files
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(d)
-    return d
 
 
 def _run(args: list[str], out: Path) -> tuple[int, dict[str, Any], str]:
@@ -162,6 +154,7 @@ def test_a_file_mix_that_repeats_its_texts_is_labelled(tmp_path: Path) -> None:
     (["--shared-prefix", "ids:1,2"], "needs --input ids"),
     (["--query-prefix", "--shared-prefix", "Query:"], "give one of them"),
     (["--metrics-url", "ftp://x/metrics"], "--metrics-url must be an http(s) URL"),
+    (["--query-prefix", "--max-tokens", "8"], "--max-tokens 8 leaves no room"),
 ])
 def test_bad_input_exits_2_with_a_reason_and_sends_nothing(
         args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
