@@ -256,3 +256,22 @@ def test_memory_series_filter() -> None:
     v = evaluate(t, _measured(), [], mem)
     assert v["passed"] and [c["check"] for c in v["checks"]] == [
         "memory growth MiB: target engine RSS"]
+
+
+def test_a_shared_prefix_counts_in_the_exact_length(tok: Any) -> None:
+    """Inputs of the shared-prefix scenario start with the prefix and keep their asked
+    length, special tokens and prefix included; texts measured by the tokenizer itself."""
+    bert = load_tokenizer(resolve_model_path(BUNDLED_MODEL))
+    query = "Instruct: Given a web search query, retrieve relevant passages\nQuery:"
+    rng = random.Random(4)
+    for t in (tok, bert):
+        b = TextBuilder(t, seed=2, prefix=query)
+        p = b.prefix_ids
+        assert b._wrap is not None
+        lead = b._wrap[0]  # [CLS] for BERT, nothing for Qwen3
+        for n in (b.min_len, b.min_len + 1, 40, 300, 1000):
+            text, counted = b.build(n, rng, serial=n)
+            assert text.startswith(query + " ") and counted == len(t.encode(text).ids) == n
+            ids = b.ids(n, rng, serial=n)
+            assert len(ids) == n and ids[len(lead):len(lead) + len(p)] == p
+        assert b.min_len == b.n_special + len(p) + 1
