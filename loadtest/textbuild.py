@@ -189,8 +189,10 @@ class TextBuilder:
         self._corpus = text
         self._corpus_ids = list(enc.ids)
         self._offsets = list(enc.offsets)
+        # a word starts after a space (WordPiece offsets) or with one (byte-level BPE's
+        # offsets include the space: "Ġword")
         self._starts = [i for i, (s, _) in enumerate(self._offsets)
-                        if s == 0 or text[s - 1] == " "]
+                        if s == 0 or text[s - 1] == " " or text[s] == " "]
 
     def count(self, text: str) -> int:
         """Tokens the server will embed for this text (special tokens included)."""

@@ -18,6 +18,7 @@ from embedserve.loadtest import cachehits
 from embedserve.loadtest.cli import main
 from embedserve.loadtest.fake_target import FakeConfig, FakeServer, PrefixCache
 from embedserve.loadtest.textbuild import TextBuilder, load_tokenizer
+from tests.test_loadtest_prefix_cache import old_cut_ids
 
 
 def _run(args: list[str], out: Path) -> tuple[int, dict[str, Any], str]:
@@ -106,9 +107,7 @@ def test_a_unique_run_served_from_the_cache_is_flagged(tok_dir: Path, tmp_path: 
 
     def old_ids(self: TextBuilder, n: int, rng: random.Random, serial: int | None = None
                 ) -> list[int]:
-        assert self._wrap is not None
-        _, k, start = self._cut(n, rng)
-        return self._wrap[0] + self._corpus_ids[start:start + k] + self._wrap[1]
+        return old_cut_ids(self, n, rng)
 
     monkeypatch.setattr(TextBuilder, "ids", old_ids)
     with FakeServer(FakeConfig()) as srv:
