@@ -6,6 +6,20 @@ Examples::
         --warmup 60 --max-error-rate 0.001 --max-p95-drift 0.2 --max-memory-growth-mib 256
     embedserve loadtest http://127.0.0.1:30000/v1/embeddings --input ids --tokenizer MODEL_DIR \\
         --concurrency 8 --requests 2000 --mix uniform:128-512
+    embedserve loadtest http://127.0.0.1:8000 --tokenizer MODEL_DIR --requests 2000 \\
+        --repeat-rate 0.3 --query-prefix      # the labelled repeated-content scenario
+
+Inputs: every generated input opens with a marker unique in the run, so no two share more
+than a few leading tokens and a server's prefix cache serves next to nothing; lengths are
+exact in the target model's tokens. Repeated content (exact repeats, a shared prefix) is a
+scenario of its own, asked for with --repeat-rate / --shared-prefix / --query-prefix and
+labelled as such in the report. A file: mix sends the file's texts as they are; a text sent
+twice counts as repeated content.
+
+Prefix cache: the report states the fraction of prompt tokens the target served from its
+prefix cache (SGLang's sglang:cached_tokens_total / sglang:prompt_tokens_total, read from
+--metrics-url before and after the run), or "not exposed". A run of unique inputs above 1%
+is flagged: its throughput measures the cache as much as the engine.
 """
 
 from __future__ import annotations
@@ -23,13 +37,40 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
-from embedserve.loadtest import plots, report
-from embedserve.loadtest.mixes import parse_count, parse_mix
+from embedserve.loadtest import cachehits, plots, report
+from embedserve.loadtest.mixes import FileMix, parse_count, parse_mix
 from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
 from embedserve.loadtest.sampling import MemorySampler, ProcessSampler
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from embedserve.loadtest.traffic import RequestFactory
 from embedserve.loadtest.verdict import Targets
+
+# Qwen3-Embedding's instruction for web search queries (its model card's example)
+PREFIX_PRESETS = {
+    "qwen3-query": "Instruct: Given a web search query, retrieve relevant passages that answer "
+                   "the query\nQuery:",
+}
+
+
+def parse_prefix(spec: str | None) -> tuple[str, list[int]]:
+    """``--shared-prefix``: TEXT, ``ids:N,N,...`` or ``preset:NAME`` -> (text, token ids)."""
+    if not spec:
+        return "", []
+    kind, _, rest = spec.partition(":")
+    if kind == "preset":
+        if rest not in PREFIX_PRESETS:
+            raise ValueError(f"unknown --shared-prefix preset {rest!r}: "
+                             f"use one of {', '.join(sorted(PREFIX_PRESETS))}")
+        return PREFIX_PRESETS[rest], []
+    if kind == "ids":
+        try:
+            ids = [int(x) for x in rest.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"bad --shared-prefix {spec!r}: ids:N,N,... wants token ids") from None
+        if not ids or min(ids) < 0:
+            raise ValueError(f"bad --shared-prefix {spec!r}: ids:N,N,... wants token ids >= 0")
+        return "", ids
+    return spec, []
 
 
 def parse_seconds(text: str) -> float:
@@ -66,7 +107,8 @@ def same_origin_url(target: str, path_or_url: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="embedserve loadtest", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("target", help="base URL or full /v1/embeddings URL (the only host used)")
+    ap.add_argument("target", help="base URL or full /v1/embeddings URL (the only host used, "
+                                   "but for --metrics-url pages named on other hosts)")
     g = ap.add_argument_group("traffic")
     loop = g.add_mutually_exclusive_group()
     loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
@@ -90,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send this encoding_format (default: omit the field)")
     g.add_argument("--dimensions", type=int, help="send this dimensions value")
     g.add_argument("--seed", type=int, default=0)
+    r = ap.add_argument_group(
+        "repeated content (a scenario of its own: labelled in the report, its cache benefit "
+        "reported apart from the headline figures)")
+    r.add_argument("--repeat-rate", type=float, default=0.0, metavar="R",
+                   help="fraction 0-1 of inputs sent as exact copies of one of the last 1,024 "
+                        "new inputs (default 0: every input is new)")
+    r.add_argument("--shared-prefix", metavar="TEXT|ids:N,...|preset:NAME",
+                   help="every generated input starts with this prefix, counted in its length "
+                        "(a file: mix gets it before each text); ids: needs --input ids; "
+                        f"presets: {', '.join(sorted(PREFIX_PRESETS))}")
+    r.add_argument("--query-prefix", action="store_true",
+                   help="same as --shared-prefix preset:qwen3-query (Qwen3-Embedding's "
+                        "'Instruct: ... Query:' instruction)")
     s = ap.add_argument_group("safety")
     s.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, s")
     s.add_argument("--max-connections", type=int,
@@ -107,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--health-url", default="/health/memory",
                    help="path on the target (or 'none'); a 404 disables sampling")
     m.add_argument("--sample-interval", type=float, default=5.0)
+    m.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="Prometheus page read before and after the run for the prefix cache "
+                        "hit rate; repeatable (engines behind a gateway); a path is taken on "
+                        "the target; default /metrics on the target; 'none' skips it")
     m.add_argument("--watch-pid", type=int, action="append", default=[],
                    help="also sample this local process's RSS (and its children's)")
     o = ap.add_argument_group("output and verdict")
@@ -200,19 +259,61 @@ class Progress:
             self.bar.close()
 
 
+def _check_numbers(a: argparse.Namespace) -> None:
+    """Counts and rates that would make no run (or a silent wrong one)."""
+    if not 0.0 <= a.repeat_rate <= 1.0:
+        raise ValueError(f"--repeat-rate must be within 0-1, got {a.repeat_rate:g}")
+    for flag, value, least in (("--requests", a.requests, 1), ("--warmup-requests",
+                               a.warmup_requests, 0), ("--max-tokens", a.max_tokens, 1),
+                               ("--concurrency", a.concurrency, 1),
+                               ("--max-connections", a.max_connections, 1),
+                               ("--max-in-flight", a.max_in_flight, 1),
+                               ("--retries-429", a.retries_429, 0),
+                               ("--dimensions", a.dimensions, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    for flag, secs in (("--duration", a.duration), ("--warmup", a.warmup),
+                       ("--timeout", a.timeout), ("--sample-interval", a.sample_interval)):
+        if secs is not None and (secs < 0 or (secs == 0 and flag != "--warmup")):
+            raise ValueError(f"{flag} must be > 0, got {secs:g}")
+
+
+def metrics_urls(url: str, given: list[str]) -> list[str]:
+    """``--metrics-url`` values as URLs (paths on the target); default the target's /metrics."""
+    if given == ["none"]:
+        return []
+    out = []
+    for u in given or ["/metrics"]:
+        parts = urlsplit(u)
+        if parts.netloc and parts.scheme not in ("http", "https"):
+            raise ValueError(f"--metrics-url must be an http(s) URL or a path, got {u!r}")
+        out.append(u if parts.netloc else same_origin_url(url, u))
+    return out
+
+
 def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str, Any]]:
     """Everything checkable before sending anything (ValueError on bad arguments)."""
+    _check_numbers(a)
     url = embeddings_url(a.target)
     headers = _headers(a)
     health_url = None if a.health_url == "none" else same_origin_url(url, a.health_url)
     mix = parse_mix(a.mix)
+    if a.query_prefix and a.shared_prefix:
+        raise ValueError("--query-prefix is --shared-prefix preset:qwen3-query: give one of them")
+    prefix, prefix_ids = parse_prefix("preset:qwen3-query" if a.query_prefix else a.shared_prefix)
+    if prefix_ids and (a.input_kind != "ids" or isinstance(mix, FileMix)):
+        raise ValueError("a token-id --shared-prefix needs --input ids and a generated mix")
     tokenizer_desc = "no tokenizer: 1 word counted as 1 token (approximate)"
     builder: Any
     if a.tokenizer:
-        builder = TextBuilder(load_tokenizer(a.tokenizer), seed=a.seed)
+        builder = TextBuilder(load_tokenizer(a.tokenizer), seed=a.seed, prefix=prefix,
+                              prefix_ids=prefix_ids)
         tokenizer_desc = f"{a.tokenizer} (special tokens included)"
     else:
-        builder = WordBuilder(a.seed)
+        builder = WordBuilder(a.seed, prefix=prefix)
+    if a.max_tokens is not None and a.max_tokens < builder.min_len and not isinstance(mix, FileMix):
+        raise ValueError(f"--max-tokens {a.max_tokens} leaves no room: an input needs "
+                         f"{builder.min_len} tokens (special tokens, shared prefix, one more)")
     if a.duration is None and a.requests is None:
         a.duration = 60.0
     extra: dict[str, Any] = {}
@@ -221,7 +322,7 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
     if a.dimensions:
         extra["dimensions"] = a.dimensions
     factory = RequestFactory(mix, builder, a.input_kind, parse_count(a.inputs), a.model or "",
-                             a.seed, a.max_tokens, extra)
+                             a.seed, a.max_tokens, extra, a.repeat_rate)
     closed = a.rate is None
     cfg = RunConfig(url=url, mode="closed" if closed else "open", rate=a.rate or 0.0,
                     concurrency=a.concurrency or 4, duration_s=a.duration,
@@ -230,9 +331,39 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
                     max_connections=a.max_connections, max_in_flight=a.max_in_flight,
                     retries_429=a.retries_429, max_run_s=a.max_run_time, headers=headers,
                     seed=a.seed)
+    shared = None
+    if prefix or prefix_ids:
+        n = len(builder.prefix_ids) if a.tokenizer else len(prefix.split())
+        shared = {"text": prefix or None, "ids": prefix_ids or None, "tokens": n}
     info = {"health_url": health_url, "tokenizer": tokenizer_desc,
-            "mix": mix.describe()}
+            "mix": mix.describe(), "metrics_urls": metrics_urls(url, a.metrics_url),
+            "shared_prefix": shared, "file_mix": isinstance(mix, FileMix)}
     return cfg, factory, info
+
+
+def content_meta(a: argparse.Namespace, factory: RequestFactory, info: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The report's label for what the inputs repeat: ``unique inputs`` or ``repeated
+    content`` (asked for, or a file: mix that sent a text twice), with its rates."""
+    stats = factory.stats.to_json()
+    repeated = bool(a.repeat_rate or info["shared_prefix"] or stats["repeated_inputs"])
+    if not repeated:
+        how = "texts of the file, none sent twice" if info["file_mix"] else \
+            "each input opens with a marker unique in the run"
+    else:
+        parts = []
+        if a.repeat_rate:
+            parts.append(f"{a.repeat_rate:.0%} of inputs asked to be exact repeats")
+        elif stats["repeated_inputs"]:
+            parts.append("the file's texts recur")
+        parts.append(f"{stats['repeated_input_fraction']:.1%} of inputs "
+                     f"({stats['repeated_token_fraction']:.1%} of tokens) repeated")
+        if info["shared_prefix"]:
+            parts.append(f"a {info['shared_prefix']['tokens']}-token shared prefix "
+                         f"({stats['shared_prefix_token_fraction']:.1%} of tokens)")
+        how = "; ".join(parts)
+    return {"scenario": "repeated content" if repeated else "unique inputs", "detail": how,
+            "repeat_rate": a.repeat_rate, "shared_prefix": info["shared_prefix"], **stats}
 
 
 async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFactory,
@@ -262,16 +393,25 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
             tasks.append(checkpoints(stop))
         return tasks
 
+    urls: list[str] = info["metrics_urls"]
+    before = await cachehits.scrape_urls(urls, cfg.headers) if urls else None
+    after: cachehits.Scrape | None = None
+
     def results(outcome: RunOutcome) -> dict[str, Any]:
         traffic = (f"closed loop, concurrency {cfg.concurrency}" if cfg.mode == "closed"
                    else f"open loop, Poisson {cfg.rate:g} req/s")
+        content = content_meta(a, factory, info)
         meta = {"url": url, "model": model, "traffic": traffic, "mix": info["mix"],
                 "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
                 "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
-                "started_at": t0_wall, "argv": sys.argv[1:]}
+                "content": content, "started_at": t0_wall, "argv": sys.argv[1:]}
+        cache = cachehits.hit_rate(before, after, urls,
+                                   content["scenario"] == "repeated content")
+        if after is None and urls:
+            cache["status"] = "read when the run ends"
         targets = targets_from(a)
         return report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
-                                    procs.to_json() if procs else {}, a.window)
+                                    procs.to_json() if procs else {}, a.window, cache)
 
     async def checkpoints(stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -291,13 +431,17 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+    if urls:
+        after = await cachehits.scrape_urls(urls, cfg.headers)
     res = results(outcome)
     names = [] if a.no_plots else plots.write_all(res, out)
     jp, mp = report.write(res, out, names)
-    m = res["measured"]
-    print(f"{'PASS' if res['verdict']['passed'] else 'FAIL'}: {m['ok']}/{m['attempts']} ok, "
+    m, pc = res["measured"], res["prefix_cache"]
+    label = "repeated content: " if res["meta"]["content"]["scenario"] != "unique inputs" else ""
+    print(f"{label}{'PASS' if res['verdict']['passed'] else 'FAIL'}: {m['ok']}/{m['attempts']} ok, "
           f"{m['requests_per_s']:.2f} req/s, {m['tokens_per_s']:.0f} tokens/s, "
-          f"p95 {m['latency_ms']['p95']} ms, errors {m['errors']}, 429 {m['throttled_429']}"
+          f"p95 {m['latency_ms']['p95']} ms, errors {m['errors']}, 429 {m['throttled_429']}; "
+          f"{cachehits.describe(pc)}{' (WARNING: above 1%)' if pc['flagged'] else ''}"
           f"\nreport: {mp}\nresults: {jp}", file=sys.stderr)
     return 0 if res["verdict"]["passed"] else 1
 
@@ -305,7 +449,10 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
 def main(argv: list[str] | None = None) -> int:
     """Entry point: 0 when the verdict passes, 1 when it fails, 2 on bad arguments."""
     ap = build_parser()
-    a = ap.parse_args(argv)
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:  # argparse has said why on stderr (2), or printed --help (0)
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
     try:
         cfg, factory, info = prepare(a)
     except (ValueError, FileNotFoundError) as e:

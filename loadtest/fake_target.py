@@ -5,8 +5,9 @@ For tests and for trying the load generator without a model::
     python -m embedserve.loadtest.fake_target --port 8099 --tokenizer MODEL_DIR
 
 It answers ``POST /v1/embeddings`` (texts or token ids), ``GET /v1/models`` and, unless
-disabled, ``GET /health/memory`` (a fake, slowly growing figure); it can inject 503s,
-429s with Retry-After, and latency.
+disabled, ``GET /health/memory`` (a fake, slowly growing figure) and ``GET /metrics``
+(SGLang's prompt and cached token counters, from a simulated prefix cache); it can inject
+503s, 429s with Retry-After, and latency.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import random
 import socket
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,36 @@ class FakeConfig:
     health_memory: bool = True
     host_growth_bytes_per_s: float = 0.0
     redirect_to: str | None = None  # answer every POST with a 307 to this URL
+    metrics: bool = True  # GET /metrics: SGLang's prompt/cached token counters
+    prefix_cache_tokens: int = 65_536  # the simulated prefix cache's size (0: no cache)
+
+
+class PrefixCache:
+    """A server's prefix cache, simulated: every prefix of every input is a key (a chained
+    hash), least recently used first out, one token per key. A path is touched longest
+    first, so a shared prefix stays more recent than the tails hanging off it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, tokens: Sequence[Any]) -> int:
+        """Leading tokens already cached; then cache them all."""
+        keys, h = [], 0
+        for t in tokens:
+            h = hash((h, t))
+            keys.append(h)
+        hit = 0
+        while hit < len(keys) and keys[hit] in self._keys:
+            hit += 1
+        if self.capacity <= 0:
+            return 0
+        for k in reversed(keys):
+            self._keys[k] = None
+            self._keys.move_to_end(k)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        return hit
 
 
 @dataclass
@@ -75,19 +108,25 @@ class Counters:
     health_calls: int = 0
     in_flight: int = 0
     peak_in_flight: int = 0  # embeddings requests answered at once (counted when a delay applies)
+    prompt_tokens: int = 0  # as SGLang counts them: answered requests only
+    cached_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> Starlette:
     """The app; ``tokenizer`` (a ``tokenizers.Tokenizer``) counts text inputs, else words."""
     started = time.time()
+    cache = PrefixCache(cfg.prefix_cache_tokens)
+
+    def tokens_of(item: Any) -> list[Any]:
+        if isinstance(item, list):
+            return item
+        if tokenizer is not None:
+            return list(tokenizer.encode(str(item)).ids)
+        return str(item).split()
 
     def count(item: Any) -> int:
-        if isinstance(item, list):
-            return len(item)
-        if tokenizer is not None:
-            return len(tokenizer.encode(str(item)).ids)
-        return len(str(item).split())
+        return len(tokens_of(item))
 
     async def embeddings(request: Request) -> Response:
         body = await request.json()
@@ -128,6 +167,8 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
         with counters.lock:
             counters.ok += 1
             counters.tokens_ok += tokens
+            counters.prompt_tokens += tokens
+            counters.cached_tokens += sum(cache.serve(tokens_of(x)) for x in items)
         return JSONResponse({"object": "list", "data": data, "model": body.get("model"),
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -143,10 +184,27 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
         host = (1 << 30) + int(cfg.host_growth_bytes_per_s * age)
         return Response(fake_report(host).model_dump_json(), media_type="application/json")
 
+    async def metrics(request: Request) -> Response:
+        if not cfg.metrics:
+            return Response("not found", status_code=404)
+        with counters.lock:
+            prompt, cached = counters.prompt_tokens, counters.cached_tokens
+        model = 'model_name="fake-embed"'
+        text = (
+            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
+            "# TYPE sglang:prompt_tokens_total counter\n"
+            f'sglang:prompt_tokens_total{{{model},is_streaming="false"}} {float(prompt)}\n'
+            "# HELP sglang:cached_tokens_total Number of cached prompt tokens by source.\n"
+            "# TYPE sglang:cached_tokens_total counter\n"
+            f'sglang:cached_tokens_total{{{model},cache_source="device"}} {float(cached)}\n'
+        )
+        return Response(text, media_type="text/plain; version=0.0.4")
+
     return Starlette(routes=[
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models),
         Route("/health/memory", health_memory),
+        Route("/metrics", metrics),
     ])
 
 

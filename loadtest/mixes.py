@@ -64,7 +64,10 @@ class FileMix:
     path: str
 
     def pick(self, rng: random.Random) -> str:
-        return self.texts[rng.randrange(len(self.texts))]
+        return self.texts[self.pick_index(rng)]
+
+    def pick_index(self, rng: random.Random) -> int:
+        return rng.randrange(len(self.texts))
 
     def describe(self) -> str:
         return f"file {self.path} ({len(self.texts)} texts)"
@@ -107,6 +110,8 @@ def parse_mix(spec: str) -> Mix:
         return BucketMix(((1.0, lo, hi),), "uniform")
     if kind == "fixed":
         n = int(rest)
+        if n < 1:
+            raise ValueError(f"bad mix {spec!r}: fixed:N wants N >= 1")
         return BucketMix(((1.0, n, n),), "fixed")
     if kind == "buckets":
         buckets = []
@@ -124,4 +129,7 @@ def parse_mix(spec: str) -> Mix:
 
 def parse_count(spec: str) -> tuple[int, int]:
     """Inputs per request: ``N`` or ``A-B`` (uniform)."""
-    return _range(spec)
+    try:
+        return _range(spec)
+    except ValueError:
+        raise ValueError(f"bad --inputs {spec!r}: want N or A-B with 1 <= A <= B") from None

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from embedserve.loadtest.cachehits import describe as describe_cache
 from embedserve.loadtest.runner import RunOutcome
 from embedserve.loadtest.stats import aggregate, auto_window, columns, windows
 from embedserve.loadtest.verdict import Targets, evaluate, growth
@@ -33,8 +34,12 @@ def memory_series(memory: dict[str, Any] | None, processes: dict[str, Any]
 
 def build_results(outcome: RunOutcome, meta: dict[str, Any], targets: Targets,
                   memory: dict[str, Any] | None, processes: dict[str, Any],
-                  window_s: float | None = None) -> dict[str, Any]:
-    """The whole results document (see docs/LOADTEST.md for the fields)."""
+                  window_s: float | None = None,
+                  prefix_cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole results document (see docs/LOADTEST.md for the fields). ``meta.content``
+    labels the inputs (unique, or the repeated-content scenario with its rates);
+    ``prefix_cache`` is the target's prefix cache hit rate over the run and whether it is
+    ``flagged`` (above 1% on unique inputs)."""
     c = columns(outcome.rec)
     start, end = outcome.measured_start, outcome.measured_end
     every = np.ones(len(c["t"]), dtype=bool)
@@ -59,6 +64,8 @@ def build_results(outcome: RunOutcome, meta: dict[str, Any], targets: Targets,
         "windows": wins,
         "memory": {"health_memory": memory, "growth_after_warmup": growths, **processes},
         "verdict": evaluate(targets, measured, wins, growths),
+        "prefix_cache": prefix_cache or {"status": "not exposed", "hit_rate": None,
+                                         "flagged": False},
     }
 
 
@@ -68,6 +75,30 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)
+
+
+def _content_lines(res: dict[str, Any]) -> list[str]:
+    """What the inputs repeat and what the target's prefix cache served: a labelled
+    repeated-content run says so above its figures; a unique-input run whose target still
+    served more than 1% from its cache gets a warning."""
+    content = res["meta"].get("content") or {}
+    pc = res.get("prefix_cache") or {"status": "not exposed"}
+    lines = []
+    if content.get("scenario") == "repeated content":
+        lines += [f"**Repeated content (a scenario of its own)**: {content['detail']}. The "
+                  "figures below include whatever the target's caches gave; they are not "
+                  "headline figures and compare only with runs of the same scenario.",
+                  f"Cache benefit of the repeated content: {describe_cache(pc)}.", ""]
+    else:
+        if content:
+            lines.append(f"Inputs: {content.get('scenario', 'unique inputs')} "
+                         f"({content.get('detail', '')}).")
+        lines += [f"Target {describe_cache(pc)}.", ""]
+    if pc.get("flagged"):
+        lines += [f"> **WARNING: the target served {pc['hit_rate']:.2%} of prompt tokens from "
+                  f"its prefix cache (over {pc.get('max_hit_rate', 0.01):.0%}) on inputs meant "
+                  "to be unique: these figures measure the cache as much as the engine.**", ""]
+    return lines
 
 
 def markdown(res: dict[str, Any], plots: list[str]) -> str:
@@ -85,6 +116,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         f"seed {meta['seed']}",
         f"Lengths measured with: {meta['tokenizer']}. Stopped: {meta['stop_reason']}.",
         "",
+        *_content_lines(res),
         "| measured (after warm-up) | value |",
         "|---|---|",
         f"| duration | {m['duration_s']:.1f} s |",

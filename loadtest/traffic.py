@@ -24,7 +24,8 @@ class Builder(Protocol):
 
     def count(self, text: str) -> int: ...
 
-    def build(self, n_tokens: int, rng: random.Random) -> tuple[str, int]: ...
+    def build(self, n_tokens: int, rng: random.Random, serial: int | None = None
+              ) -> tuple[str, int]: ...
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,40 @@ class Planned:
     tokens: int  # tokens the client built/measured, special tokens included
 
 
+REPEAT_HISTORY = 1024  # a repeated input copies one of the last this many new inputs
+
+
+@dataclass
+class ContentStats:
+    """What the inputs built so far repeat: the labelled repeated-content scenario's rates
+    (counted as built; the prefetcher builds up to 64 requests ahead of the wire)."""
+
+    inputs: int = 0
+    tokens: int = 0
+    repeated_inputs: int = 0  # exact copies of an earlier input of the run
+    repeated_tokens: int = 0
+    shared_prefix_tokens: int = 0  # tokens of the shared prefix, summed over the inputs
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inputs_built": self.inputs, "tokens_built": self.tokens,
+                "repeated_inputs": self.repeated_inputs,
+                "repeated_input_fraction": round(self.repeated_inputs / self.inputs, 6)
+                if self.inputs else 0.0,
+                "repeated_token_fraction": round(self.repeated_tokens / self.tokens, 6)
+                if self.tokens else 0.0,
+                "shared_prefix_token_fraction": round(self.shared_prefix_tokens / self.tokens, 6)
+                if self.tokens else 0.0}
+
+
 @dataclass
 class RequestFactory:
-    """Makes request ``i`` of a run; the same seed gives the same sequence of bodies."""
+    """Makes request ``i`` of a run; the same seed gives the same sequence of bodies.
+
+    Every new input gets the next serial number, which the builder spells as the input's
+    unique marker: no two inputs of a run share more than a few leading tokens. Only
+    ``repeat_rate`` (exact copies of recent inputs) and the builder's shared prefix repeat
+    content, and ``stats`` counts both; a ``file:`` mix sends the file's texts as they are
+    and counts a text sent twice as repeated."""
 
     mix: Mix
     builder: Builder
@@ -49,27 +81,64 @@ class RequestFactory:
     seed: int = 0
     max_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    repeat_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.input_kind == "ids" and not hasattr(self.builder, "ids"):
             raise ValueError("sending token ids needs the target model's tokenizer (--tokenizer)")
+        if not 0.0 <= self.repeat_rate <= 1.0:
+            raise ValueError(f"--repeat-rate must be within 0-1, got {self.repeat_rate:g}")
         self._rng = random.Random(self.seed)
         self._next = 0
+        self._serial = 0
+        self._history: list[tuple[str | list[int], int]] = []
+        self._sent_texts = bytearray(len(self.mix.texts)) if isinstance(self.mix, FileMix) else None
+        self.stats = ContentStats()
+        b: Any = self.builder
+        # tokens of the shared prefix in each input (words without a tokenizer)
+        self._prefix_n = len(getattr(b, "prefix_ids", ())) or len(getattr(b, "prefix", "").split())
 
-    def _one(self) -> tuple[str | list[int], int]:
+    def _new(self) -> tuple[str | list[int], int]:
         b: Any = self.builder
         if isinstance(self.mix, FileMix):
-            text = self.mix.pick(self._rng)
+            i = self.mix.pick_index(self._rng)
+            prefix = getattr(b, "prefix", "")
+            text = f"{prefix} {self.mix.texts[i]}" if prefix else self.mix.texts[i]
             if self.input_kind == "ids":
                 ids = b.encode(text, self.max_tokens)
-                return ids, len(ids)
-            return text, b.count(text)
+                item: tuple[str | list[int], int] = (ids, len(ids))
+            else:
+                item = (text, b.count(text))
+            assert self._sent_texts is not None
+            if self._sent_texts[i]:
+                self.stats.repeated_inputs += 1
+                self.stats.repeated_tokens += item[1]
+            self._sent_texts[i] = 1
+            return item
         assert isinstance(self.mix, BucketMix)
         n = max(self.mix.sample(self._rng, self.max_tokens), b.min_len)
+        serial, self._serial = self._serial, self._serial + 1
         if self.input_kind == "ids":
-            ids = b.ids(n, self._rng)
+            ids = b.ids(n, self._rng, serial)
             return ids, len(ids)
-        return b.build(n, self._rng)
+        return b.build(n, self._rng, serial)
+
+    def _one(self) -> tuple[str | list[int], int]:
+        if self.repeat_rate and self._history and self._rng.random() < self.repeat_rate:
+            item = self._history[self._rng.randrange(len(self._history))]
+            self.stats.repeated_inputs += 1
+            self.stats.repeated_tokens += item[1]
+        else:
+            item = self._new()
+            if self.repeat_rate:
+                if len(self._history) < REPEAT_HISTORY:
+                    self._history.append(item)
+                else:
+                    self._history[self.stats.inputs % REPEAT_HISTORY] = item
+        self.stats.inputs += 1
+        self.stats.tokens += item[1]
+        self.stats.shared_prefix_tokens += self._prefix_n
+        return item
 
     def make(self) -> Planned:
         """The next request of the sequence (call from one thread only)."""

@@ -126,6 +126,16 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the tiny Qwen3 tokenizer (tokenizer.json and its config)."""
+    from embedserve.runtime.synth_model import write_tokenizer_files
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def minilm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("minilm-stack"))
     yield stack

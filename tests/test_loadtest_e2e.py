@@ -15,14 +15,6 @@ pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extr
 from embedserve.loadtest.cli import main
 from embedserve.loadtest.fake_target import FakeConfig, FakeServer
 from embedserve.loadtest.textbuild import load_tokenizer
-from embedserve.runtime.synth_model import write_tokenizer_files
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(d)
-    return d
 
 
 def _run(args: list[str], out: Path) -> tuple[int, dict[str, Any]]:

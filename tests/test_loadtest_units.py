@@ -95,18 +95,22 @@ def test_token_ids_end_with_eos_and_cap_keeps_it(tok: Any, builder: TextBuilder)
 
 
 def test_token_ids_are_cut_from_the_corpus_inside_the_models_template(builder: TextBuilder) -> None:
-    """Ids come without tokenising per request: a slice of the encoded corpus wrapped in
-    the template's special tokens ([CLS] ... [SEP] for BERT, ... EOS for Qwen3)."""
+    """Ids come without tokenising per request: a unique marker of plain vocabulary tokens,
+    then a slice of the encoded corpus, wrapped in the template's special tokens
+    ([CLS] ... [SEP] for BERT, ... EOS for Qwen3)."""
     bert = load_tokenizer(resolve_model_path(BUNDLED_MODEL))
     cls, sep = bert.token_to_id("[CLS]"), bert.token_to_id("[SEP]")
     cases = [(builder, [], [builder.tok.token_to_id(EOS)]), (TextBuilder(bert, 1), [cls], [sep])]
     for b, head, tail in cases:
         corpus = b.tok.encode(b._corpus, add_special_tokens=False).ids
+        special = set(b.tok.get_added_tokens_decoder())
         rng = random.Random(5)
         for n in (b.min_len, 17, 300, 5000):
-            ids = b.ids(n, rng)
-            body = ids[len(head):len(ids) - len(tail)]
+            ids = b.ids(n, rng, serial=n)
+            inner = ids[len(head):len(ids) - len(tail)]
             assert len(ids) == n and ids[:len(head)] == head and ids[len(ids) - len(tail):] == tail
+            marker, body = inner[:b.marker_len], inner[b.marker_len:]
+            assert marker and not special & set(marker)
             starts = [i for i in range(len(corpus)) if corpus[i:i + len(body)] == body]
             assert starts, n
 
@@ -252,3 +256,22 @@ def test_memory_series_filter() -> None:
     v = evaluate(t, _measured(), [], mem)
     assert v["passed"] and [c["check"] for c in v["checks"]] == [
         "memory growth MiB: target engine RSS"]
+
+
+def test_a_shared_prefix_counts_in_the_exact_length(tok: Any) -> None:
+    """Inputs of the shared-prefix scenario start with the prefix and keep their asked
+    length, special tokens and prefix included; texts measured by the tokenizer itself."""
+    bert = load_tokenizer(resolve_model_path(BUNDLED_MODEL))
+    query = "Instruct: Given a web search query, retrieve relevant passages\nQuery:"
+    rng = random.Random(4)
+    for t in (tok, bert):
+        b = TextBuilder(t, seed=2, prefix=query)
+        p = b.prefix_ids
+        assert b._wrap is not None
+        lead = b._wrap[0]  # [CLS] for BERT, nothing for Qwen3
+        for n in (b.min_len, b.min_len + 1, 40, 300, 1000):
+            text, counted = b.build(n, rng, serial=n)
+            assert text.startswith(query + " ") and counted == len(t.encode(text).ids) == n
+            ids = b.ids(n, rng, serial=n)
+            assert len(ids) == n and ids[len(lead):len(lead) + len(p)] == p
+        assert b.min_len == b.n_special + len(p) + 1
