@@ -23,7 +23,7 @@ from embedserve.engines.pool import EnginePool
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import install_error_handlers
-from embedserve.gateway.metrics import GatewayMetrics
+from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics
 from embedserve.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -122,6 +122,7 @@ def create_app(
     def process_pids() -> dict[str, int]:
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
 
+    registry.register(EngineCacheCollector(pool))
     health = create_health(
         settings, registry, lambda: engine_view(pool, pipeline.gate, supervisor), process_pids
     )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from embedserve.engines.pool import EnginePool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -65,3 +71,29 @@ class GatewayMetrics:
             "Requests abandoned by their client",
             registry=registry,
         )
+
+
+class EngineCacheCollector(Collector):
+    """The engines' prefix-cache counters, read by the pool's health loop: how many prompt
+    tokens each engine embedded and how many of those its radix cache served."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        prompt = CounterMetricFamily(
+            "embedserve_engine_prompt_tokens", "Prompt tokens the engine embedded", labels=["engine"]
+        )
+        cached = CounterMetricFamily(
+            "embedserve_engine_cached_tokens",
+            "Prompt tokens the engine's prefix cache served",
+            labels=["engine"],
+        )
+        for engine in self.pool.engines:
+            if engine.cache_counters is not None:
+                prompt.add_metric([engine.url], engine.cache_counters[0])
+                cached.add_metric([engine.url], engine.cache_counters[1])
+        yield from (prompt, cached)

@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 # (cached tokens counter, prompt tokens counter), sample names as exposed
 COUNTERS: tuple[tuple[str, str], ...] = (
     ("sglang:cached_tokens_total", "sglang:prompt_tokens_total"),
+    # the gateway re-exports its engines' SGLang counters under its own names
+    ("embedserve_engine_cached_tokens_total", "embedserve_engine_prompt_tokens_total"),
     ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
 )
 MAX_HIT_RATE = 0.01  # above this a run measures the cache, and its report says so

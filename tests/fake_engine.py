@@ -43,9 +43,10 @@ class HttpxEngineClient:
             r = await self._client.post(url, content=body, headers=JSON)
         return r.status_code, r.content
 
-    async def get_status(self, url: str, timeout_s: float) -> int:
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         with _mapped_errors():
-            return (await self._client.get(url, timeout=timeout_s)).status_code
+            r = await self._client.get(url, timeout=timeout_s)
+        return r.status_code, r.content
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -65,6 +66,7 @@ class FakeEngine:
     fail_status: int | None = None
     calls: list[list[list[int]]] = field(default_factory=list)
     encodings: list[str | None] = field(default_factory=list)
+    cache_counters: tuple[int, int] = (0, 0)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -72,6 +74,19 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """SGLang's prefix-cache counters, as its --enable-metrics exposes them."""
+            prompt, cached = self.cache_counters
+            text = (
+                "# TYPE sglang:prompt_tokens counter\n"
+                f'sglang:prompt_tokens_total{{model_name="m",is_streaming="false"}} {prompt}\n'
+                "# TYPE sglang:cached_tokens counter\n"
+                f'sglang:cached_tokens_total{{model_name="m",cache_source="device"}} {cached}\n'
+                f'sglang:cached_tokens_total{{model_name="m",cache_source="host"}} 1\n'
+            )
+            return Response(text, media_type="text/plain")
 
         @app.post("/v1/embeddings")
         async def embed(request: Request) -> Response:

@@ -55,9 +55,9 @@ def test_answer_refused_and_silent_engines() -> None:
             with pytest.raises(CallTimeout):
                 await client.post_json(silent_url + "/v1/embeddings", b"{}")
             with pytest.raises(CallTimeout):
-                await client.get_status(silent_url + "/health", 0.3)
+                await client.get(silent_url + "/health", 0.3)
             with pytest.raises(CallFailed):
-                await client.get_status(f"http://127.0.0.1:{_closed_port()}/health", 1.0)
+                await client.get(f"http://127.0.0.1:{_closed_port()}/health", 1.0)
         finally:
             await client.aclose()
             ok_server.close()

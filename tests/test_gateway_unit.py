@@ -14,9 +14,11 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.config import Settings
 from embedserve.gateway.app import create_app
+from tests.conftest import wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_vector
 
 MODEL = "all-MiniLM-L6-v2"
@@ -276,3 +278,18 @@ def test_token_ids_are_refused_by_default(engine: FakeEngine) -> None:
             assert "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS" in err["message"]
         assert engine.calls == []
         assert c.post("/v1/embeddings", json={"model": MODEL, "input": "hello"}).status_code == 200
+
+
+def test_engine_prefix_cache_counters_are_re_exported(engine: FakeEngine) -> None:
+    """A load test through the gateway reads how much the engines' radix cache served."""
+    engine.cache_counters = (1000, 70)
+    with make_client(engine) as c:
+        wait_ready(c)
+        state = c.app.state.pool.engines[0]  # type: ignore[attr-defined]
+        state.cache_counters = None
+        wait_until(lambda: state.cache_counters is not None, timeout=10)
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+        (prompt,) = families["embedserve_engine_prompt_tokens"].samples
+        (cached,) = families["embedserve_engine_cached_tokens"].samples
+        assert prompt.value == 1000 and cached.value == 71  # summed over cache sources
+        assert prompt.labels == {"engine": "http://fake-engine"}

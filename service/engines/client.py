@@ -28,8 +28,8 @@ class EngineClient(Protocol):
         """Status and body of a POST; raises CallTimeout or CallFailed."""
         ...
 
-    async def get_status(self, url: str, timeout_s: float) -> int:
-        """Status of a GET; raises CallTimeout or CallFailed."""
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """Status and body of a GET; raises CallTimeout or CallFailed."""
         ...
 
     async def aclose(self) -> None: ...
@@ -62,11 +62,10 @@ class AiohttpEngineClient:
             async with self._session.post(url, data=body, headers=JSON) as r:
                 return r.status, await r.read()
 
-    async def get_status(self, url: str, timeout_s: float) -> int:
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         with _mapped_errors():
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                await r.read()
-                return r.status
+                return r.status, await r.read()
 
     async def aclose(self) -> None:
         await self._session.close()

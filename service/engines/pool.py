@@ -13,6 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from embedserve.contracts import wire
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
@@ -62,6 +64,7 @@ class EngineState:
     # the deadline, so without this a hung engine would never look older than one deadline
     stalled_since: float | None = None
     throughput: Throughput = field(default_factory=Throughput)
+    cache_counters: tuple[float, float] | None = None  # prompt tokens, of which cached
 
     def stuck_for_s(self, now: float) -> float | None:
         """How long the oldest unanswered (or timed-out, unrecovered) call has waited."""
@@ -69,6 +72,25 @@ class EngineState:
         if self.stalled_since is not None:
             starts.append(self.stalled_since)
         return now - min(starts) if starts else None
+
+
+SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens_total"
+SGLANG_CACHED_TOKENS = "sglang:cached_tokens_total"
+
+
+def prefix_cache_counters(text: str) -> tuple[float, float] | None:
+    """(prompt tokens, cached tokens) summed over label sets; None when not exposed."""
+    sums = {SGLANG_PROMPT_TOKENS: 0.0, SGLANG_CACHED_TOKENS: 0.0}
+    seen = False
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in sums:
+                    sums[sample.name] += float(sample.value)
+                    seen = True
+    except ValueError:
+        return None
+    return (sums[SGLANG_PROMPT_TOKENS], sums[SGLANG_CACHED_TOKENS]) if seen else None
 
 
 class EnginePool:
@@ -184,7 +206,7 @@ class EnginePool:
         assert self._client is not None
         answered = False
         try:
-            status = await self._client.get_status(f"{engine.url}/health", self._health_timeout)
+            status, _ = await self._client.get(f"{engine.url}/health", self._health_timeout)
             ok = answered = status == 200
             why = f"health answered {status}"
         except CallTimeout:
@@ -197,12 +219,24 @@ class EnginePool:
         if ok:
             if answered:  # it answered just now: whatever stalled before has passed
                 engine.stalled_since = None
+                await self._read_cache_counters(engine)
             if not engine.ready:
                 log.info("engine ready", extra={"engine": engine.url})
             engine.ready = engine.ever_ready = True
             engine.consecutive_failures = 0
         else:
             self._mark_down(engine, why)
+
+    async def _read_cache_counters(self, engine: EngineState) -> None:
+        """The engine's prefix-cache counters (SGLang with --enable-metrics), re-exported by
+        the gateway so a load test through it can tell how much the cache served."""
+        assert self._client is not None
+        try:
+            status, body = await self._client.get(f"{engine.url}/metrics", self._health_timeout)
+        except (CallTimeout, CallFailed):
+            return
+        if status == 200:
+            engine.cache_counters = prefix_cache_counters(body.decode("utf-8", "replace"))
 
     async def _check_loop(self) -> None:
         while True:
