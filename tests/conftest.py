@@ -19,6 +19,14 @@ import pytest
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
 
 MINILM_DIR = resolve_model_path(BUNDLED_MODEL)
+
+
+def tool_missing(what: str) -> None:
+    """A test's outside tool is absent: skip on a developer's machine, fail under CI
+    (``.ci/run`` installs it, so a missing tool there is a broken install, not a skip)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing; .ci/run installs it", pytrace=False)
+    pytest.skip(f"{what} is not installed")
 TINY_QWEN_MAX_SEQ = 64
 
 
