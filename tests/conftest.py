@@ -151,3 +151,22 @@ def wait_until(predicate: object, timeout: float = 30, interval: float = 0.1) ->
 
 def get_json(url: str) -> dict[str, object]:
     return httpx.get(url, timeout=10).json()
+
+
+def metric_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A Prometheus exposition, parsed by prometheus_client: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value; fails if the exposition has no such sample."""
+    samples = metric_samples(text)
+    key = (name, frozenset(labels.items()))
+    assert key in samples, f"{name}{labels or ''} not in the exposition"
+    return samples[key]

@@ -17,12 +17,11 @@ import httpx
 import orjson
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.config import Settings
 from embedserve.gateway.app import create_app
 from embedserve.http_server import bounded_httptools
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, metric, metric_samples, wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient
 
 MODEL = "all-MiniLM-L6-v2"
@@ -72,11 +71,7 @@ def _request(body: bytes) -> bytes:
 
 
 def _metric(url: str, name: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and not sample.labels:
-                return sample.value
-    raise AssertionError(f"{name} not exported")
+    return metric(httpx.get(f"{url}/metrics").text, name)
 
 
 def _open_requests(s: Served) -> int:
@@ -138,11 +133,7 @@ def test_disconnect_mid_upload_is_counted_not_an_error(
         wait_until(lambda: _metric(s.url, "embedserve_client_disconnects_total") >= before + 3, timeout=30)
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not noisy, [r.getMessage() for r in noisy][:5]
-    statuses = {
-        sample.labels.get("status")
-        for family in text_string_to_metric_families(httpx.get(f"{s.url}/metrics").text)
-        for sample in family.samples
-        if sample.name == "embedserve_requests_total"
-    }
-    assert "500" not in statuses
+    samples = metric_samples(httpx.get(f"{s.url}/metrics").text)
+    errors = [k for k in samples if k[0] == "embedserve_requests_total" and ("status", "500") in k[1]]
+    assert not errors, errors
     assert not s.engine.calls

@@ -8,9 +8,7 @@ import concurrent.futures
 import threading
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.conftest import wait_until
+from tests.conftest import metric, wait_until
 from tests.fake_engine import FakeEngine
 from tests.test_gateway_unit import make_client, wait_ready
 
@@ -38,21 +36,13 @@ def test_burst_over_the_token_bound_gets_429_and_admitted_requests_succeed() -> 
                 assert r.headers["retry-after"].isdigit()
                 assert r.json()["error"]["type"] == "rate_limit_error"
                 assert r.json()["error"]["code"] == "overloaded"
-            assert _gauge(c, "embedserve_tokens_in_flight") == 40
+            assert metric(c.get("/metrics").text, "embedserve_tokens_in_flight") == 40
             gate.set()
             admitted = [f.result() for f in futures if all(f.result() is not r for r in refused)]
         assert [r.status_code for r in admitted] == [200] * 4
-        assert _gauge(c, "embedserve_tokens_in_flight") == 0
-        rejected = _samples(c, "embedserve_rejected")
-        assert rejected[("embedserve_rejected_total", (("reason", "tokens_in_flight"),))] == 28
+        text = c.get("/metrics").text
+        assert metric(text, "embedserve_tokens_in_flight") == 0
+        assert metric(text, "embedserve_rejected_total", reason="tokens_in_flight") == 28
         # a request larger than the whole bound is still served when nothing else runs
         assert c.post("/v1/embeddings", json={"model": MODEL, "input": [[7] * 100]}).status_code == 200
 
-
-def _samples(c: Any, family: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    (fam,) = (f for f in text_string_to_metric_families(c.get("/metrics").text) if f.name == family)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples}
-
-
-def _gauge(c: Any, name: str) -> float:
-    return _samples(c, name)[(name, ())]
