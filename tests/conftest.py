@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 import pytest
@@ -21,7 +22,7 @@ from embedserve.config import BUNDLED_MODEL, resolve_model_path
 MINILM_DIR = resolve_model_path(BUNDLED_MODEL)
 
 
-def tool_missing(what: str) -> None:
+def tool_missing(what: str) -> NoReturn:
     """A test's outside tool is absent: skip on a developer's machine, fail under CI
     (``.ci/run`` installs it, so a missing tool there is a broken install, not a skip)."""
     if os.environ.get("CI"):

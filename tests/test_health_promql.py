@@ -109,7 +109,6 @@ def _promtool() -> str:
     promtool = shutil.which("promtool")
     if not promtool:
         tool_missing("promtool (Debian package: prometheus)")
-    assert promtool
     return promtool
 
 
@@ -155,7 +154,7 @@ def test_recording_rule_agrees_with_the_endpoint_in_promtool(tmp_path: Path, per
     ours = replay(s, LIMIT, at, PARAMS).estimated_hours_until_oom
     assert ours is not None
     check = f"abs(embedserve:hours_until_oom:predict_linear6h - {ours!r}) < bool {0.02 * ours!r}"
-    case = {
+    case: dict[str, object] = {
         "interval": f"{SCRAPE_S:.0f}s",
         "input_series": _input(20 * GiB, per_hour),
         "promql_expr_test": [
@@ -168,7 +167,7 @@ def test_recording_rule_agrees_with_the_endpoint_in_promtool(tmp_path: Path, per
 
 def test_the_agreement_check_can_fail_in_promtool(tmp_path: Path) -> None:
     check = "abs(embedserve:hours_until_oom:predict_linear6h - 3.0) < bool 0.06"
-    case = {
+    case: dict[str, object] = {
         "interval": f"{SCRAPE_S:.0f}s",
         "input_series": _input(20 * GiB, 4 * GiB),  # 7 h to OOM, not 3
         "promql_expr_test": [
@@ -186,7 +185,7 @@ def test_alert_fires_in_promtool_exactly_when_the_endpoint_drains(
     s = leak(per_hour, start=4 * GiB)
     assert verdict(replay(s, LIMIT, float(s.t[-1]), PARAMS)).recommends_restart is fires
     alerts = [FIRING] if fires else []
-    case = {
+    case: dict[str, object] = {
         "interval": f"{SCRAPE_S:.0f}s",
         "input_series": _input(4 * GiB, per_hour),
         "alert_rule_test": [
