@@ -201,7 +201,6 @@ class GatewaySettings(BaseModel):
     protect_health: bool = False
     protect_metrics: bool = False
     cors_origins: list[str] = Field(default_factory=list)
-    log_request_text: bool = False
     graceful_shutdown_s: float = 30.0
     keep_alive_s: float = Field(
         75.0,

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 import pytest
@@ -19,6 +20,14 @@ import pytest
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
 
 MINILM_DIR = resolve_model_path(BUNDLED_MODEL)
+
+
+def tool_missing(what: str) -> NoReturn:
+    """A test's outside tool is absent: skip on a developer's machine, fail under CI
+    (``.ci/run`` installs it, so a missing tool there is a broken install, not a skip)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing; .ci/run installs it", pytrace=False)
+    pytest.skip(f"{what} is not installed")
 TINY_QWEN_MAX_SEQ = 64
 
 
@@ -163,3 +172,22 @@ def wait_until(predicate: object, timeout: float = 30, interval: float = 0.1) ->
 
 def get_json(url: str) -> dict[str, object]:
     return httpx.get(url, timeout=10).json()
+
+
+def metric_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A Prometheus exposition, parsed by prometheus_client: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value; fails if the exposition has no such sample."""
+    samples = metric_samples(text)
+    key = (name, frozenset(labels.items()))
+    assert key in samples, f"{name}{labels or ''} not in the exposition"
+    return samples[key]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ class FakeEngine:
     calls: list[list[list[int]]] = field(default_factory=list)
     encodings: list[str | None] = field(default_factory=list)
     cache_counters: tuple[int, int] = (0, 0)
+    # while set, calls wait until a test opens it (``gate.set()``): work stays in the engine
+    gate: threading.Event | None = None
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -96,6 +99,9 @@ class FakeEngine:
             self.calls.append(batch)
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            # a threading.Event: the test thread opens it, outside this event loop
+            while self.gate is not None and not self.gate.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
             if self.fail_status:
                 return Response(b'{"message":"boom"}', status_code=self.fail_status)
             req = EngineRequest.model_validate(body)

@@ -264,18 +264,26 @@ def assert_contract(r: Any) -> None:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=request_bodies)
-def test_fuzz_request_schema(fake_client: TestClient, body: Any) -> None:
-    assert_contract(fake_client.post("/v1/embeddings", content=json.dumps(body), headers=JSON))
+def assert_still_healthy(c: TestClient) -> None:
+    assert c.post("/v1/embeddings", json=GOOD).status_code == 200
+    assert c.get("/health/ready").status_code == 200
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=st.binary(max_size=200), ctype=st.sampled_from(["application/json", "text/plain", ""]))
-def test_fuzz_raw_bytes(fake_client: TestClient, body: bytes, ctype: str) -> None:
-    assert_contract(fake_client.post("/v1/embeddings", content=body, headers={"content-type": ctype}))
+def test_fuzz_request_schema(fake_client: TestClient) -> None:
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=request_bodies)
+    def fuzz(body: Any) -> None:
+        assert_contract(fake_client.post("/v1/embeddings", content=json.dumps(body), headers=JSON))
+
+    fuzz()
+    assert_still_healthy(fake_client)
 
 
-def test_still_healthy_after_fuzzing(fake_client: TestClient) -> None:
-    assert fake_client.post("/v1/embeddings", json=GOOD).status_code == 200
-    assert fake_client.get("/health/ready").status_code == 200
+def test_fuzz_raw_bytes(fake_client: TestClient) -> None:
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=st.binary(max_size=200), ctype=st.sampled_from(["application/json", "text/plain", ""]))
+    def fuzz(body: bytes, ctype: str) -> None:
+        assert_contract(fake_client.post("/v1/embeddings", content=body, headers={"content-type": ctype}))
+
+    fuzz()
+    assert_still_healthy(fake_client)

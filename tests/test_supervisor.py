@@ -4,9 +4,7 @@ fails loudly (no restart loop) when the engine dies before it ever served."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,56 +13,78 @@ from embedserve.engines.launch import LaunchSpec
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 from tests.conftest import free_port
 
-# Serves GET /health, then exits with status 3: a crash after a good start. The first run
-# lives 2 s (so the supervisor sees it ready), restarts live 0.3 s.
+# The first run answers one GET /health (so the supervisor sees it ready), then exits with
+# status 3: a crash after a good start. Every restart exits with 3 at once.
 ENGINE = """
-import http.server, sys, threading, os
-first = not os.path.exists(sys.argv[2])
+import http.server, os, sys, threading
+if os.path.exists(sys.argv[2]):
+    sys.exit(3)
 open(sys.argv[2], "a").close()
+answered = threading.Event()
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200); self.end_headers()
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+        answered.set()
     def log_message(self, *a): pass
 srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
 threading.Thread(target=srv.serve_forever, daemon=True).start()
-threading.Timer(2.0 if first else 0.3, lambda: os._exit(3)).start()
+answered.wait()
+os._exit(3)
 """
 
 
-def _supervisor(port: int, marker: Path) -> ProcessSupervisor:
-    spec = LaunchSpec([sys.executable, "-c", ENGINE, str(port), str(marker)])
-    return ProcessSupervisor(
-        "fake",
-        spec,
-        f"http://127.0.0.1:{port}/health",
-        startup_timeout_s=10,
-        backoff_s=0.2,
-        backoff_max_s=0.8,
-    )
+class RecordedSleep:
+    """Stands in for asyncio.sleep in the restart loop: records each requested delay and
+    returns at once; ``done`` is set after ``want`` delays."""
+
+    def __init__(self, want: int) -> None:
+        self.delays: list[float] = []
+        self.want = want
+        self.done = asyncio.Event()
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        if len(self.delays) >= self.want:
+            self.done.set()
+        await asyncio.sleep(0)
 
 
-def test_restarts_with_doubling_backoff(tmp_path: Path) -> None:
-    async def run() -> tuple[list[float], list[int]]:
-        sup = _supervisor(free_port(), tmp_path / "started-once")
+def _restart_delays(
+    tmp_path: Path, want: int, stable_after_s: float
+) -> tuple[list[float], ProcessSupervisor]:
+    async def run() -> tuple[list[float], ProcessSupervisor]:
+        port = free_port()
+        sleep = RecordedSleep(want)
+        sup = ProcessSupervisor(
+            "fake",
+            LaunchSpec([sys.executable, "-c", ENGINE, str(port), str(tmp_path / "started-once")]),
+            f"http://127.0.0.1:{port}/health",
+            startup_timeout_s=30,
+            backoff_s=0.2,
+            backoff_max_s=0.8,
+            stable_after_s=stable_after_s,
+            sleep=sleep,
+        )
         await sup.start()
         await sup.wait_ready()
-        spawns, pids = [time.monotonic()], [sup.pid or 0]
-        deadline = time.monotonic() + 15
-        while len(pids) < 5 and time.monotonic() < deadline:
-            if sup.pid != pids[-1]:
-                spawns.append(time.monotonic())
-                pids.append(sup.pid or 0)
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(sleep.done.wait(), 60)
         await sup.stop(2)
         assert not sup.alive and sup.last_exit is not None
-        return spawns, pids
+        return sleep.delays, sup
 
-    spawns, pids = asyncio.run(run())
-    assert len(set(pids)) == 5, pids
-    # between restarts: start-up + 0.3 s of life + backoff 0.2, 0.4, 0.8, then capped at 0.8
-    g12, g23, g34 = (b - a for a, b in itertools.pairwise(spawns[1:]))
-    assert 0.15 < g23 - g12 < 0.7, (g12, g23, g34)  # doubled (0.4 -> 0.8)
-    assert abs(g34 - g23) < 0.3, (g12, g23, g34)  # capped, not 1.6
+    return asyncio.run(run())
+
+
+def test_restarts_with_doubling_backoff_up_to_the_cap(tmp_path: Path) -> None:
+    delays, sup = _restart_delays(tmp_path, want=5, stable_after_s=3600)
+    assert delays[:5] == [0.2, 0.4, 0.8, 0.8, 0.8]
+    assert sup.restarts >= 4
+
+
+def test_an_engine_that_ran_stably_restarts_after_the_base_delay(tmp_path: Path) -> None:
+    # Every run counts as stable (longer than 0 s), so the backoff never grows.
+    delays, _ = _restart_delays(tmp_path, want=4, stable_after_s=0.0)
+    assert delays[:4] == [0.2, 0.2, 0.2, 0.2]
 
 
 def test_crash_before_ready_fails_loudly() -> None:

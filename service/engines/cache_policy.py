@@ -69,15 +69,6 @@ class CachePolicy:
             min_interval_s=float(getattr(cs, "min_interval_s", 1.0)),
         )
 
-    def reconfigure(self, cs: object) -> None:
-        """Swap the rules, keep the state (used by the runtime override file)."""
-        new = CachePolicy.from_settings(cs)
-        self.every_n_batches = new.every_n_batches
-        self.fragmentation_ratio = new.fragmentation_ratio
-        self.unused_reserve_bytes = new.unused_reserve_bytes
-        self.min_interval_s = new.min_interval_s
-        self.backoff = 1
-
     @property
     def enabled(self) -> bool:
         return (

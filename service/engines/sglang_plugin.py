@@ -18,10 +18,6 @@ body is wrapped, logs its first errors and carries on. Without CUDA it does noth
 The plugin is active only in engines launched by ``embedserve.engines.sglang`` (which sets
 ``EMBEDSERVE_ENGINE__KIND=sglang``), not in an unrelated SGLang that happens to share the
 environment where embedserve is installed.
-
-Runtime override: a JSON file ``{stats_dir}/cache-clear-override.json`` with any of the
-``CacheClearSettings`` fields replaces the policy while it exists (checked at most once a
-second); used by the GPU lab to compare clearing off / on within one engine launch.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from embedserve.contracts.stats import EngineStats, write_stats
@@ -39,7 +34,6 @@ log = logging.getLogger("embedserve.sglang_plugin")
 
 BATCH_HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 IDLE_HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-OVERRIDE_FILE = "cache-clear-override.json"
 _MAX_LOGGED_ERRORS = 5
 
 
@@ -106,12 +100,6 @@ class Monitor:
         self.wall = wall
         self.stats = EngineStats(source="torch.cuda", device=getattr(backend, "device", None))
         self._last_write = float("-inf")
-        self._override_checked = float("-inf")
-        self._override_mtime: float | None = None
-        self._base_policy = (
-            policy.every_n_batches, policy.fragmentation_ratio,
-            policy.unused_reserve_bytes, policy.min_interval_s,
-        )
         self.last_clear_reason: str | None = None
 
     # --- allocator figures -------------------------------------------------------------
@@ -138,7 +126,6 @@ class Monitor:
     def on_batch(self) -> None:
         self.stats.batches += 1
         now = self.clock()
-        self._maybe_reload_override(now)
         snap = self.snapshot() if self.policy.thresholds_due(now) else None
         reason = self.policy.decide(self.stats.batches, now, snap)
         if reason is not None:
@@ -173,39 +160,6 @@ class Monitor:
         self._fill_stats(self.backend.memory_stats())
         write_stats(self.stats_dir, self.stats)
         return True
-
-    # --- runtime override ----------------------------------------------------------------
-    def _maybe_reload_override(self, now: float) -> None:
-        stats_dir = self.stats_dir
-        if stats_dir is None or now - self._override_checked < 1.0:
-            return
-        self._override_checked = now
-        path = Path(stats_dir) / OVERRIDE_FILE
-        try:
-            mtime: float | None = path.stat().st_mtime
-        except OSError:
-            mtime = None
-        if mtime == self._override_mtime:
-            return
-        self._override_mtime = mtime
-        if mtime is None:
-            every, frag, unused, interval = self._base_policy
-            self.policy.reconfigure(_Rules(every, frag, unused, interval))
-            log.info("cache-clear override removed: back to the configured policy")
-            return
-        from embedserve.config import CacheClearSettings
-
-        rules = CacheClearSettings.model_validate_json(path.read_text())
-        self.policy.reconfigure(rules)
-        log.info("cache-clear override applied: %s", rules.model_dump())
-
-
-class _Rules:
-    def __init__(self, every: int, frag: float | None, unused: int | None, interval: float):
-        self.every_n_batches = every
-        self.fragmentation_ratio = frag
-        self.unused_reserve_bytes = unused
-        self.min_interval_s = interval
 
 
 _monitor: Monitor | None = None

@@ -11,13 +11,20 @@ import json
 import sys
 from typing import Any
 
+# Commands served by another module's ``main(argv)``: name -> (module, one-line help).
 _DELEGATED = {
-    "engine": "embedserve.engines.sglang",
-    "cpu-engine": "embedserve.engines.cpu",
-    "health": "health.cli",
-    "loadtest": "loadtest.cli",
-    "synth-model": "embedserve.runtime.synth_model",
-    "restart-controller": "embedserve.runtime.restart_controller",
+    "engine": ("embedserve.engines.sglang", "the SGLang engine (--dry-run prints its command line)"),
+    "cpu-engine": ("embedserve.engines.cpu", "the CPU engine alone"),
+    "health": ("embedserve.health.cli", "print the memory forecast of a running gateway"),
+    "loadtest": ("embedserve.loadtest.cli", "drive an embeddings endpoint and write a report"),
+    "synth-model": (
+        "embedserve.runtime.synth_model",
+        "build a random-weight Qwen3-Embedding-shaped checkpoint",
+    ),
+    "restart-controller": (
+        "embedserve.runtime.restart_controller",
+        "evict one embedserve pod at a time when its hours-to-OOM run low",
+    ),
 }
 
 _FLAGS = {  # flag -> (section, field) of the settings it overrides
@@ -84,30 +91,33 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
-_LOCAL = {"up": _up, "gateway": _gateway, "config": _config}
+# Commands run here: name -> (function, one-line help).
+_LOCAL = {
+    "up": (_up, "start the engine (SGLang on a GPU, else the CPU engine) and the gateway"),
+    "gateway": (_gateway, "run only the gateway in front of --engine-url engines"),
+    "config": (_config, "print the effective configuration (secrets hidden)"),
+}
+
+
+def usage() -> str:
+    """The top-level help, built from the command tables."""
+    helps = {name: text for name, (_, text) in (_LOCAL | _DELEGATED).items()}
+    width = max(map(len, helps)) + 2
+    lines = [f"  {name:<{width}}{text}" for name, text in helps.items()]
+    return "usage: embedserve {" + ",".join(sorted(helps)) + "} [options]\n\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = sorted([*_LOCAL, *_DELEGATED])
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: embedserve {" + ",".join(commands) + "} [options]\n\n"
-            "  up           start the engine (SGLang on a GPU, else the CPU engine) and the gateway\n"
-            "  gateway      run only the gateway in front of --engine-url engines\n"
-            "  engine       the SGLang engine (--dry-run prints its command line)\n"
-            "  cpu-engine   the CPU engine alone\n"
-            "  health       print the memory forecast of a running gateway\n"
-            "  loadtest     drive an embeddings endpoint and write a report\n"
-            "  synth-model  build a random-weight Qwen3-Embedding-shaped checkpoint\n"
-            "  config       print the effective configuration"
-        )
+        print(usage())
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd in _LOCAL:
-        return _LOCAL[cmd](rest)
+        return _LOCAL[cmd][0](rest)
     if cmd in _DELEGATED:
-        return int(importlib.import_module(_DELEGATED[cmd]).main(rest) or 0)
+        return int(importlib.import_module(_DELEGATED[cmd][0]).main(rest) or 0)
     print(f"embedserve: unknown command '{cmd}' (one of {', '.join(commands)})", file=sys.stderr)
     return 2
 

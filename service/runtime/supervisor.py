@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -44,6 +45,7 @@ class ProcessSupervisor:
         backoff_s: float,
         backoff_max_s: float,
         stable_after_s: float = 60.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self.spec = spec
@@ -52,6 +54,7 @@ class ProcessSupervisor:
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.stable_after_s = stable_after_s
+        self._sleep = sleep  # the restart backoff's wait (tests record the delays)
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self.last_exit: int | None = None
@@ -144,7 +147,7 @@ class ProcessSupervisor:
                     "last_output": list(self.stderr_tail)[-5:],
                 },
             )
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
             if self._stopping:
                 return
             delay = min(delay * 2, self.backoff_max_s)

@@ -2,7 +2,7 @@
 appends ``<|endoftext|>`` like Qwen3-Embedding's, a random-weight ``Qwen3ForCausalLM`` and
 the sentence-transformers files (last-token pooling, normalise) the real repos ship.
 
-Used by tests (tiny shapes, CPU) and by the GPU lab (the real 0.6B / 4B shapes), where no
+Used by tests (tiny shapes, CPU) and by the GPU benchmarks (the real 0.6B / 4B shapes), where no
 model hub is reachable. Speed and memory depend on shapes, not weight values.
 """
 

@@ -1,0 +1,83 @@
+"""The ``embedserve`` command: its help lists every command and each one dispatches;
+``embedserve config`` hides secrets; settings come from ``.env`` in the working directory."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embedserve.config import Settings
+from embedserve.runtime import cli
+
+SECRET = "sk-do-not-print-me"
+
+
+@pytest.fixture()
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No EMBEDSERVE_* variables and an empty working directory (no stray .env)."""
+    for name in list(os.environ):
+        if name.startswith("EMBEDSERVE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_help_lists_every_command() -> None:
+    r = subprocess.run([sys.executable, "-m", "embedserve", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    listed = {line.split()[0] for line in r.stdout.splitlines()[2:] if line.strip()}
+    assert listed == {*cli._LOCAL, *cli._DELEGATED}
+    assert "restart-controller" in listed
+    assert "{" + ",".join(sorted(listed)) + "}" in r.stdout.splitlines()[0]
+
+
+def test_no_command_is_usage_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert capsys.readouterr().out == cli.usage() + "\n"
+    assert cli.main(["no-such-command"]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(cli._DELEGATED))
+def test_every_delegated_command_has_a_main(name: str) -> None:
+    module, _ = cli._DELEGATED[name]
+    assert callable(importlib.import_module(module).main)
+
+
+def test_config_hides_secrets(clean_env: Path, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("EMBEDSERVE_GATEWAY__API_KEYS", json.dumps([SECRET, "second-key"]))
+    monkeypatch.setenv("EMBEDSERVE_CONTROLLER__HEALTH_API_KEY", SECRET)
+    monkeypatch.setenv("EMBEDSERVE_GATEWAY__PORT", "8123")
+    assert cli.main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert SECRET not in out and "second-key" not in out
+    shown = json.loads(out)
+    assert shown["gateway"]["api_keys"] == ["**********", "**********"]
+    assert shown["controller"]["health_api_key"] == "**********"
+    assert shown["gateway"]["port"] == 8123  # the rest is shown as read
+    # the secret itself is still there for the gateway to use
+    assert Settings().gateway.api_keys[0].get_secret_value() == SECRET
+
+
+def test_settings_read_dotenv_in_the_working_directory(clean_env: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    (clean_env / ".env").write_text(
+        "EMBEDSERVE_GATEWAY__PORT=8124\n"
+        "EMBEDSERVE_ENGINE__PORT=31000\n"
+        f"EMBEDSERVE_GATEWAY__API_KEYS='[\"{SECRET}\"]'\n"
+    )
+    s = Settings()
+    assert s.gateway.port == 8124 and s.engine.port == 31000
+    assert [k.get_secret_value() for k in s.gateway.api_keys] == [SECRET]
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__PORT", "32000")  # the environment wins over .env
+    assert Settings().engine.port == 32000
+    elsewhere = clean_env / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the .env of the working directory, not of a parent
+    assert Settings().gateway.port == 8000

@@ -1,0 +1,82 @@
+"""EnginePool routing: each call goes to the ready engine with the fewest outstanding
+tokens (then the fewest outstanding calls), not round-robin."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import orjson
+import pytest
+
+from embedserve.contracts.wire import EngineRequest, encode_response
+from embedserve.engines.pool import EnginePool, EngineUnavailable
+
+A, B, C = "http://a", "http://b", "http://c"
+
+
+class GatedClient:
+    """Engine calls that wait until the test releases them; records where each went."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int]] = []  # (engine, tokens)
+        self.release = asyncio.Event()
+
+    async def post_json(self, url: str, body: bytes) -> tuple[int, bytes]:
+        req = EngineRequest.model_validate(orjson.loads(body))
+        batch = req.batch()
+        self.sent.append((url.removesuffix("/v1/embeddings"), sum(map(len, batch))))
+        await self.release.wait()
+        return 200, encode_response(req.model, np.ones((len(batch), 4), np.float32), 1, False)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        return 200, b""
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _pool(urls: list[str], client: GatedClient) -> EnginePool:
+    pool = EnginePool(urls, "m", request_timeout_s=10, client=client)
+    for e in pool.engines:
+        e.ready = True
+    return pool
+
+
+def test_pick_prefers_fewest_outstanding_tokens_then_calls() -> None:
+    pool = _pool([A, B, C], GatedClient())
+    a, b, c = pool.engines
+    a.outstanding_tokens, b.outstanding_tokens, c.outstanding_tokens = 500, 20, 300
+    assert pool._pick() is b
+    b.outstanding_tokens = 300  # tie on tokens with c: fewer calls wins
+    b.outstanding_calls, c.outstanding_calls = 3, 1
+    assert pool._pick() is c
+    c.ready = False  # only ready engines count, however idle
+    c.outstanding_tokens = 0
+    assert pool._pick() is b
+    for e in pool.engines:
+        e.ready = False
+    with pytest.raises(EngineUnavailable):
+        pool._pick()
+
+
+def test_small_calls_avoid_the_engine_busy_with_a_long_one() -> None:
+    """One 1000-token call on an engine, then three 10-token calls: round-robin would put
+    the second small call on the busy engine; least-outstanding-tokens puts them all on
+    the other until its load passes the long call's."""
+
+    async def run() -> list[tuple[str, int]]:
+        client = GatedClient()
+        pool = _pool([A, B], client)
+        calls = [asyncio.create_task(pool.embed([list(range(1000))]))]
+        await asyncio.sleep(0)
+        calls += [asyncio.create_task(pool.embed([[1] * 10])) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert [e.outstanding_tokens for e in pool.engines] == [1000, 30]
+        client.release.set()
+        results = await asyncio.gather(*calls)
+        assert all(r.shape == (1, 4) for r in results)
+        assert [e.outstanding_tokens for e in pool.engines] == [0, 0]
+        return client.sent
+
+    assert asyncio.run(run()) == [(A, 1000), (B, 10), (B, 10), (B, 10)]
