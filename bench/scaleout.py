@@ -13,8 +13,7 @@ from stacks import Host
 UP_PORT, UP_ENGINE_PORT = 8100, 30100
 # admission control must not cap the two-engine run
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",
-            "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300",
-            "EMBEDSERVE_ENGINE__KV_POOL_TOKENS": "65536"}
+            "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300"}
 SCALE_LOADS = [("short", "uniform:16-512", 128), ("medium", "uniform:512-2048", 64)]
 CAPACITY_LOAD = Load("seed", 32, inputs="1-16", seconds=30, warmup=5)
 

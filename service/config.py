@@ -107,7 +107,7 @@ class EngineSettings(BaseModel):
     )
     max_running_requests: int = Field(128, ge=1)
     kv_pool_tokens: int | None = Field(
-        None, description="SGLang --max-total-tokens; default 4 x batch budget, >= 2 x max seq"
+        None, description="SGLang --max-total-tokens; default: the batch budget, at least 2 x max seq"
     )
     mem_fraction_static: float = Field(0.85, gt=0, lt=1)
     gpu_memory_budget_gb: float | None = Field(
