@@ -5,6 +5,7 @@ stopped by that pid's group. Only the ``embedserve`` CLI and plain HTTP are used
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +30,8 @@ def embedserve_cmd() -> list[str]:
         script = Path(entry, "bin", "embedserve")
         if entry and script.is_file():
             return [sys.executable, str(script)]
+    if importlib.util.find_spec("embedserve") is not None:
+        return [sys.executable, "-m", "embedserve"]
     raise RuntimeError("no `embedserve` command: pip install the project, or stage it (bench/README.md)")
 
 

@@ -163,28 +163,28 @@ def step_kv_pool(host: Host, budget_end: float) -> dict[str, Any]:
 
 
 def step_radix(host: Host, budget_end: float) -> dict[str, Any]:
-    """Radix (prefix) cache on (the main engine) against off (`--disable-radix-cache`), both
-    behind a gateway: unique texts, and queries, which carry the Qwen3 instruction prefix that
-    the cache can serve. Hit rates come from SGLang's counters."""
-    off_port, gw_on, gw_off = 30002, 8002, 8003
-    stacks.start_engine(host, "engine-4b-noradix", "4b", off_port, kv_pool=MAIN_KV_POOL, gpu=0,
-                        extra_args=["--disable-radix-cache"])
+    """Radix (prefix) cache on (`engine.prefix_cache`) against off (the main engine, the
+    default), both behind a gateway: unique texts, and queries, which carry the Qwen3
+    instruction prefix that the cache can serve. Hit rates come from SGLang's counters."""
+    on_port, gw_on, gw_off = 30002, 8002, 8003
+    stacks.start_engine(host, "engine-4b-radix", "4b", on_port, kv_pool=MAIN_KV_POOL, gpu=0,
+                        prefix_cache=True)
     client = "loadtest" if supported(INPUT_TYPE_FLAGS) else "crosscheck"
     try:
-        ready = ready_engine(host, "engine-4b-noradix", off_port, budget_end)
-        on = stacks.start_gateway(host, "gateway-radix-on", "4b", gw_on, [ENGINE_PORTS["4b"]])
-        off = stacks.start_gateway(host, "gateway-radix-off", "4b", gw_off, [off_port])
+        ready = ready_engine(host, "engine-4b-radix", on_port, budget_end)
+        on = stacks.start_gateway(host, "gateway-radix-on", "4b", gw_on, [on_port])
+        off = stacks.start_gateway(host, "gateway-radix-off", "4b", gw_off, [ENGINE_PORTS["4b"]])
         for tag, port in (("gateway-radix-on", gw_on), ("gateway-radix-off", gw_off)):
             stacks.wait_ready(host, tag, "/health/ready", port, budget_end)
-        sides = [("cache on", stacks.gateway_target(host, "4b", gw_on, [ENGINE_PORTS["4b"]], on["pid"])),
-                 ("cache off", stacks.gateway_target(host, "4b", gw_off, [off_port], off["pid"]))]
+        sides = [("cache on", stacks.gateway_target(host, "4b", gw_on, [on_port], on["pid"])),
+                 ("cache off", stacks.gateway_target(host, "4b", gw_off, [ENGINE_PORTS["4b"]], off["pid"]))]
         rows = []
         for i, input_type in enumerate((None, "query")):
             load = Load("uniform:16-512", 64, seconds=15, input_type=input_type)
             case = Case("queries (instruction prefix)" if input_type else "unique texts", load, rounds=2)
             rows += alternate(host, sides, case, "radix", 300 + 10 * i, client=client)
     finally:
-        for tag in ("gateway-radix-on", "gateway-radix-off", "engine-4b-noradix"):
+        for tag in ("gateway-radix-on", "gateway-radix-off", "engine-4b-radix"):
             host.work.stop(tag, 60)
     return {"ready_s": ready, "client": client, "rows": rows, "sides": ["cache on", "cache off"]}
 

@@ -5,7 +5,6 @@ Infinity peer. Settings travel as EMBEDSERVE_* variables, as an operator would s
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -45,14 +44,14 @@ class Host:
 
 
 def engine_env(host: Host, shape: str, port: int, *, kv_pool: int | None = None,
-               extra_args: list[str] | None = None, gpu: int | None = None) -> dict[str, str]:
+               prefix_cache: bool = False, gpu: int | None = None) -> dict[str, str]:
     env = {"EMBEDSERVE_MODEL__PATH": host.model(shape), "EMBEDSERVE_ENGINE__PORT": str(port),
            "EMBEDSERVE_MODEL__MAX_SEQ_LEN": str(host.cap), "EMBEDSERVE_LOG_LEVEL": "WARNING",
            "EMBEDSERVE_ENGINE__FLASHINFER_CACHE_DIR": host.fi_cache, "HF_HUB_OFFLINE": "1"}
     if kv_pool:
         env["EMBEDSERVE_ENGINE__KV_POOL_TOKENS"] = str(kv_pool)
-    if extra_args:
-        env["EMBEDSERVE_ENGINE__EXTRA_ARGS"] = json.dumps(extra_args)
+    if prefix_cache:
+        env["EMBEDSERVE_ENGINE__PREFIX_CACHE"] = "true"
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return env
@@ -70,7 +69,7 @@ def start_engine(host: Host, tag: str, shape: str, port: int, **kw: Any) -> dict
     argv = [*embedserve_cmd(), "cpu-engine", "--port", str(port)] if host.cpu else \
         [*embedserve_cmd(), "engine"]
     if host.cpu:
-        kw.pop("extra_args", None)
+        kw.pop("prefix_cache", None)
     return host.work.start(tag, argv, engine_env(host, shape, port, **kw))
 
 

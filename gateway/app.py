@@ -96,6 +96,7 @@ def create_app(
         unreachable_after_failures=eng.unreachable_after_failures,
         client=engine_client,
         base64_vectors=eng.base64_vectors,
+        capacity_call_tokens=settings.engine_call_tokens(engine_kind) // 4,
     )
     coalescer = Coalescer(
         pool.embed,

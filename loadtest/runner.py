@@ -301,7 +301,9 @@ class Runner:
                     await self._closed(session, prefetch.get)
                 else:
                     tasks = await self._open(session, prefetch.get)
-                self._dispatch_end = self.now()
+                # a closed loop stops sending at end_time; the answers still in flight
+                # then are counted, but the drain after it is no time of the measured load
+                self._dispatch_end = min(self.now(), self.end_time)
                 if tasks:
                     drain = c.drain_s if c.drain_s is not None else c.timeout_s + 1.0
                     _, pending = await asyncio.wait(tasks, timeout=drain)

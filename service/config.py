@@ -114,6 +114,13 @@ class EngineSettings(BaseModel):
         None, gt=0, description="cap the engine's static GPU memory at this many GB"
     )
     attention_backend: str = "flashinfer"
+    prefix_cache: bool = Field(
+        False,
+        description="SGLang's radix (prefix) cache. Off: on one H200 the 4B embedded unique texts "
+        "3.6% faster without it, and a vector never depends on what an earlier request left in "
+        "the cache; queries with Qwen3's instruction prefix ran 6.6% faster with it (12.6% of "
+        "their tokens came from the cache): turn it on for query-heavy traffic",
+    )
     dtype: str = "auto"
     flashinfer_cache_dir: str | None = Field(
         None, description="FlashInfer JIT cache; put it on a volume (cold start 250-290 s)"

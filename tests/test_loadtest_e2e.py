@@ -150,3 +150,16 @@ def test_closed_loop_keeps_every_request_on_the_wire(tmp_path: Path) -> None:
         assert rc == 0 and srv.counters.peak_in_flight == 300
     assert main(["http://127.0.0.1:1", "--concurrency", "6", "--max-connections", "2",
                  "--out", str(tmp_path / "refused")]) == 2
+
+
+def test_closed_loop_rate_excludes_the_drain(tok_dir: Path, tmp_path: Path) -> None:
+    """The measured window ends when the loop stops sending: the answers still in flight are
+    counted, but the second it takes them to come back is no time of the load (dividing by
+    it understated slow requests' throughput by their latency over the run's length)."""
+    with FakeServer(FakeConfig(delay_s=0.5, health_memory=False), load_tokenizer(tok_dir)) as srv:
+        rc, res = _run([srv.url, "--tokenizer", str(tok_dir), "--concurrency", "4", "--duration", "2",
+                        "--warmup", "0.5", "--mix", "fixed:32", "--health-url", "none"], tmp_path)
+    meas = res["measured"]
+    assert rc == 0
+    assert meas["duration_s"] == pytest.approx(2.0, abs=0.01)
+    assert meas["requests_per_s"] == pytest.approx(meas["ok"] / 2.0, rel=0.01)

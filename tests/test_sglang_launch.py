@@ -208,3 +208,8 @@ def test_run_execs_sglang(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> N
     env = seen["env"]
     assert isinstance(env, dict) and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "PATH" in env  # the parent's environment is kept
+
+
+def test_prefix_cache_is_off_unless_asked_for(model_dir: Path) -> None:
+    assert "--disable-radix-cache" in build_launch(make(model_dir)).argv
+    assert "--disable-radix-cache" not in build_launch(make(model_dir, prefix_cache=True)).argv

@@ -105,9 +105,13 @@ class EnginePool:
         unreachable_after_failures: int = 5,
         client: EngineClient | None = None,
         base64_vectors: bool = True,
+        capacity_call_tokens: int = 0,
     ) -> None:
-        """``client`` replaces the network to the engines (tests use a fake engine)."""
-        self.engines = [EngineState(u.rstrip("/")) for u in urls]
+        """``client`` replaces the network to the engines (tests use a fake engine);
+        calls of at least ``capacity_call_tokens`` measure the engines' capacity."""
+        self.engines = [
+            EngineState(u.rstrip("/"), throughput=Throughput(min_tokens=capacity_call_tokens)) for u in urls
+        ]
         self._model = model
         self._timeout = request_timeout_s
         self._health_interval = health_interval_s
@@ -256,12 +260,12 @@ class EnginePool:
         engine.outstanding_tokens += tokens
         engine.outstanding_calls += 1
         engine.inflight_since[call_id] = time.monotonic()
-        engine.throughput.started()
-        done = 0
+        engine.throughput.started(tokens)
+        ok = False
         try:
             body = wire.encode_request(self._model, batch, self._base64)
             status, content = await self._client.post_json(f"{engine.url}/v1/embeddings", body)
-            done = tokens if status < 400 else 0
+            ok = status < 400
         except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
             raise EngineTimeout("the engine did not answer in time", engine.url) from exc
@@ -278,7 +282,7 @@ class EnginePool:
             engine.outstanding_tokens -= tokens
             engine.outstanding_calls -= 1
             engine.inflight_since.pop(call_id, None)
-            engine.throughput.finished(done)
+            engine.throughput.finished(tokens, ok)
         if status >= 500:
             self._mark_down(engine, f"engine answered {status}")
             raise EngineUnavailable(f"the engine failed ({status})", engine.url)

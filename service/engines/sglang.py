@@ -129,12 +129,14 @@ def build_launch(
         "--max-total-tokens", str(kv),
         "--max-running-requests", str(eng.max_running_requests),
         "--mem-fraction-static", repr(frac),
-        "--enable-metrics",
+        "--enable-metrics",  # the prefix-cache counters the gateway re-exports
         # sglang#22518: under the overlap scheduler an embedding batch that fills
         # --max-running-requests leaves batch_is_full set forever (deadlock)
         "--disable-overlap-schedule",
         "--log-level", settings.log_level.lower(),
     ]
+    if not eng.prefix_cache:
+        argv.append("--disable-radix-cache")
     if model.matryoshka_dimensions:
         override = {"matryoshka_dimensions": sorted(set(model.matryoshka_dimensions))}
         argv += ["--json-model-override-args", json.dumps(override, separators=(",", ":"))]
