@@ -4,7 +4,7 @@
 # open loop at 3x that rate.
 # Usage: results/overload-cpu/run.sh [OUT_DIR]   (from the repo root, venv active)
 set -euo pipefail
-OUT=${1:-results/overload-cpu}
+OUT_DIR=${1:-results/overload-cpu}
 WORK=$(mktemp -d)
 GW=18500; ENG=18501
 MODEL=$(python -c "from embedserve.config import BUNDLED_MODEL, resolve_model_path; print(resolve_model_path(BUNDLED_MODEL))")
@@ -25,11 +25,11 @@ echo "capacity x3 = $RATE req/s"
 python -m embedserve.loadtest.cli "http://127.0.0.1:$GW" "${COMMON[@]}" --rate "$RATE" --max-in-flight 100000 \
   --retries-429 0 --duration "${OVER_S:-60}" --warmup 5 --out "$WORK/overload"
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
-mkdir -p "$OUT"
+mkdir -p "$OUT_DIR"
 printf '{"cores": %s, "loadavg_before": "%s", "loadavg_after": "%s", "max_tokens_in_flight": %s, "rate_req_s": %s}\n' \
-  "$(nproc)" "$LOAD_BEFORE" "$LOAD_AFTER" "$EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT" "$RATE" > "$OUT/machine.json"
-cp "$WORK/capacity/results.json" "$OUT/capacity.json"; cp "$WORK/capacity/summary.md" "$OUT/capacity.md"
-cp "$WORK/overload/results.json" "$OUT/overload.json"; cp "$WORK/overload/summary.md" "$OUT/overload.md"
-curl -s "http://127.0.0.1:$GW/metrics" | grep -E '^embedserve_(requests_total|rejected|client_disconnects)' > "$OUT/metrics.txt" || true
-grep -c '"status": 5' "$WORK/stack.log" > "$OUT/stack_5xx_lines.txt" || true
-grep -c '"level": "error"' "$WORK/stack.log" > "$OUT/stack_error_lines.txt" || true
+  "$(nproc)" "$LOAD_BEFORE" "$LOAD_AFTER" "$EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT" "$RATE" > "$OUT_DIR/machine.json"
+cp "$WORK/capacity/results.json" "$OUT_DIR/capacity.json"; cp "$WORK/capacity/summary.md" "$OUT_DIR/capacity.md"
+cp "$WORK/overload/results.json" "$OUT_DIR/overload.json"; cp "$WORK/overload/summary.md" "$OUT_DIR/overload.md"
+curl -s "http://127.0.0.1:$GW/metrics" | grep -E '^embedserve_(requests_total|rejected|client_disconnects)' > "$OUT_DIR/metrics.txt" || true
+grep -c '"status": 5' "$WORK/stack.log" > "$OUT_DIR/stack_5xx_lines.txt" || true
+grep -c '"level": "error"' "$WORK/stack.log" > "$OUT_DIR/stack_error_lines.txt" || true
