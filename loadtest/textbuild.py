@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from embedserve.contracts.models import resolve_model_path
+
 _WORD_TEXT = (
     "the of and to in is for on with as by at from that this it be are was an or not "
     "memory model token embedding query passage search retrieve document vector server "
@@ -111,10 +113,11 @@ def one_token_words(tokenizer: Any) -> tuple[list[str], list[str]]:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """A ``tokenizers.Tokenizer`` from a tokenizer.json file or a model folder holding one."""
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json file, a model folder holding one, or
+    the bundled model's name (``bundled:all-MiniLM-L6-v2``)."""
     from tokenizers import Tokenizer
 
-    p = Path(path).expanduser()
+    p = resolve_model_path(str(path))
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():

