@@ -91,7 +91,7 @@ class RequestContextMiddleware:
 
 class HeadLimitMiddleware:
     """431 in the OpenAI envelope for a request head (URL and headers) over ``max_bytes``.
-    The HTTP parser's own cap (service/http_protocol.py) counts whole reads of 64-256 KiB,
+    The HTTP parser's own cap (service/http_server.py) counts whole reads of 64-256 KiB,
     so the exact limit is enforced here."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -190,7 +190,7 @@ class ApiKeyMiddleware:
 class RouteFastPath:
     """Hands one hot route straight to its handler, past FastAPI's router, dependency solver
     and inner exception layers: about a fifth of the event loop's work per short request,
-    and the event loop is what one gateway runs out of first (results/gpu-lab/gateway-cpu-ab).
+    and the event loop is what one gateway runs out of first (python -m bench.cpu.gateway_cpu).
     Innermost of our middlewares, so ids, size caps, keys and the outer error handler still
     apply; every other method or path goes on to FastAPI unchanged."""
 

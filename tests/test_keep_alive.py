@@ -2,7 +2,7 @@
 
 uvicorn closes an idle connection after 5 s by default: exactly httpx's (and so the OpenAI
 SDK's) pool expiry and under aiohttp's 15 s, so a client could send on a connection the
-server was closing that instant and see the request dropped (3 in 12,454 in the GPU soak)."""
+server was closing that instant and see the request dropped."""
 
 from __future__ import annotations
 

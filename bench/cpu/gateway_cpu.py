@@ -125,6 +125,7 @@ def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
         "EMBEDSERVE_GATEWAY__PORT": str(gw_port),
         "EMBEDSERVE_LOG_LEVEL": "WARNING",
         "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
+        "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS": "true",  # one scenario sends the model's own ids
     }
     engine = subprocess.Popen([sys.executable, "-m", "embedserve.loadtest.instant_engine", str(engine_port)])
     gateway = subprocess.Popen(

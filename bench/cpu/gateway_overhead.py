@@ -6,7 +6,7 @@ goes to the engine as token ids and to the gateway as texts (it tokenises) and a
 alternate in rotating order over several rounds so a noisy neighbour hits all modes alike.
 Prints, and writes JSON + Markdown: throughput ratio and added P50/P95 per load level.
 
-    python -m bench.cpu.gateway_overhead --out results/bench-cpu
+    python -m bench.cpu.gateway_overhead --out results/gateway-overhead-cpu
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                  "phase_s": a.phase, "warmup_s": a.warmup, "seed": a.seed,
                  "concurrency": levels, "command": a.command,
                  "note": "Load generator, gateway and engine share this machine's CPUs (and "
-                         "other sessions' processes may run alongside): read ratios, not "
+                         "other jobs' processes may run alongside): read ratios, not "
                          "absolute figures. Engine requests carry the same token ids the "
                          "gateway would produce; no input exceeds the cap."},
         "levels": {lv: {m: summarise(runs) for m, runs in modes.items()}
