@@ -1,6 +1,6 @@
 """Judge a finished run again against other targets, without re-running it.
 
-    python -m embedserve.loadtest.rescore results/soak-cpu --max-error-rate 0.001 \\
+    python -m embedserve.loadtest.rescore results/soak-cpu-2h --max-error-rate 0.001 \\
         --max-p95-drift 0.5 --max-memory-growth-mib 100 --memory-series 'engine|gateway|pid'
 
 Rewrites the folder's results.json verdict and summary.md (and the plots, from the saved
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from embedserve.loadtest import plots, report
-from embedserve.loadtest.cli import add_target_args, targets_from
+from embedserve.loadtest.args import add_target_args, targets_from
 from embedserve.loadtest.verdict import evaluate
 
 

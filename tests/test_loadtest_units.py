@@ -14,7 +14,7 @@ pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extr
 
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
 from embedserve.contracts.memory import MemoryReport
-from embedserve.loadtest.cli import embeddings_url, parse_seconds, same_origin_url
+from embedserve.loadtest.args import embeddings_url, parse_seconds, same_origin_url
 from embedserve.loadtest.fake_target import fake_report
 from embedserve.loadtest.memseries import SOURCES, series
 from embedserve.loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
