@@ -100,8 +100,7 @@ async def run_stack(settings: Settings) -> int:
     taken (by another stack, or any other process)."""
     try:
         return await _run_stack(settings)
-    except PortInUse as exc:
-        log.error("port in use", extra={"error": str(exc)})
+    except PortInUse as exc:  # one plain sentence, on a terminal or in a log collector
         print(f"embedserve: {exc}", file=sys.stderr, flush=True)
         return 2
 
