@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_constraints_pin_every_base_dependency():
 
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/ok" else 503)
+        self.send_response(200 if self.path in ("/ok", "/health/live", "/health") else 503)
         self.end_headers()
 
     def log_message(self, *args):
@@ -112,6 +113,24 @@ def test_healthcheck_script_exit_codes():
     assert ok.returncode == 0
     assert bad.returncode == 1
     assert closed.returncode == 1
+
+
+def test_healthcheck_follows_the_configured_port():
+    """The images' HEALTHCHECK names a role; the port is the one the server reads."""
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = str(server.server_port)
+    script = str(DOCKER / "healthcheck.py")
+    try:
+        roles = (("gateway", "EMBEDSERVE_GATEWAY__PORT"), ("engine", "EMBEDSERVE_ENGINE__PORT"))
+        for role, variable in roles:
+            env = {**os.environ, variable: port}
+            assert subprocess.run([sys.executable, script, role], env=env, timeout=30).returncode == 0
+    finally:
+        server.shutdown()
+    for name in ("Dockerfile.gateway", "Dockerfile.engine-cpu", "Dockerfile.engine-gpu"):
+        check = (DOCKER / name).read_text().split("HEALTHCHECK", 1)[1]
+        assert "127.0.0.1:" not in check.split("ENTRYPOINT")[0], name  # no fixed port
 
 
 def _dashboard_module():
