@@ -102,6 +102,12 @@ class EngineSettings(BaseModel):
         None, gt=0, description="cap the engine's static GPU memory at this many GB"
     )
     attention_backend: str = "flashinfer"
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: SGLang quantizes the bf16 checkpoint's linear layers to FP8 at load "
+        "(weights and activations, dynamic scales): half the weight memory and Hopper's FP8 "
+        "tensor cores. Check what it costs in quality with bench/quality.py first",
+    )
     prefix_cache: bool = Field(
         False,
         description="SGLang's radix (prefix) cache. Off: on one H200 the 4B embedded unique texts "

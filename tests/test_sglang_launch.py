@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from embedserve.config import CHILD_SETTINGS_ENV, Settings, load_settings
 from embedserve.engines import sglang as sglang_launch
@@ -57,7 +58,7 @@ def flags_of(argv: list[str]) -> list[str]:
 
 
 def test_every_flag_exists_in_pinned_sglang(model_dir: Path) -> None:
-    s = make(model_dir, extra_args=[], model={"matryoshka_dimensions": [256, 1024]})
+    s = make(model_dir, extra_args=[], quantization="fp8", model={"matryoshka_dimensions": [256, 1024]})
     argv = build_launch(s, python="python3").argv
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
     unknown = [f for f in flags_of(argv) if f not in SGLANG_FLAGS]
@@ -213,3 +214,14 @@ def test_run_execs_sglang(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_prefix_cache_is_off_unless_asked_for(model_dir: Path) -> None:
     assert "--disable-radix-cache" in build_launch(make(model_dir)).argv
     assert "--disable-radix-cache" not in build_launch(make(model_dir, prefix_cache=True)).argv
+
+
+def test_fp8_maps_to_sglangs_quantization_flag(model_dir: Path) -> None:
+    assert "--quantization" not in build_launch(make(model_dir)).argv
+    argv = build_launch(make(model_dir, quantization="fp8")).argv
+    assert arg(argv, "--quantization") == "fp8"
+
+
+def test_an_unknown_quantization_is_a_config_error(model_dir: Path) -> None:
+    with pytest.raises(ValidationError, match="quantization"):
+        make(model_dir, quantization="int3")

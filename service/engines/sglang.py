@@ -137,6 +137,8 @@ def build_launch(
     ]
     if not eng.prefix_cache:
         argv.append("--disable-radix-cache")
+    if eng.quantization != "none":
+        argv += ["--quantization", eng.quantization]
     if model.matryoshka_dimensions:
         override = {"matryoshka_dimensions": sorted(set(model.matryoshka_dimensions))}
         argv += ["--json-model-override-args", json.dumps(override, separators=(",", ":"))]
