@@ -46,6 +46,7 @@ class SupervisorView:
     restarts: int
     pids: dict[str, int]
     detail: str = ""
+    replacements: int = 0
 
 
 def load_api_keys(gw: GatewaySettings) -> list[str]:
@@ -70,6 +71,7 @@ def engine_view(
         oldest_inflight_age_s=pool.oldest_inflight_age_s(),
         detail=(sup.detail + "; " if sup and sup.detail else "") + pool.detail(),
         engines=tuple(pool.statuses()),
+        replacements=sup.replacements if sup else 0,
     )
 
 
@@ -147,6 +149,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.info = info
     app.state.gate = pipeline.gate
+    app.state.health = health
     install_error_handlers(app)
     app.include_router(health.router)
     embeddings = embeddings_handler(pipeline, metrics)

@@ -66,6 +66,11 @@ class GatewayMetrics:
         self.engine_ready = Gauge(
             "embedserve_engine_ready", "1 if the engine is ready", ["engine"], registry=registry
         )
+        self.engine_replacements = Counter(
+            "embedserve_engine_replacements",
+            "Engines `up` replaced before they ran out of memory",
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "embedserve_client_disconnects",
             "Requests abandoned by their client",

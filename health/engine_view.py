@@ -24,3 +24,4 @@ class EngineView:
     oldest_inflight_age_s: float | None = None
     detail: str = ""
     engines: tuple[EngineStatus, ...] = ()
+    replacements: int = 0

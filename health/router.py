@@ -41,8 +41,13 @@ def build_router(
         state = monitor.state
         if state is None:
             return _document(MemoryReport.collecting())
+        view = _view(engine_view)
         report = state.report.model_copy(
-            update={"age_s": max(time.time() - state.time, 0.0), "engines": list(_view(engine_view).engines)}
+            update={
+                "age_s": max(time.time() - state.time, 0.0),
+                "engines": list(view.engines),
+                "replacements": view.replacements,
+            }
         )
         return _document(report)
 

@@ -235,6 +235,17 @@ class HealthSettings(BaseModel):
     )
     gpu_memory_limit_bytes: int | None = None
     host_memory_limit_bytes: int | None = None
+    replace_engines: bool = Field(
+        True,
+        description="`up` replaces an engine whose memory runs out within replace_below_hours, one "
+        "at a time, before it runs out. Turn it off where a Kubernetes restart controller is in "
+        "charge (a pod whose `up` drains itself would race it)",
+    )
+    replace_below_hours: float | None = Field(
+        None, gt=0, description="hours to out-of-memory that start a replacement; default warning_hours"
+    )
+    replace_min_age_s: float = Field(600.0, ge=0, description="never replace an engine younger than this")
+    replace_cooldown_s: float = Field(600.0, ge=0, description="at least this long between two replacements")
 
 
 class ControllerSettings(BaseModel):

@@ -76,6 +76,7 @@ def start_stack(
     env: dict[str, str] | None = None,
     timeout: float = 240,
     wait: bool = True,
+    args: tuple[str, ...] = (),
 ) -> RunningStack:
     """``embedserve up`` in a subprocess; ``wait``: until it says it is up."""
     engine_port = free_port(consecutive=4)
@@ -98,7 +99,7 @@ def start_stack(
     log_path = workdir / "stack.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "embedserve.runtime.cli", "up"],
+            [sys.executable, "-m", "embedserve.runtime.cli", "up", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,

@@ -151,6 +151,7 @@ class MemoryReport(Advice):
     thresholds: Thresholds | None = None
     sampler: SamplerInfo | None = None
     engines: list[EngineStatus] = Field(default_factory=list)
+    replacements: int = Field(0, description="engines `up` replaced ahead of a forecast out-of-memory")
 
     def resource(self, name: str) -> ResourceForecast | None:
         return self.resources.get(name)

@@ -28,6 +28,7 @@ from starlette.responses import Response
 from embedserve.config import Settings, load_settings
 from embedserve.contracts import wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
+from embedserve.engines.drill import HostLeak
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
 
@@ -98,7 +99,8 @@ class CpuEmbedder:
         return out
 
 
-def create_engine_app(settings: Settings) -> FastAPI:
+def create_engine_app(settings: Settings, drill_leak_bytes_per_s: float | None = None) -> FastAPI:
+    """``drill_leak_bytes_per_s``: grow on purpose (``embedserve up --drill-leak``)."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine")
     state: dict[str, Any] = {}
     stats = EngineStats(source="cpu")
@@ -119,12 +121,17 @@ def create_engine_app(settings: Settings) -> FastAPI:
         state["embedder"] = await loop.run_in_executor(executor, CpuEmbedder, settings)
         stats_dir = settings.engine.stats_dir
         publisher = asyncio.create_task(publish_stats(stats_dir)) if stats_dir else None
+        leak = None
+        if drill_leak_bytes_per_s:
+            log.warning("leak drill: growing on purpose", extra={"bytes_per_s": drill_leak_bytes_per_s})
+            leak = asyncio.create_task(HostLeak(drill_leak_bytes_per_s).run())
         log.info("cpu engine ready", extra={"model": state["embedder"].path})
         try:
             yield
         finally:
-            if publisher:
-                publisher.cancel()
+            for task in (publisher, leak):
+                if task:
+                    task.cancel()
             executor.shutdown(wait=False, cancel_futures=True)
             if stats_dir:
                 stats_path(stats_dir, os.getpid()).unlink(missing_ok=True)
@@ -193,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="embedserve cpu-engine", description=__doc__)
     ap.add_argument("--port", type=int, help="default: engine.port from the config")
     ap.add_argument("--host", help="default: engine.host from the config")
+    ap.add_argument("--drill-leak", type=float, metavar="BYTES_PER_S", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = uvicorn.Config(
-        create_engine_app(settings),
+        create_engine_app(settings, drill_leak_bytes_per_s=args.drill_leak),
         host=args.host or settings.engine.host,
         port=args.port or settings.engine.port,
         log_config=None,

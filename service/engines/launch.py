@@ -26,12 +26,18 @@ class LaunchSpec:
 QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
 
 
-def engine_launch(settings: Settings, kind: str, index: int) -> LaunchSpec:
-    """Local engine ``index`` listens on ``engine.port + index``; SGLang replicas get a GPU each."""
+def engine_launch(
+    settings: Settings, kind: str, index: int, port: int | None = None, drill_leak: float | None = None
+) -> LaunchSpec:
+    """Local engine ``index`` listens on ``engine.port + index`` (or ``port``: a replacement);
+    SGLang replicas get a GPU each. ``drill_leak``: bytes/s the CPU engine grows on purpose."""
     own = settings.for_replica(index).with_engine(kind=kind)
+    if port is not None:
+        own = own.with_engine(port=port)
     if kind == "cpu":
         env = {"HF_HUB_OFFLINE": "1", **QUIET, **own.child_env()}
-        return LaunchSpec([sys.executable, "-m", "embedserve.engines.cpu"], env)
+        drill = ["--drill-leak", repr(drill_leak)] if drill_leak else []
+        return LaunchSpec([sys.executable, "-m", "embedserve.engines.cpu", *drill], env)
     from embedserve.engines.sglang import build_launch
 
     spec = build_launch(own)

@@ -52,6 +52,7 @@ class EngineRejected(EngineError):
 class EngineState:
     url: str
     ready: bool = False
+    retiring: bool = False  # being replaced: gets no new calls, finishes what it holds
     outstanding_tokens: int = 0
     outstanding_calls: int = 0
     consecutive_failures: int = 0
@@ -109,6 +110,7 @@ class EnginePool:
     ) -> None:
         """``client`` replaces the network to the engines (tests use a fake engine);
         calls of at least ``capacity_call_tokens`` measure the engines' capacity."""
+        self._capacity_call_tokens = capacity_call_tokens
         self.engines = [
             EngineState(u.rstrip("/"), throughput=Throughput(min_tokens=capacity_call_tokens)) for u in urls
         ]
@@ -173,11 +175,24 @@ class EnginePool:
         states = (f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}" for e in self.engines)
         return "; ".join(states)
 
-    def forget_stuck(self, index: int) -> None:
-        """After its process was killed, engine ``index``'s unanswered calls are history."""
-        engine = self.engines[index]
+    def forget_stuck(self, url: str) -> None:
+        """After its process was killed, the engine's unanswered calls are history."""
+        engine = self.by_url(url)
         engine.inflight_since.clear()
         engine.stalled_since = None
+
+    def by_url(self, url: str) -> EngineState:
+        return next(e for e in self.engines if e.url == url.rstrip("/"))
+
+    def add(self, url: str, ready: bool = True) -> EngineState:
+        """A new engine (one that replaces another): takes calls at once when ``ready``."""
+        engine = EngineState(url.rstrip("/"), ready=ready, ever_ready=ready,
+                             throughput=Throughput(min_tokens=self._capacity_call_tokens))
+        self.engines.append(engine)
+        return engine
+
+    def remove(self, url: str) -> None:
+        self.engines.remove(self.by_url(url))
 
     def oldest_inflight_age_s(self) -> float | None:
         now = time.monotonic()
@@ -189,7 +204,7 @@ class EnginePool:
         return time.monotonic() - max(done) if done else None
 
     def _pick(self) -> EngineState:
-        ready = [e for e in self.engines if e.ready]
+        ready = [e for e in self.engines if e.ready and not e.retiring]
         if not ready:
             raise EngineUnavailable("no engine is ready")
         return min(ready, key=lambda e: (e.outstanding_tokens, e.outstanding_calls))

@@ -64,8 +64,23 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None) -> int:
-    args = _stack_parser(prog, doc).parse_args(argv)
+def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, drill: bool = False) -> int:
+    parser = _stack_parser(prog, doc)
+    if drill:
+        parser.add_argument(
+            "--drill-leak", metavar="RATE",
+            help="a leak drill: the engines grow host memory at RATE (200MiB/min, 25MB/s) on purpose, "
+            "so the forecast and up's engine replacement can be watched working",
+        )
+    args = parser.parse_args(argv)
+    leak = None
+    if getattr(args, "drill_leak", None) is not None:
+        from embedserve.engines.drill import parse_rate
+
+        try:
+            leak = parse_rate(args.drill_leak)
+        except ValueError as exc:
+            parser.error(f"--drill-leak: {exc}")
     from embedserve.config import load_settings
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
@@ -74,11 +89,15 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None) -
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
-    return asyncio.run(run_stack(settings))
+    if leak is not None and settings.engine.kind not in ("cpu", "auto"):
+        parser.error("--drill-leak runs on the CPU engine (--engine-kind cpu)")
+    if leak is not None:
+        settings = settings.with_engine(kind="cpu")
+    return asyncio.run(run_stack(settings, drill_leak=leak))
 
 
 def _up(argv: list[str]) -> int:
-    return _run_stack(argv, "embedserve up", "Start the engine and the gateway.", None)
+    return _run_stack(argv, "embedserve up", "Start the engine and the gateway.", None, drill=True)
 
 
 def _gateway(argv: list[str]) -> int:

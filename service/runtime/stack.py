@@ -23,6 +23,7 @@ from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_count
 from embedserve.runtime.ports import PortInUse, check_free, check_owner
+from embedserve.runtime.replace import EngineReplacer
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ def resolve_engine_kind(settings: Settings) -> str:
     return "sglang" if importlib.util.find_spec("sglang") and gpu_count() > 0 else "cpu"
 
 
-async def warm_up(settings: Settings, info: ModelInfo, kind: str) -> list[tuple[int, float]]:
+async def warm_up(
+    settings: Settings, info: ModelInfo, kind: str, urls: list[str]
+) -> list[tuple[int, float]]:
     """One call per engine at the largest batch the gateway will send, so an out-of-memory
     shows at boot rather than under the first burst of traffic. Returns each call's tokens
     and seconds: the engines' first measured capacity."""
@@ -46,7 +49,7 @@ async def warm_up(settings: Settings, info: ModelInfo, kind: str) -> list[tuple[
     body = {"model": info.name, "input": [[1] * cap for _ in range(n)]}
     timings = []
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
-        for url in settings.engine_urls():
+        for url in urls:
             t0 = time.monotonic()
             r = await client.post(url + "/v1/embeddings", json=body)
             if r.status_code != 200:
@@ -95,17 +98,18 @@ def check_ports(settings: Settings, local_engines: bool) -> None:
             check_free(e.host, e.port + index, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
 
 
-async def run_stack(settings: Settings) -> int:
+async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
     """Exit status: 0 after a clean stop, 1 when an engine failed to start, 2 when a port is
-    taken (by another stack, or any other process)."""
+    taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
+    on purpose (a leak drill)."""
     try:
-        return await _run_stack(settings)
+        return await _run_stack(settings, drill_leak)
     except PortInUse as exc:  # one plain sentence, on a terminal or in a log collector
         print(f"embedserve: {exc}", file=sys.stderr, flush=True)
         return 2
 
 
-async def _run_stack(settings: Settings) -> int:
+async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     from embedserve.gateway.app import SupervisorView, create_app
 
     kind = resolve_engine_kind(settings)
@@ -117,16 +121,20 @@ async def _run_stack(settings: Settings) -> int:
         private_stats = tempfile.mkdtemp(prefix="embedserve-stats-")
         settings = settings.with_engine(stats_dir=private_stats)
     settings = settings.model_copy(update={"log_format": resolve_format(settings.log_format)})
-    supervisors = [
-        ProcessSupervisor(
-            f"{kind}-{index}",
-            engine_launch(settings, kind, index),
-            url + "/health",
+    def supervisor(index: int, port: int, name: str) -> ProcessSupervisor:
+        return ProcessSupervisor(
+            name,
+            engine_launch(settings, kind, index, port=port, drill_leak=drill_leak),
+            f"http://{settings.engine.host}:{port}/health",
             startup_timeout_s=settings.engine.startup_timeout_s,
             backoff_s=settings.engine.restart_backoff_s,
             backoff_max_s=settings.engine.restart_backoff_max_s,
         )
-        for index, url in enumerate(settings.engine_urls() if local else [])
+
+    replaced = 0
+    supervisors = [
+        supervisor(index, settings.engine.port + index, f"{kind}-{index}")
+        for index in range(len(settings.engine_urls()) if local else 0)
     ]
     for sup in supervisors:
         await sup.start()
@@ -139,6 +147,7 @@ async def _run_stack(settings: Settings) -> int:
             restarts=sum(s.restarts for s in supervisors),
             pids=pids,
             detail="; ".join(f"{s.name} exited ({s.last_exit})" for s in dead),
+            replacements=replaced,
         )
 
     app = create_app(
@@ -166,12 +175,13 @@ async def _run_stack(settings: Settings) -> int:
                 assert sup.pid is not None
                 check_owner(settings.engine.port + index, sup.pid, sup.name)
             if supervisors:
-                timings = await warm_up(settings, info, kind)
+                timings = await warm_up(settings, info, kind, settings.engine_urls())
                 for engine, (tokens, seconds) in zip(app.state.pool.engines, timings, strict=True):
                     engine.throughput.record(tokens, seconds)
             while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
             app.state.gate.open()
+            announced.set()
             print(_banner(settings), flush=True)
         except (EngineStartError, PortInUse) as exc:
             failure.append(exc)
@@ -187,18 +197,47 @@ async def _run_stack(settings: Settings) -> int:
         while True:
             await asyncio.sleep(min(5.0, hang_after / 4))
             now = time.monotonic()
-            for index, (sup, engine) in enumerate(zip(supervisors, app.state.pool.engines, strict=True)):
-                stuck = engine.stuck_for_s(now)
+            for sup in list(supervisors):
+                url = sup.ready_url.removesuffix("/health")
+                stuck = app.state.pool.by_url(url).stuck_for_s(now)
                 if stuck is not None and stuck > hang_after:
                     sup.kill(f"a call has waited {stuck:.0f} s (limit {hang_after:.0f} s)")
-                    app.state.pool.forget_stuck(index)
+                    app.state.pool.forget_stuck(url)
 
+    def on_replaced(reason: str) -> None:
+        nonlocal replaced
+        replaced += 1
+        app.state.metrics.engine_replacements.inc()
+
+    async def warm_one(url: str) -> tuple[int, float]:
+        return (await warm_up(settings, info, kind, [url]))[0]
+
+    replacer = EngineReplacer(
+        settings,
+        app.state.pool,
+        supervisors,
+        lambda index, port: supervisor(index, port, f"{kind}-{index}.{replaced + 1}"),
+        warm_one,
+        app.state.gate.close,
+        app.state.gate.open,
+        on_replaced,
+    )
+
+    async def replace_when_due() -> None:
+        await announced.wait()
+        monitor = app.state.health.monitor
+        await replacer.run(lambda: monitor.state.report if monitor.state else None)
+
+    announced = asyncio.Event()
     announcer = asyncio.create_task(announce())
     watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None
+    replacing = (
+        asyncio.create_task(replace_when_due()) if supervisors and settings.health.replace_engines else None
+    )
     try:
         await server.serve()
     finally:
-        for task in (announcer, watchdog):
+        for task in (announcer, watchdog, replacing):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

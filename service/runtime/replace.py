@@ -1,0 +1,158 @@
+"""`up` acts on its own forecast: an engine whose memory will run out within
+``health.replace_below_hours`` is replaced before it does, one at a time.
+
+Beside the old one when memory allows: start the replacement on a spare port, wait until
+it is ready and warmed up, route new work to it, let the old engine finish what it holds,
+then stop it. Without room for two, drain first: the gateway answers 503 with Retry-After
+while the old engine stops and the new one starts. Outside Kubernetes this is the whole
+rolling restart; under a restart controller, turn it off (``health.replace_engines``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import psutil
+
+from embedserve.config import Settings
+from embedserve.contracts.memory import MemoryReport
+from embedserve.engines.pool import EnginePool
+from embedserve.runtime.ports import check_free, check_owner
+from embedserve.runtime.supervisor import ProcessSupervisor
+
+log = logging.getLogger(__name__)
+
+#: make a supervisor for engine slot ``index`` listening on ``port``
+MakeSupervisor = Callable[[int, int], ProcessSupervisor]
+
+
+@dataclass(frozen=True)
+class Due:
+    index: int
+    reason: str
+
+
+def due(
+    report: MemoryReport | None,
+    settings: Settings,
+    engine_rss: list[int],
+    ages_s: list[float],
+    since_last_s: float,
+) -> Due | None:
+    """Which engine to replace now, if any (pure: the tests drive it with reports)."""
+    h = settings.health
+    below = h.replace_below_hours or h.warning_hours
+    hours = report.estimated_hours_until_oom if report else None
+    if report is None or hours is None or hours > below or since_last_s < h.replace_cooldown_s:
+        return None
+    resource = report.binding_resource or ""
+    if resource.startswith("gpu:") and len(ages_s) > 1:  # replicas run on GPU i each
+        index = min(int(resource.split(":")[1]), len(ages_s) - 1)
+    else:  # host memory: the engine that holds the most
+        index = max(range(len(engine_rss)), key=lambda i: engine_rss[i]) if engine_rss else 0
+    if ages_s[index] < h.replace_min_age_s:
+        return None
+    return Due(index, f"{resource} runs out in {hours * 60:.1f} min (replacing under {below * 60:.1f} min)")
+
+
+class EngineReplacer:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: EnginePool,
+        supervisors: list[ProcessSupervisor],
+        make: MakeSupervisor,
+        warm_up: Callable[[str], Awaitable[tuple[int, float]]],
+        close_gate: Callable[[str], None],
+        open_gate: Callable[[], None],
+        on_replaced: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.supervisors = supervisors
+        self.make = make
+        self.warm_up = warm_up
+        self.close_gate = close_gate
+        self.open_gate = open_gate
+        self.on_replaced = on_replaced
+        self.clock = clock
+        self.started_at = [clock()] * len(supervisors)
+        self.last = float("-inf")
+        self.count = 0
+
+    def check(self, report: MemoryReport | None) -> Due | None:
+        now = self.clock()
+        rss = [self._rss(s) for s in self.supervisors]
+        return due(report, self.settings, rss, [now - t for t in self.started_at], now - self.last)
+
+    @staticmethod
+    def _rss(sup: ProcessSupervisor) -> int:
+        try:
+            proc = psutil.Process(sup.pid or 0)
+            return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+        except psutil.Error:
+            return 0
+
+    def _spare_port(self) -> int:
+        e = self.settings.engine
+        port = e.port + e.replicas + self.count
+        check_free(e.host, port, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
+        return port
+
+    async def replace(self, d: Due) -> None:
+        old = self.supervisors[d.index]
+        old_url = old.ready_url.removesuffix("/health")
+        room = psutil.virtual_memory().available > 1.5 * self._rss(old)
+        log.warning("replacing an engine before it runs out of memory",
+                    extra={"engine": old.name, "reason": d.reason, "beside": room})
+        self.last = self.clock()
+        self.count += 1
+        port = self._spare_port()
+        new = self.make(d.index, port)
+        new_url = new.ready_url.removesuffix("/health")
+        if not room:
+            self.close_gate("replacing an engine")
+            await self._stop(old, old_url)
+        await new.start()
+        await new.wait_ready()
+        assert new.pid is not None
+        check_owner(port, new.pid, new.name)
+        engine = self.pool.add(new_url, ready=False)
+        tokens, seconds = await self.warm_up(new_url)
+        engine.throughput.record(tokens, seconds)
+        engine.ready = engine.ever_ready = True  # new work goes here from now on
+        if room:
+            await self._stop(old, old_url)
+        else:
+            self.open_gate()
+        self.supervisors[d.index] = new
+        self.started_at[d.index] = self.clock()
+        self.on_replaced(d.reason)
+        log.warning("engine replaced", extra={"old": old.name, "new": new.name, "url": new_url})
+
+    async def _stop(self, old: ProcessSupervisor, url: str) -> None:
+        """The old engine takes no new calls, finishes what it holds (at most one request
+        deadline), then stops."""
+        engine = self.pool.by_url(url)
+        engine.retiring = True
+        deadline = self.clock() + self.settings.gateway.request_timeout_s
+        while engine.outstanding_calls and self.clock() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        await old.stop(self.settings.gateway.graceful_shutdown_s)
+        self.pool.remove(url)
+
+    async def run(self, report: Callable[[], MemoryReport | None]) -> None:
+        interval = self.settings.health.sample_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            d = self.check(report())
+            if d is not None:
+                try:
+                    await self.replace(d)
+                except Exception:
+                    log.exception("engine replacement failed; the old engine keeps serving")
