@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from embedserve.config import Settings
+from embedserve.contracts.memory import MACHINE_RAM
 from embedserve.health.sources.allocator import AllocatorReading, read_allocator
 from embedserve.health.sources.cgroup import CgroupReading, read_cgroup
 from embedserve.health.sources.nvml import GpuReading, NvmlSource
@@ -133,6 +134,6 @@ def derive_resources(r: Reading, cfg: SourceConfig) -> dict[str, ResourceLevel]:
         )
     else:
         out["host"] = ResourceLevel(
-            float(r.machine_used_bytes), r.machine_total_bytes, "machine RAM", "machine used"
+            float(r.machine_used_bytes), r.machine_total_bytes, MACHINE_RAM, "machine used"
         )
     return out

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from embedserve.config import BUNDLED_MODEL, Settings
-from embedserve.contracts.memory import MemoryReport
+from embedserve.contracts.memory import MemoryReport, ResourceForecast
 from embedserve.engines.drill import HostLeak, parse_rate
 from embedserve.runtime.replace import due
 from tests.conftest import start_stack, wait_until
@@ -54,6 +54,15 @@ def report(hours: float | None, resource: str = "host") -> MemoryReport:
                         hours_upper=None, reason="test")
 
 
+def host_forecast(limit_source: str) -> ResourceForecast:
+    return ResourceForecast(
+        resource="host", status="growing", used_bytes=1.0, limit_bytes=2.0, limit_source=limit_source,
+        headroom_bytes=1.0, peak_bytes=1.0, slope_bytes_per_hour=1.0, slope_low_bytes_per_hour=1.0,
+        slope_high_bytes_per_hour=1.0, window_start=0.0, window_s=1.0, samples=30,
+        estimated_hours_until_oom=5.0, hours_lower=4.0, hours_upper=6.0, capped=False, reason="test",
+    )
+
+
 def test_the_decision() -> None:
     s = Settings(_env_file=None, health={"replace_min_age_s": 600, "replace_cooldown_s": 600})
     old, young = [3600.0, 3600.0], [60.0, 3600.0]
@@ -65,6 +74,10 @@ def test_the_decision() -> None:
     assert due(report(5.0), s, [1, 2], old, 10.0) is None  # cooling down after the last one
     assert due(report(5.0, "gpu:0"), s, [1, 2], young, 1e9) is None  # too young
     assert due(None, s, [1], [3600.0], 1e9) is None
+    machine = report(5.0).model_copy(update={"resources": {"host": host_forecast("machine RAM")}})
+    assert due(machine, s, [1], [3600.0], 1e9) is None  # another process's growth: no replacement
+    ours = report(5.0).model_copy(update={"resources": {"host": host_forecast("cgroup v2 limit")}})
+    assert due(ours, s, [1], [3600.0], 1e9) is not None
 
 
 def test_a_leaking_engine_is_replaced_before_the_limit_with_no_request_lost(tmp_path: Path) -> None:

@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from embedserve.contracts.stats import EngineStats
 
+#: ResourceForecast.limit_source when neither a cgroup nor a setting bounds the host: the
+#: figure is the whole machine's, other processes included.
+MACHINE_RAM = "machine RAM"
+
 Status = Literal["insufficient_data", "not_growing", "growing", "at_limit", "no_limit"]
 Level = Literal["ok", "unknown", "warning", "critical"]
 

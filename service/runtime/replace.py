@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from embedserve.config import Settings
-from embedserve.contracts.memory import MemoryReport
+from embedserve.contracts.memory import MACHINE_RAM, MemoryReport
 from embedserve.engines.pool import EnginePool
 from embedserve.runtime.ports import check_free, check_owner
 from embedserve.runtime.supervisor import ProcessSupervisor
@@ -50,6 +50,9 @@ def due(
     if report is None or hours is None or hours > below or since_last_s < h.replace_cooldown_s:
         return None
     resource = report.binding_resource or ""
+    binding = report.resource(resource)
+    if binding is not None and binding.limit_source == MACHINE_RAM:
+        return None  # the whole machine's memory, not ours: a new engine would not help
     if resource.startswith("gpu:") and len(ages_s) > 1:  # replicas run on GPU i each
         index = min(int(resource.split(":")[1]), len(ages_s) - 1)
     else:  # host memory: the engine that holds the most
