@@ -121,12 +121,20 @@ class EngineReplacer:
         if not room:
             self.close_gate("replacing an engine")
             await self._stop(old, old_url)
-        await new.start()
-        await new.wait_ready()
-        assert new.pid is not None
-        check_owner(port, new.pid, new.name)
-        engine = self.pool.add(new_url, ready=False)
-        tokens, seconds = await self.warm_up(new_url)
+        try:
+            await new.start()
+            await new.wait_ready()
+            assert new.pid is not None
+            check_owner(port, new.pid, new.name)
+            engine = self.pool.add(new_url, ready=False)
+            tokens, seconds = await self.warm_up(new_url)
+        except BaseException:
+            await new.stop(2.0)  # no orphan; beside the old one, the old one keeps serving
+            if any(e.url == new_url for e in self.pool.engines):
+                self.pool.remove(new_url)
+            if not room:
+                self.open_gate()
+            raise
         engine.throughput.record(tokens, seconds)
         engine.ready = engine.ever_ready = True  # new work goes here from now on
         if room:
