@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from embedserve.contracts.errors import error_body, head_too_large_message
+from embedserve.contracts.errors import HEAD_TOO_LARGE, error_body, head_too_large_message
 
 
 class APIError(Exception):
@@ -38,7 +38,7 @@ class APIError(Exception):
 
 def head_too_large(max_bytes: int) -> APIError:
     """431 for a request head over the cap (the parser's backstop sends the same text)."""
-    return APIError(431, head_too_large_message(max_bytes), code="request_header_fields_too_large")
+    return APIError(431, head_too_large_message(max_bytes), code=HEAD_TOO_LARGE)
 
 
 def error_response(err: APIError) -> Response:

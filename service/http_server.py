@@ -17,7 +17,7 @@ import uvicorn
 from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from embedserve.contracts.errors import error_body, head_too_large_message
+from embedserve.contracts.errors import HEAD_TOO_LARGE, error_body, head_too_large_message
 
 
 def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
@@ -48,7 +48,7 @@ def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
 
         def _refuse(self) -> None:
             message = head_too_large_message(max_head_bytes)
-            body = error_body(431, message, code="request_header_fields_too_large")
+            body = error_body(431, message, code=HEAD_TOO_LARGE)
             head = (
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)

@@ -33,6 +33,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return orjson.dumps({"error": err})
 
 
+HEAD_TOO_LARGE = "request_header_fields_too_large"  # the 431's code
+
+
 def head_too_large_message(max_bytes: int) -> str:
     """The 431 text: one for the exact middleware check and the HTTP parser's backstop."""
     return f"Request headers and URL exceed the limit of {max_bytes} bytes"

@@ -21,6 +21,7 @@ import psutil
 from embedserve.config import Settings
 from embedserve.contracts.memory import MACHINE_RAM, MemoryReport
 from embedserve.engines.pool import EnginePool
+from embedserve.health.sources.processes import read_processes
 from embedserve.runtime.ports import check_free, check_owner
 from embedserve.runtime.supervisor import ProcessSupervisor
 
@@ -95,11 +96,9 @@ class EngineReplacer:
 
     @staticmethod
     def _rss(sup: ProcessSupervisor) -> int:
-        try:
-            proc = psutil.Process(sup.pid or 0)
-            return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
-        except psutil.Error:
-            return 0
+        """Resident memory of the engine and its children, as health counts it."""
+        found, _ = read_processes({sup.name: sup.pid or 0})
+        return found[sup.name].rss_bytes if sup.name in found else 0
 
     def _spare_port(self) -> int:
         e = self.settings.engine
