@@ -15,7 +15,8 @@ import pytest
 
 from embedserve.config import BUNDLED_MODEL, Settings
 from embedserve.contracts.memory import MemoryReport, ResourceForecast
-from embedserve.engines.drill import HostLeak, parse_rate
+from embedserve.engines.drill import LEAK_ENV, Leak, parse_rate
+from embedserve.engines.launch import engine_launch
 from embedserve.runtime.replace import due
 from tests.conftest import start_stack, wait_until
 
@@ -42,10 +43,36 @@ def test_a_drill_flag_without_a_leak_exits_2() -> None:
     assert done.returncode == 2 and "--drill-leak" in done.stderr
 
 
-def test_the_leak_is_resident() -> None:
-    leak = HostLeak(8 * 2**20)
-    leak.step(0.5)
+def test_the_leak_is_resident_and_keeps_its_rate() -> None:
+    now = [100.0]
+    leak = Leak(8 * 2**20, chunk_bytes=2**20, clock=lambda: now[0])
+    leak.catch_up()  # starts the clock
+    assert leak.leaked_bytes == 0
+    now[0] += 0.5
+    leak.catch_up()
     assert leak.leaked_bytes == 4 * 2**20 and leak.held[0][-1] == 1
+    now[0] += 0.01  # less than a chunk due: nothing allocated
+    leak.catch_up()
+    assert leak.leaked_bytes == 4 * 2**20
+    now[0] += 9.49
+    leak.catch_up()
+    assert leak.leaked_bytes == 80 * 2**20
+
+
+def test_only_the_drill_flag_makes_an_sglang_engine_leak(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "qwen3", "max_position_embeddings": 8192, "hidden_size": 64}')
+    settings = Settings(model={"path": str(tmp_path)})
+    assert LEAK_ENV not in engine_launch(settings, "sglang", 0).env
+    spec = engine_launch(settings, "sglang", 0, drill_leak=2**30 / 60)
+    assert float(spec.env[LEAK_ENV]) == pytest.approx(2**30 / 60)
+    assert "--drill-leak" in engine_launch(settings, "cpu", 0, drill_leak=1e6).argv
+
+
+def test_a_drill_against_engines_up_does_not_start_exits_2() -> None:
+    done = subprocess.run([sys.executable, "-m", "embedserve", "up", "--drill-leak", "1GiB/min",
+                           "--engine-url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--drill-leak needs engines that up starts" in done.stderr
 
 
 def report(hours: float | None, resource: str = "host") -> MemoryReport:

@@ -132,6 +132,11 @@ class FakeCuda:
         self.calls.append("empty")
         self.reserved = self.allocated + self.split
 
+    def alloc(self, nbytes: int) -> bytes:
+        self.allocated += nbytes
+        self.reserved += nbytes
+        return b""
+
 
 class Clock:
     def __init__(self) -> None:
@@ -277,3 +282,30 @@ def test_entry_point_is_registered() -> None:
     assert found.get("embedserve") == "embedserve.engines.sglang_plugin:register"
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "embedserve"]
     assert ep.load() is sglang_plugin.register
+
+
+def test_a_drill_grows_gpu_memory_at_its_rate_from_both_hooks(tmp_path: Path) -> None:
+    fake, clock = FakeCuda(), Clock()
+    policy = CachePolicy(every_n_batches=2, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon = Monitor(fake, policy, str(tmp_path), 1.0, clock=clock, leak_bytes_per_s=GB / 60)
+    start = fake.allocated
+    mon.on_idle()  # the leak starts with the first hook call
+    for _ in range(60):
+        clock.t += 1.0
+        if int(clock.t) % 2:
+            mon.on_batch()
+        else:
+            mon.on_idle()
+    assert fake.allocated - start == pytest.approx(GB, abs=16 * 2**20)
+    assert mon.stats.cache_clears > 0  # clearing the cache frees nothing the leak holds
+    assert fake.allocated - start >= GB - 16 * 2**20
+
+
+def test_no_leak_without_the_drill(tmp_path: Path) -> None:
+    policy = CachePolicy(every_n_batches=3, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon, fake, clock = make_monitor(tmp_path, policy)
+    start = fake.allocated
+    for _ in range(10):
+        clock.t += 60.0
+        mon.on_idle()
+    assert mon.leak is None and fake.allocated == start

@@ -28,7 +28,7 @@ from starlette.responses import Response
 from embedserve.config import Settings, load_settings
 from embedserve.contracts import wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
-from embedserve.engines.drill import HostLeak
+from embedserve.engines.drill import Leak
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
 
@@ -124,7 +124,7 @@ def create_engine_app(settings: Settings, drill_leak_bytes_per_s: float | None =
         leak = None
         if drill_leak_bytes_per_s:
             log.warning("leak drill: growing on purpose", extra={"bytes_per_s": drill_leak_bytes_per_s})
-            leak = asyncio.create_task(HostLeak(drill_leak_bytes_per_s).run())
+            leak = asyncio.create_task(Leak(drill_leak_bytes_per_s).run())
         log.info("cpu engine ready", extra={"model": state["embedder"].path})
         try:
             yield

@@ -1,15 +1,23 @@
 """A leak drill: an engine that grows its memory at a set rate on purpose, so an operator
 can watch the forecast, the probes and `up`'s replacement work on their own hardware
-before trusting them. Only ever on through ``embedserve up --drill-leak RATE``."""
+before trusting them. Only ever on through ``embedserve up --drill-leak RATE``: the CPU
+engine grows host memory, an SGLang engine GPU memory (in its scheduler, through the
+plugin)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
+from collections.abc import Callable
+from typing import Any
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _PER = {"s": 1.0, "min": 60.0, "h": 3600.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?i?b)\s*/\s*(s|min|h)\s*$", re.IGNORECASE)
+
+#: set only by ``embedserve up --drill-leak`` on the engines it starts: bytes per second
+LEAK_ENV = "EMBEDSERVE_DRILL_LEAK_BYTES_PER_S"
 
 
 def parse_rate(text: str) -> float:
@@ -23,21 +31,43 @@ def parse_rate(text: str) -> float:
     return value
 
 
-class HostLeak:
-    """Holds ``bytes_per_s`` more host memory every second, written so that it is resident."""
+def host_bytes(n: int) -> bytearray:
+    """Written, so that it is resident rather than merely reserved."""
+    return bytearray(b"\x01") * n
 
-    def __init__(self, bytes_per_s: float) -> None:
+
+class Leak:
+    """Holds ``bytes_per_s`` more memory every second since the first ``catch_up``, in
+    chunks from ``alloc`` (host bytes, or a GPU tensor). ``catch_up`` is cheap when nothing
+    is due, so a hot loop such as SGLang's scheduler may call it every iteration."""
+
+    def __init__(
+        self,
+        bytes_per_s: float,
+        alloc: Callable[[int], Any] = host_bytes,
+        chunk_bytes: int = 16 * 2**20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.bytes_per_s = bytes_per_s
-        self.held: list[bytearray] = []
+        self.alloc = alloc
+        self.chunk_bytes = chunk_bytes
+        self.clock = clock
+        self.started: float | None = None
+        self.held: list[Any] = []
+        self.leaked_bytes = 0
 
-    @property
-    def leaked_bytes(self) -> int:
-        return sum(len(b) for b in self.held)
+    def catch_up(self) -> None:
+        now = self.clock()
+        if self.started is None:
+            self.started = now
+            return
+        due = self.bytes_per_s * (now - self.started) - self.leaked_bytes
+        while due >= self.chunk_bytes:
+            self.held.append(self.alloc(self.chunk_bytes))
+            self.leaked_bytes += self.chunk_bytes
+            due -= self.chunk_bytes
 
-    def step(self, seconds: float = 1.0) -> None:
-        self.held.append(bytearray(b"\x01") * int(self.bytes_per_s * seconds))
-
-    async def run(self) -> None:
+    async def run(self, every_s: float = 0.25) -> None:
         while True:
-            self.step()
-            await asyncio.sleep(1.0)
+            self.catch_up()
+            await asyncio.sleep(every_s)

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 
 from embedserve.config import Settings
+from embedserve.engines.drill import LEAK_ENV
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ def engine_launch(
     settings: Settings, kind: str, index: int, port: int | None = None, drill_leak: float | None = None
 ) -> LaunchSpec:
     """Local engine ``index`` listens on ``engine.port + index`` (or ``port``: a replacement);
-    SGLang replicas get a GPU each. ``drill_leak``: bytes/s the CPU engine grows on purpose."""
+    SGLang replicas get a GPU each. ``drill_leak``: bytes/s the engine grows on purpose (host
+    memory for the CPU engine, GPU memory for SGLang)."""
     own = settings.for_replica(index).with_engine(kind=kind)
     if port is not None:
         own = own.with_engine(port=port)
@@ -41,6 +43,9 @@ def engine_launch(
     from embedserve.engines.sglang import build_launch
 
     spec = build_launch(own)
+    env = dict(spec.env)
     if settings.engine.replicas > 1:
-        return LaunchSpec(spec.argv, {**spec.env, "CUDA_VISIBLE_DEVICES": str(index)}, spec.notes)
-    return spec
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    if drill_leak:
+        env[LEAK_ENV] = repr(drill_leak)
+    return LaunchSpec(spec.argv, env, spec.notes)

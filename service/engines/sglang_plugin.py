@@ -12,6 +12,9 @@ process and again at the top of ``run_scheduler_process`` in every scheduler pro
 * ``Scheduler.on_idle``: the loop's idle branch, so statistics stay fresh when no traffic
   comes.
 
+In a leak drill (``embedserve up --drill-leak RATE`` sets ``EMBEDSERVE_DRILL_LEAK_BYTES_PER_S``
+on the engines it starts) both hooks also grow GPU memory at that rate, held as tensors.
+
 The model's memory lives in the scheduler process, so this is the only place where
 ``torch.cuda.memory_stats()`` sees it. Nothing here may break the scheduler: every hook
 body is wrapped, logs its first errors and carries on. Without CUDA it does nothing.
@@ -29,6 +32,7 @@ from typing import Any
 
 from embedserve.contracts.stats import EngineStats, write_stats
 from embedserve.engines.cache_policy import AllocatorSnapshot, CachePolicy
+from embedserve.engines.drill import LEAK_ENV, Leak
 
 log = logging.getLogger("embedserve.sglang_plugin")
 
@@ -79,6 +83,9 @@ class CudaBackend:
     def empty_cache(self) -> None:
         self._torch.cuda.empty_cache()
 
+    def alloc(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
+
 
 class Monitor:
     """Per-process state: batch count, policy, clear accounting, stats publishing."""
@@ -91,8 +98,10 @@ class Monitor:
         stats_interval_s: float,
         clock: Any = time.monotonic,
         wall: Any = time.time,
+        leak_bytes_per_s: float | None = None,
     ) -> None:
         self.backend = backend
+        self.leak = Leak(leak_bytes_per_s, backend.alloc, clock=clock) if leak_bytes_per_s else None
         self.policy = policy
         self.stats_dir = stats_dir
         self.stats_interval_s = stats_interval_s
@@ -124,6 +133,8 @@ class Monitor:
 
     # --- hooks ---------------------------------------------------------------------------
     def on_batch(self) -> None:
+        if self.leak is not None:
+            self.leak.catch_up()
         self.stats.batches += 1
         now = self.clock()
         snap = self.snapshot() if self.policy.thresholds_due(now) else None
@@ -133,6 +144,8 @@ class Monitor:
         self.maybe_publish(force=reason is not None)
 
     def on_idle(self) -> None:
+        if self.leak is not None:
+            self.leak.catch_up()
         self.maybe_publish()
 
     def clear(self, reason: str) -> None:
@@ -182,14 +195,17 @@ def _get_monitor() -> Monitor | None:
         from embedserve.config import load_settings
 
         eng = load_settings().engine
+        leak = float(os.environ.get(LEAK_ENV) or 0) or None
         _monitor = Monitor(
             CudaBackend(), CachePolicy.from_settings(eng.cache_clear),
-            eng.stats_dir, eng.stats_interval_s,
+            eng.stats_dir, eng.stats_interval_s, leak_bytes_per_s=leak,
         )
         log.info(
             "embedserve plugin active in pid %d: cache clear %s, stats to %s every %.1fs",
             os.getpid(), eng.cache_clear.model_dump(), eng.stats_dir, eng.stats_interval_s,
         )
+        if leak:
+            log.warning("embedserve plugin: leak drill, GPU memory grows by %.0f bytes/s on purpose", leak)
     except Exception:
         _disabled = True
         log.exception("embedserve plugin: could not start; the engine runs without it")

@@ -69,7 +69,8 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     if drill:
         parser.add_argument(
             "--drill-leak", metavar="RATE",
-            help="a leak drill: the engines grow host memory at RATE (200MiB/min, 25MB/s) on purpose, "
+            help="a leak drill: the engines grow memory at RATE (200MiB/min, 25MB/s) on purpose, GPU "
+            "memory for SGLang engines and host memory for the CPU engine, "
             "so the forecast and up's engine replacement can be watched working",
         )
     args = parser.parse_args(argv)
@@ -89,10 +90,8 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
-    if leak is not None and settings.engine.kind not in ("cpu", "auto"):
-        parser.error("--drill-leak runs on the CPU engine (--engine-kind cpu)")
-    if leak is not None:
-        settings = settings.with_engine(kind="cpu")
+    if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
+        parser.error("--drill-leak needs engines that up starts (not --engine-url)")
     return asyncio.run(run_stack(settings, drill_leak=leak))
 
 

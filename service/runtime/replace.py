@@ -21,6 +21,7 @@ import psutil
 from embedserve.config import Settings
 from embedserve.contracts.memory import MACHINE_RAM, MemoryReport
 from embedserve.engines.pool import EnginePool
+from embedserve.health.sources.nvml import NvmlSource
 from embedserve.health.sources.processes import read_processes
 from embedserve.runtime.ports import check_free, check_owner
 from embedserve.runtime.supervisor import ProcessSupervisor
@@ -35,6 +36,7 @@ MakeSupervisor = Callable[[int, int], ProcessSupervisor]
 class Due:
     index: int
     reason: str
+    resource: str = "host"
 
 
 def due(
@@ -60,7 +62,8 @@ def due(
         index = max(range(len(engine_rss)), key=lambda i: engine_rss[i]) if engine_rss else 0
     if ages_s[index] < h.replace_min_age_s:
         return None
-    return Due(index, f"{resource} runs out in {hours * 60:.1f} min (replacing under {below * 60:.1f} min)")
+    reason = f"{resource} runs out in {hours * 60:.1f} min (replacing under {below * 60:.1f} min)"
+    return Due(index, reason, resource)
 
 
 class EngineReplacer:
@@ -100,6 +103,21 @@ class EngineReplacer:
         found, _ = read_processes({sup.name: sup.pid or 0})
         return found[sup.name].rss_bytes if sup.name in found else 0
 
+    @staticmethod
+    def _room(old: ProcessSupervisor, resource: str) -> bool:
+        """Whether a replacement fits beside ``old`` on the resource that runs out: a fresh
+        engine needs at most what the old one holds now (its leak included)."""
+        found, _ = read_processes({old.name: old.pid or 0})
+        proc = found.get(old.name)
+        if not resource.startswith("gpu:"):
+            return psutil.virtual_memory().available > 1.5 * (proc.rss_bytes if proc else 0)
+        index = int(resource.split(":")[1])
+        device = next((d for d in NvmlSource().read().devices if d.index == index), None)
+        if device is None or proc is None:
+            return False
+        held = sum(b for pid, b in device.processes.items() if pid in proc.pids)
+        return device.free_bytes > held
+
     def _spare_port(self) -> int:
         e = self.settings.engine
         port = e.port + e.replicas + self.count
@@ -109,7 +127,7 @@ class EngineReplacer:
     async def replace(self, d: Due) -> None:
         old = self.supervisors[d.index]
         old_url = old.ready_url.removesuffix("/health")
-        room = psutil.virtual_memory().available > 1.5 * self._rss(old)
+        room = self._room(old, d.resource)
         log.warning("replacing an engine before it runs out of memory",
                     extra={"engine": old.name, "reason": d.reason, "beside": room})
         self.last = self.clock()
