@@ -199,6 +199,7 @@ def render(res: dict[str, Any]) -> str:
                                                   ("one_conc", "in flight"), ("two_tok_s", "2 engines tok/s"),
                                                   ("two_conc", "in flight"), ("ratio", "ratio"),
                                                   ("errors", "errors")]), "", *every_run(scale_rows)]
+    md += fp8_sections(st)
     skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
     failed = [f"- {name}: `{s.get('error')}`" for name, s in st.items() if s.get("ok") is False]
     if skipped:
@@ -210,3 +211,46 @@ def render(res: dict[str, Any]) -> str:
 
 def fmt_dict(d: dict[str, Any]) -> str:
     return ", ".join(f"{k} {fmt(v)} GB" for k, v in d.items())
+
+
+def quality_rows(quality: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per model: the gate's figures against its targets, or why it did not run."""
+    out = []
+    for model, q in quality.items():
+        m = q.get("measured") or {}
+        out.append({"model": model, "texts": q.get("texts"), "median": m.get("median_cosine"),
+                    "p1": m.get("p1_cosine"), "min": (q.get("cosine") or {}).get("min"),
+                    "overlap": m.get("top10_overlap"),
+                    "passed": q.get("passed") if "passed" in q else None,
+                    "note": q.get("not_run") or (q.get("error") or "")[-200:] or None})
+    return out
+
+
+def fp8_sections(st: dict[str, Any]) -> list[str]:
+    md: list[str] = []
+    engines = st.get("fp8-engines", {})
+    if engines.get("engine_gpu_gb"):
+        md += [f"FP8 scenario engines, GPU memory of each (its processes, NVML, idle): "
+               f"{fmt_dict(engines['engine_gpu_gb'])}.", ""]
+        md += [f"- {tag} did not start: `{why[-300:]}`" for tag, why in engines.get("failed", {}).items()]
+        md += [""] if engines.get("failed") else []
+    if quality := st.get("fp8-quality"):
+        rows = quality_rows({k: v for k, v in quality.items() if isinstance(v, dict)})
+        md += ["## FP8 quality gate: FP8 against bf16, same texts (bench/quality.py)", "",
+               "Targets: median cosine >= 0.99, 1st percentile >= 0.98, top-10 overlap >= 0.9 "
+               "(500 queries over 5,000 passages).", "",
+               *table(rows, [("model", "model"), ("texts", "texts"), ("median", "median cosine"),
+                             ("p1", "1st pct cosine"), ("min", "min cosine"),
+                             ("overlap", "top-10 overlap"), ("passed", "passed"), ("note", "note")]), ""]
+    thr = st.get("fp8-throughput", {})
+    if thr.get("rows"):
+        md += comparison_section("FP8 vs bf16 (4B, through the gateway)", thr["rows"], *thr["sides"])
+        md += [f"Engine GPU memory after the runs: {fmt_dict(thr.get('engine_gpu_gb', {}))}.", ""]
+    att = st.get("attention", {})
+    for name in dict.fromkeys(r["backend_pair"] for r in att.get("rows", [])):
+        rows = [r for r in att["rows"] if r["backend_pair"] == name]
+        md += comparison_section(f"Prefill attention: FlashInfer vs {name} (4B, bf16, through the gateway)",
+                                 rows, "flashinfer", name)
+    md += [f"- attention backend {name} not run: {why[-300:]}"
+           for name, why in att.get("not_run", {}).items()]
+    return md + ([""] if att.get("not_run") else [])

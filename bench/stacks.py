@@ -44,7 +44,8 @@ class Host:
 
 
 def engine_env(host: Host, shape: str, port: int, *, kv_pool: int | None = None,
-               prefix_cache: bool = False, gpu: int | None = None) -> dict[str, str]:
+               prefix_cache: bool = False, gpu: int | None = None,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {"EMBEDSERVE_MODEL__PATH": host.model(shape), "EMBEDSERVE_ENGINE__PORT": str(port),
            "EMBEDSERVE_MODEL__MAX_SEQ_LEN": str(host.cap), "EMBEDSERVE_LOG_LEVEL": "WARNING",
            "EMBEDSERVE_ENGINE__FLASHINFER_CACHE_DIR": host.fi_cache, "HF_HUB_OFFLINE": "1"}
@@ -54,7 +55,7 @@ def engine_env(host: Host, shape: str, port: int, *, kv_pool: int | None = None,
         env["EMBEDSERVE_ENGINE__PREFIX_CACHE"] = "true"
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return env
+    return env | (extra or {})
 
 
 def free_port(port: int) -> None:

@@ -28,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import fp8
 import peers
 import results_md
 import scaleout
@@ -36,7 +37,7 @@ import stacks
 from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
-SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale")
+SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "fp8", "attention")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -85,7 +86,7 @@ def raw_vs_gateway(shape: str) -> list[Step]:
 
 
 def plan(selected: tuple[str, ...]) -> list[Step]:
-    shapes = ("4b", "0.6b") if "raw-vs-gateway" in selected else ("4b",)
+    shapes = ("4b", "0.6b") if {"raw-vs-gateway", "fp8"} & set(selected) else ("4b",)
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
     up_for = ("soak-capacity", "scale")
     steps = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
@@ -108,6 +109,13 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("radix", ("radix",), scenarios.step_radix, 300),
         *(step for shape in shapes if shape != "4b" for step in raw_vs_gateway(shape)),
         Step("stop-engines", engines_for, scenarios.step_stop_engines, 20, always=True),
+        # FP8 and the attention backends: engines of their own, bf16 and FP8 side by side
+        Step("fp8-engines", ("fp8",), fp8.step_fp8_engines, 150,
+             holds=("engine-4b-bf16", "engine-4b-fp8", "gateway-4b-bf16", "gateway-4b-fp8")),
+        Step("fp8-quality", ("fp8",), fp8.step_fp8_quality, 240),
+        Step("fp8-throughput", ("fp8",), fp8.step_fp8_throughput, 330),
+        Step("attention", ("attention",), fp8.step_attention, 330),
+        Step("fp8-stop", ("fp8", "attention"), fp8.step_fp8_stop, 30, always=True),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]

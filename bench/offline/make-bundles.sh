@@ -62,3 +62,8 @@ du -sh "$DEST"/b*
 for b in "$DEST"/b*; do
   s=$(du -sm "$b" | cut -f1); [ "$s" -lt 60 ] || { echo "bundle $b is ${s} MiB (limit 60)"; exit 1; }
 done
+
+# minilm: the bundled all-MiniLM-L6-v2 (real weights) for the quality gate through SGLang, in
+# fp16: what SGLang's --dtype auto computes in for an fp32 checkpoint, and half the transfer
+# (45 MB: it travels with a run, not with a bundle)
+"$ROOT/.venv/bin/python" "$ROOT/bench/offline/minilm_fp16.py" "$DEST/minilm"

@@ -1,0 +1,180 @@
+"""FP8 against bf16, and the prefill attention backends, each behind its own gateway on one GPU.
+
+- ``fp8``: the 4B and the 0.6B (random weights) and, when given (``--model minilm=DIR``), the
+  bundled all-MiniLM-L6-v2 (real weights), each as a bf16 and an FP8 engine
+  (``engine.quantization=fp8``). The quality gate (bench/quality.py) compares their vectors
+  on the same texts; then the 4B pair is measured side by side through its gateways:
+  throughput at 64 in flight, latency at 1 in flight, GPU memory of each engine.
+- ``attention``: the 4B on FlashInfer (the default) against the other prefill backends
+  SGLang 0.5.17 has for it on this GPU: FA3 (needs sgl_kernel's ``flash_ops``) and Triton.
+  A backend whose kernels are missing is recorded as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import stacks
+from loadgen import Load
+from procs import child_env
+from scenarios import MAIN_KV_POOL, Case, alternate, engine_memory, ready_engine
+from stacks import Host
+
+HERE = Path(__file__).resolve().parent
+# shape -> (bf16 engine port, fp8 engine port); gateways listen on engine port - 22000
+FP8_PORTS = {"4b": (30400, 30401), "0.6b": (30402, 30403), "minilm": (30404, 30405)}
+FP8_CASES = [
+    Case("seed mix", Load("seed", 64, seconds=15), rounds=2),
+    Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=15)),
+    Case("medium", Load("uniform:512-2048", 64, seconds=15)),
+    Case("long", Load("uniform:8000-8191", 8, seconds=15)),
+    Case("one in flight", Load("seed", 1, seconds=6, warmup=1), rounds=4),
+]
+ATTENTION_CASES = [FP8_CASES[0], FP8_CASES[2], FP8_CASES[3]]
+
+
+def gateway_port(engine_port: int) -> int:
+    return engine_port - 22000
+
+
+def fp8_shapes(host: Host) -> list[str]:
+    return ["4b", "0.6b"] + (["minilm"] if "minilm" in host.models else [])
+
+
+def _start_pair(host: Host, tag: str, shape: str, port: int, extra: dict[str, str]) -> None:
+    if not host.work.running(f"engine-{tag}"):
+        stacks.start_engine(host, f"engine-{tag}", shape, port, kv_pool=MAIN_KV_POOL, gpu=0, extra=extra)
+    if not host.work.running(f"gateway-{tag}"):
+        stacks.start_gateway(host, f"gateway-{tag}", shape, gateway_port(port), [port])
+
+
+def _tags(shape: str) -> tuple[str, str]:
+    return f"{shape}-bf16", f"{shape}-fp8"
+
+
+def step_fp8_engines(host: Host, budget_end: float) -> dict[str, Any]:
+    """bf16 and FP8 engines (and a gateway each) for every shape, started together."""
+    quant = {"EMBEDSERVE_ENGINE__QUANTIZATION": "fp8"}
+    for shape in fp8_shapes(host):
+        bf16, fp8 = _tags(shape)
+        _start_pair(host, bf16, shape, FP8_PORTS[shape][0], {})
+        _start_pair(host, fp8, shape, FP8_PORTS[shape][1], {} if host.cpu else quant)
+    out: dict[str, Any] = {"ready_s": {}, "failed": {}}
+    for shape in fp8_shapes(host):
+        for tag, port in zip(_tags(shape), FP8_PORTS[shape], strict=True):
+            try:
+                out["ready_s"][tag] = ready_engine(host, f"engine-{tag}", port, budget_end)
+                stacks.wait_ready(host, f"gateway-{tag}", "/health/ready", gateway_port(port), budget_end)
+            except RuntimeError as exc:  # an engine that cannot run FP8 is a finding, not a crash
+                out["failed"][tag] = str(exc)[-1500:]
+                host.work.stop(f"gateway-{tag}", 10)
+    out["engine_gpu_gb"] = engine_memory(host, [f"engine-{t}" for s in fp8_shapes(host) for t in _tags(s)])
+    return out
+
+
+def _max_seq_length(host: Host, shape: str) -> int:
+    """The model's own cap (all-MiniLM-L6-v2: 256 tokens) where it states one."""
+    conf = Path(host.model(shape)) / "sentence_bert_config.json"
+    own = json.loads(conf.read_text()).get("max_seq_length") if conf.exists() else None
+    return min(int(own or host.cap), host.cap)
+
+
+def step_fp8_quality(host: Host, budget_end: float) -> dict[str, Any]:
+    """bench/quality.py per shape: per-input cosine (1,000 seed-mix texts) and top-10 overlap
+    (500 queries over 5,000 passages), FP8 against bf16."""
+    n = (200, 100, 1000) if host.cpu else (1000, 500, 5000)
+    out: dict[str, Any] = {}
+    for shape in fp8_shapes(host):
+        bf16, fp8 = _tags(shape)
+        if not (host.work.running(f"gateway-{bf16}") and host.work.running(f"gateway-{fp8}")):
+            out[shape] = {"not_run": "an engine of the pair did not start (see fp8-engines)"}
+            continue
+        cap = _max_seq_length(host, shape)
+        argv = [sys.executable, str(HERE / "quality.py"),
+                "--baseline", f"http://127.0.0.1:{gateway_port(FP8_PORTS[shape][0])}",
+                "--candidate", f"http://127.0.0.1:{gateway_port(FP8_PORTS[shape][1])}",
+                "--tokenizer", host.model(shape), "--cap", str(cap),
+                "--texts", str(n[0]), "--queries", str(n[1]), "--passages", str(n[2])]
+        done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=900, check=False)
+        try:
+            out[shape] = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            out[shape] = {"error": (done.stderr or done.stdout)[-1500:]}
+    return out
+
+
+def step_fp8_throughput(host: Host, budget_end: float) -> dict[str, Any]:
+    """The 4B's bf16 and FP8 gateways side by side, alternating, unique inputs."""
+    bf16, fp8 = _tags("4b")
+    if not host.work.running(f"gateway-{fp8}"):
+        return {"not_run": "the FP8 engine did not start (see fp8-engines)"}
+    procs = host.work.state["procs"]
+    sides = [(q, stacks.gateway_target(host, "4b", gateway_port(p), [p], procs[f"gateway-{t}"]["pid"]))
+             for q, t, p in (("bf16", bf16, FP8_PORTS["4b"][0]), ("fp8", fp8, FP8_PORTS["4b"][1]))]
+    alternate(host, sides, Case("warm-up", Load("uniform:16-512", 64, seconds=8, warmup=0)), "fp8-warm", 480)
+    rows = [r for i, case in enumerate(FP8_CASES)
+            for r in alternate(host, sides, case, "fp8", 500 + 10 * i, tags={"shape": "4b"})]
+    return {"rows": rows, "sides": ["bf16", "fp8"],
+            "engine_gpu_gb": engine_memory(host, [f"engine-{bf16}", f"engine-{fp8}"])}
+
+
+def step_fp8_stop(host: Host, budget_end: float) -> dict[str, Any]:
+    tags = [f"{kind}-{t}" for s in FP8_PORTS for t in _tags(s) for kind in ("gateway", "engine")]
+    return {"stopped": [t for t in tags if host.work.stop(t, 60) is not None]}
+
+
+def fa3_missing() -> str | None:
+    """SGLang's FA3 backend imports sgl_kernel.flash_ops (1.1 GB unpacked in sglang-kernel
+    0.4.5's wheel); the offline bundles leave it out."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        return "sgl_kernel is not installed"
+    if not any(Path(p, "flash_ops.abi3.so").exists() for p in spec.submodule_search_locations):
+        return "sgl_kernel/flash_ops.abi3.so is not installed (1.1 GB; left out of the offline bundles)"
+    return None
+
+
+def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
+    """The 4B (bf16) behind a gateway on each available prefill backend, against FlashInfer
+    (the bf16 pair of the fp8 scenario, or one started here), alternating."""
+    out: dict[str, Any] = {"not_run": {}, "rows": []}
+    base_tag, base_port = _tags("4b")[0], FP8_PORTS["4b"][0]
+    _start_pair(host, base_tag, "4b", base_port, {})
+    backends = {"fa3": 30410, "triton": 30411}
+    if host.cpu:
+        out["not_run"] = {b: "no attention backends on the CPU engine" for b in backends}
+        return out
+    if (why := fa3_missing()) is not None:
+        out["not_run"]["fa3"] = why
+        backends.pop("fa3")
+    for name, port in backends.items():
+        _start_pair(host, f"4b-{name}", "4b", port, {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": name})
+    procs = host.work.state["procs"]
+    try:
+        ready_engine(host, f"engine-{base_tag}", base_port, budget_end)
+        stacks.wait_ready(host, f"gateway-{base_tag}", "/health/ready", gateway_port(base_port), budget_end)
+        base = ("flashinfer", stacks.gateway_target(host, "4b", gateway_port(base_port), [base_port],
+                                                    procs[f"gateway-{base_tag}"]["pid"]))
+        for name, port in backends.items():
+            try:
+                ready = ready_engine(host, f"engine-4b-{name}", port, budget_end)
+                out.setdefault("ready_s", {})[name] = ready
+                stacks.wait_ready(host, f"gateway-4b-{name}", "/health/ready", gateway_port(port), budget_end)
+            except RuntimeError as exc:
+                out["not_run"][name] = str(exc)[-1500:]
+                continue
+            side = (name, stacks.gateway_target(host, "4b", gateway_port(port), [port],
+                                                procs[f"gateway-4b-{name}"]["pid"]))
+            for i, case in enumerate(ATTENTION_CASES):
+                out["rows"] += alternate(host, [base, side], Case(case.name, case.load), f"attn-{name}",
+                                         600 + 10 * i, tags={"shape": "4b", "backend_pair": name})
+    finally:
+        for name in backends:
+            for kind in ("gateway", "engine"):
+                host.work.stop(f"{kind}-4b-{name}", 60)
+    return out
