@@ -62,8 +62,10 @@ def step_fp8_engines(host: Host, budget_end: float) -> dict[str, Any]:
     quant = {"EMBEDSERVE_ENGINE__QUANTIZATION": "fp8"}
     for shape in fp8_shapes(host):
         bf16, fp8 = _tags(shape)
-        _start_pair(host, bf16, shape, FP8_PORTS[shape][0], {})
-        _start_pair(host, fp8, shape, FP8_PORTS[shape][1], {} if host.cpu else quant)
+        # FlashInfer's prefill has no head_dim 32 (MiniLM's): SGLang's BERT runs on Triton
+        own = {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": "triton"} if shape == "minilm" and not host.cpu else {}
+        _start_pair(host, bf16, shape, FP8_PORTS[shape][0], own)
+        _start_pair(host, fp8, shape, FP8_PORTS[shape][1], own | ({} if host.cpu else quant))
     out: dict[str, Any] = {"ready_s": {}, "failed": {}}
     for shape in fp8_shapes(host):
         for tag, port in zip(_tags(shape), FP8_PORTS[shape], strict=True):
