@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     host = stacks.Host(work, device=a.device, cap=a.cap or (512 if cpu else 8192),
                        time_scale=a.time_scale or (0.1 if cpu else 1.0), fi_cache=a.fi_cache,
                        infinity_site=a.infinity_site,
-                       models=dict(m.split("=", 1) for m in a.model), out=a.out)
+                       models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
+                       out=a.out)
     return run(host, plan(selected), a.out, a.budget_s, a.redo)
 
 
