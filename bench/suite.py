@@ -5,7 +5,7 @@
     python bench/suite.py --out results/gpu-perf --budget-s 540          # a slice; run again to go on
     python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
 
-Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale. Each is a list
+Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale, drill. Each is a list
 of named steps; state (finished steps, processes started with setsid and their pids) lives in
 the work dir, so a run cut by --budget-s resumes where it stopped. Writes results.json and
 results.md to --out after every step. bench/README.md says what each scenario measures.
@@ -28,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import drill
 import peers
 import results_md
 import scaleout
@@ -36,7 +37,7 @@ import stacks
 from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
-SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale")
+SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -97,6 +98,8 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
         Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
         Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
+        # a stack of its own (ports 8300, 30300-30301), started and stopped within the step
+        Step("drill", ("drill",), drill.step_drill, 480),
         Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150,
              holds=tuple(f"engine-{s}" for s in shapes)),
         # the 4B's rows and its peer first, where time is short: the 0.6B's rows come last
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="use this checkpoint instead of building one (e.g. 4b=/models/q4b)")
     ap.add_argument("--fi-cache", default="/tmp/fi-cache", help="FlashInfer JIT cache folder")
     ap.add_argument("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
+    ap.add_argument("--drill-leak", metavar="RATE",
+                    help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)
@@ -208,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     host = stacks.Host(work, device=a.device, cap=a.cap or (512 if cpu else 8192),
                        time_scale=a.time_scale or (0.1 if cpu else 1.0), fi_cache=a.fi_cache,
                        infinity_site=a.infinity_site,
-                       models=dict(m.split("=", 1) for m in a.model), out=a.out)
+                       models=dict(m.split("=", 1) for m in a.model), out=a.out,
+                       drill_rate=a.drill_leak)
     return run(host, plan(selected), a.out, a.budget_s, a.redo)
 
 
