@@ -287,6 +287,9 @@ def plot_memory(doc: dict[str, Any], path: Path, plt: Any) -> None:
     if used:
         ax.plot(*zip(*used, strict=True), color="black", lw=1, alpha=0.6,
                 label=f"health: {doc['meta']['resource']} used ({samples[-1].get('measure') or ''})")
+    device = [(s["t"] - t0, sum(s["device_used"]) / GB) for s in samples if s.get("device_used")]
+    if device:  # the whole GPU, other processes included
+        ax.plot(*zip(*device, strict=True), color="grey", lw=0.8, ls=":", label="GPU memory in use (NVML)")
     ax.axhline(doc["meta"]["limit_bytes"] / GB, color="tab:red", lw=1.5, label="limit")
     _marks(ax, doc, t0)
     ax.set(xlabel="seconds after the leak started", ylabel="GB",
