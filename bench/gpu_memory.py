@@ -4,6 +4,7 @@ GPU every reading is None, so the same steps run on a CPU-only machine."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import threading
@@ -53,6 +54,45 @@ def group_used_gb(pgids: dict[str, int]) -> dict[str, float]:
     finally:
         pynvml.nvmlShutdown()
     return {k: round(v, 2) for k, v in out.items()}
+
+
+class ProcessGpuReader:
+    """NVML's memory per process (host pid -> bytes, summed over the GPUs) and each GPU's
+    memory in use, read as often as needed with one NVML session; ``read`` returns None
+    without a GPU driver."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception:
+            self._nvml = None
+
+    def read(self) -> tuple[dict[int, int], list[int]] | None:
+        nv = self._nvml
+        if nv is None:
+            return None
+        per_pid: dict[int, int] = {}
+        used: list[int] = []
+        try:
+            for i in range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(i)
+                used.append(int(nv.nvmlDeviceGetMemoryInfo(handle).used))
+                for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+                    pid = int(proc.pid)
+                    per_pid[pid] = per_pid.get(pid, 0) + int(proc.usedGpuMemory or 0)
+        except Exception:
+            return None
+        return per_pid, used
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._nvml = None
 
 
 def _from_smi() -> list[float] | None:

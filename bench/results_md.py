@@ -200,6 +200,7 @@ def render(res: dict[str, Any]) -> str:
                                                   ("two_conc", "in flight"), ("ratio", "ratio"),
                                                   ("errors", "errors")]), "", *every_run(scale_rows)]
     md += fp8_sections(st)
+    md += drill_section(st.get("drill", {}).get("summary"))
     skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
     failed = [f"- {name}: `{s.get('error')}`" for name, s in st.items() if s.get("ok") is False]
     if skipped:
@@ -254,3 +255,33 @@ def fp8_sections(st: dict[str, Any]) -> list[str]:
     md += [f"- attention backend {name} not run: {why[-300:]}"
            for name, why in att.get("not_run", {}).items()]
     return md + ([""] if att.get("not_run") else [])
+def drill_section(s: dict[str, Any] | None) -> list[str]:
+    """The leak drill's summary (bench/drill_report.py has the arithmetic, the plots and the
+    full report, next to drill.json)."""
+    if not s:
+        return []
+    fe, rq = s.get("forecast_error") or {}, s.get("requests") or {}
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    def pair(a: Any, b: Any) -> str:
+        return f"{a} / {b}"
+
+    rows = [("replaced (start / old engine stopped, s after the leak's start)",
+             f"{fmt(s.get('replaced'))} "
+             f"({pair(fmt(s.get('replace_start_s')), fmt(s.get('replace_done_s')))})"),
+            ("the limit would have been reached at (s)", fmt(s.get("limit_reached_s"))),
+            ("forecast error vs true time to the limit, median / max",
+             f"{pair(pct(fe.get('median_abs')), pct(fe.get('max_abs')))} ({fmt(fe.get('samples'))} samples)"),
+            (f"peak {s.get('resource')} used (health) / limit, GB",
+             pair(fmt(s.get("peak_used_gb")), fmt(s.get("limit_gb")))),
+            (f"peak {s.get('memory_measure')}, whole drill / swap, GB",
+             pair(fmt(s.get("peak_engines_gb")), fmt(s.get("peak_engines_swap_gb")))),
+            ("requests sent / ok / failed / 429 / 503",
+             " / ".join(fmt(rq.get(k)) for k in ("sent", "ok", "failed", "status_429", "status_503")))]
+    return [f"## Leak drill (`embedserve up --drill-leak {s.get('rate')}`)", "",
+            *table([{"figure": k, "value": v} for k, v in rows], [("figure", "figure"), ("value", "value")]),
+            "",
+            f"Verdict: {'PASS' if s.get('passed') else 'FAIL'} (replaced before the limit, forecast median "
+            "error within 20%, no failed request). Plots and the full report: `drill/README.md`.", ""]

@@ -31,6 +31,7 @@ class Host:
     infinity_site: str = "/tmp/site-infinity"
     models: dict[str, str] = field(default_factory=dict)  # shape -> checkpoint folder
     out: Path | None = None  # where results go (and the packed FlashInfer JIT cache)
+    drill_rate: str | None = None  # the leak drill's `--drill-leak` (default per device: bench/drill.py)
 
     @property
     def cpu(self) -> bool:
@@ -86,15 +87,21 @@ def start_gateway(host: Host, tag: str, shape: str, port: int, engine_ports: lis
     return host.work.start(tag, argv, env)
 
 
-def start_up(host: Host, tag: str, shape: str, port: int, *, replicas: int = 1, engine_port: int = 30000,
-             extra: dict[str, str] | None = None) -> dict[str, Any]:
-    """`embedserve up`: engine(s) and gateway; never engine kind "auto" (a stack that quietly
+def up_env(host: Host, shape: str, port: int, *, replicas: int = 1, engine_port: int = 30000,
+           extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables `embedserve up` gets: never engine kind "auto" (a stack that quietly
     fell back to the CPU engine would mislead)."""
-    free_port(port)
-    env = engine_env(host, shape, engine_port) | {
+    return engine_env(host, shape, engine_port) | {
         "EMBEDSERVE_GATEWAY__PORT": str(port), "EMBEDSERVE_ENGINE__REPLICAS": str(replicas),
         "EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang", **(extra or {})}
-    return host.work.start(tag, [*embedserve_cmd(), "up"], env)
+
+
+def start_up(host: Host, tag: str, shape: str, port: int, *, replicas: int = 1, engine_port: int = 30000,
+             extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`embedserve up [ARGS]`: engine(s) and gateway."""
+    free_port(port)
+    env = up_env(host, shape, port, replicas=replicas, engine_port=engine_port, extra=extra)
+    return host.work.start(tag, [*embedserve_cmd(), "up", *args], env)
 
 
 def start_infinity(host: Host, tag: str, shape: str, port: int) -> dict[str, Any]:

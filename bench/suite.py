@@ -5,10 +5,11 @@
     python bench/suite.py --out results/gpu-perf --budget-s 540          # a slice; run again to go on
     python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
 
-Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale. Each is a list
-of named steps; state (finished steps, processes started with setsid and their pids) lives in
-the work dir, so a run cut by --budget-s resumes where it stopped. Writes results.json and
-results.md to --out after every step. bench/README.md says what each scenario measures.
+Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale, drill, fp8,
+attention. Each is a list of named steps; state (finished steps, processes started with setsid
+and their pids) lives in the work dir, so a run cut by --budget-s resumes where it stopped.
+Writes results.json and results.md to --out after every step. bench/README.md says what each
+scenario measures.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import drill
 import fp8
 import peers
 import results_md
@@ -37,7 +39,8 @@ import stacks
 from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
-SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "fp8", "attention")
+SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
+             "attention")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -98,6 +101,8 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("up-2", ("scale",), partial(scaleout.step_up, replicas=2), 100, holds=("up-2",)),
         Step("scale-load-2", ("scale",), partial(scaleout.step_scale_load, replicas=2), 85),
         Step("down-2", ("scale",), partial(scaleout.step_down, replicas=2), 30, always=True),
+        # a stack of its own (ports 8300, 30300-30301), started and stopped within the step
+        Step("drill", ("drill",), drill.step_drill, 640),
         Step("engines", engines_for, partial(scenarios.step_engines, shapes=shapes), 150,
              holds=tuple(f"engine-{s}" for s in shapes)),
         # the 4B's rows and its peer first, where time is short: the 0.6B's rows come last
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="use this checkpoint instead of building one (e.g. 4b=/models/q4b)")
     ap.add_argument("--fi-cache", default="/tmp/fi-cache", help="FlashInfer JIT cache folder")
     ap.add_argument("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
+    ap.add_argument("--drill-leak", metavar="RATE",
+                    help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                        time_scale=a.time_scale or (0.1 if cpu else 1.0), fi_cache=a.fi_cache,
                        infinity_site=a.infinity_site,
                        models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
-                       out=a.out)
+                       out=a.out, drill_rate=a.drill_leak)
     return run(host, plan(selected), a.out, a.budget_s, a.redo)
 
 

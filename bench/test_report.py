@@ -91,7 +91,7 @@ def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
-    assert len(set(everything)) == len(everything) == 22
+    assert len(set(everything)) == len(everything) == 28
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
 
 
@@ -115,3 +115,15 @@ def test_the_recorded_dry_run_renders_every_table() -> None:
     cross = results_md.rows_of(res["steps"], "raw-vs-gateway-4b", "crosscheck_rows")
     assert [(c["case"], c["side"]) for c in cross] == [("short", "raw"), ("short", "gateway"),
                                                        ("medium", "raw"), ("medium", "gateway")]
+
+
+def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
+    st = {"fp8-quality": {"4b": {"texts": 1000, "cosine": {"median": 0.995, "p1": 0.97, "min": 0.9},
+                                 "measured": {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93},
+                                 "passed": False},
+                          "minilm": {"not_run": "an engine of the pair did not start"}},
+          "attention": {"not_run": {"fa3": "sgl_kernel/flash_ops.abi3.so is not installed"}, "rows": []}}
+    md = "\n".join(results_md.fp8_sections(st))
+    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | NO | - |" in md
+    assert "| minilm | - | - | - | - | - | - | an engine of the pair did not start |" in md
+    assert "attention backend fa3 not run: sgl_kernel/flash_ops.abi3.so is not installed" in md

@@ -92,6 +92,16 @@ def _add_engine_processes(
         missing.update(lost)
 
 
+def outermost(procs: dict[str, ProcessMemory]) -> list[ProcessMemory]:
+    """The named processes that are no descendant of another named one: each counts with
+    its descendants, so under `up` the gateway's figure already holds its engines'."""
+    out: dict[int, ProcessMemory] = {}
+    for p in procs.values():
+        if not any(q.pid != p.pid and p.pid in q.pids for q in procs.values()):
+            out.setdefault(p.pid, p)
+    return list(out.values())
+
+
 def derive_resources(r: Reading, cfg: SourceConfig) -> dict[str, ResourceLevel]:
     out: dict[str, ResourceLevel] = {}
     our_pids = {pid for p in r.processes.values() for pid in p.pids}
@@ -122,7 +132,7 @@ def derive_resources(r: Reading, cfg: SourceConfig) -> dict[str, ResourceLevel]:
                 "allocator reserved (no NVML)",
             )
     if cfg.host_limit_bytes is not None and r.processes:
-        rss = float(sum(p.rss_bytes for p in r.processes.values()))
+        rss = float(sum(p.rss_bytes for p in outermost(r.processes)))
         out["host"] = ResourceLevel(rss, cfg.host_limit_bytes, "settings", "RSS of our processes")
     elif r.cgroup.available and r.cgroup.limit_bytes is not None:
         ws = r.cgroup.working_set_bytes or r.cgroup.current_bytes or 0

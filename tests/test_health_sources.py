@@ -177,3 +177,16 @@ def test_engines_from_stats_files_count_in_host_memory(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_host_memory_counts_an_engine_under_the_gateway_once() -> None:
+    from embedserve.contracts.memory import ProcessMemory
+    from embedserve.health.reading import outermost
+
+    procs = {  # under `up` the gateway's family holds its engine's
+        "gateway": ProcessMemory(name="gateway", pid=10, rss_bytes=1_100, pids=[10, 11, 12]),
+        "engine": ProcessMemory(name="engine", pid=11, rss_bytes=1_000, pids=[11, 12]),
+        "other": ProcessMemory(name="other", pid=20, rss_bytes=50, pids=[20]),
+        "again": ProcessMemory(name="again", pid=20, rss_bytes=50, pids=[20]),
+    }
+    assert sum(p.rss_bytes for p in outermost(procs)) == 1_150

@@ -1,0 +1,414 @@
+"""The leak drill's arithmetic and report: ``python bench/drill_report.py DRILL_JSON OUT_DIR``
+writes OUT_DIR/README.md and its plots from the drill.json that bench/drill.py recorded.
+
+The arithmetic (``summarize``) is pure and tested on a recorded drill (bench/test_drill_report.py):
+
+- true time to the limit at each sample = (limit - used) / leak rate, with used and limit as
+  /health/memory gives them for the drill's resource and the rate the drill was started with;
+- the forecast's relative error against it, over the samples from the leak's start plus
+  ``min_span_s`` until the replacement started (after it the old engine is no longer the one
+  the leak fills); median and max of |error|, target: median within 20%;
+- the replacement's start and end relative to the leak's start, and the limit's time;
+- peak memory of our engines over the drill and across the swap;
+- the load's requests: 2xx ok; 429 (with Retry-After) and 503 (the gateway sends
+  Retry-After with every 503) counted apart; anything else failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ERROR_TARGET = 0.20  # the forecast's median |relative error| against the true time to the limit
+GB = 1e9
+
+
+# -- arithmetic ----------------------------------------------------------------------------
+def true_seconds(used: float, limit: float, rate_bytes_per_s: float) -> float:
+    """Seconds until ``used`` reaches ``limit`` at the leak's rate."""
+    return (limit - used) / rate_bytes_per_s
+
+
+class Point(NamedTuple):
+    t: float
+    true_s: float  # seconds to the limit at the leak's rate
+    forecast_s: float | None  # the health monitor's, for the drill's resource
+
+
+def forecast_points(samples: list[dict[str, Any]], rate: float) -> list[Point]:
+    """Per sample with used and limit: time, true seconds to the limit, forecast seconds (the
+    drill's resource's own forecast; None when it has none)."""
+    out = []
+    for s in samples:
+        if s.get("used") is None or s.get("limit") is None:
+            continue
+        hours = s.get("res_hours")
+        out.append(Point(s["t"], true_seconds(s["used"], s["limit"], rate),
+                         None if hours is None else 3600.0 * hours))
+    return out
+
+
+def forecast_error(points: list[Point], start: float, end: float) -> dict[str, Any]:
+    """Relative error (forecast - true) / true over ``start <= t < end``; samples past the limit
+    (true <= 0) are left out. ``no_forecast``: samples in the span that had none."""
+    span = [p for p in points if start <= p.t < end and p.true_s > 0]
+    errs = [(p.forecast_s - p.true_s) / p.true_s for p in span if p.forecast_s is not None]
+    if not errs:
+        return {"samples": 0, "no_forecast": len(span), "median_abs": None, "max_abs": None,
+                "median": None, "within_target": None, "share_within_target": None}
+    abs_errs = [abs(e) for e in errs]
+    median_abs = statistics.median(abs_errs)
+    return {"samples": len(errs), "no_forecast": len(span) - len(errs),
+            "median_abs": round(median_abs, 4), "max_abs": round(max(abs_errs), 4),
+            "median": round(statistics.median(errs), 4),
+            "within_target": median_abs <= ERROR_TARGET,
+            "share_within_target": round(sum(e <= ERROR_TARGET for e in abs_errs) / len(errs), 3)}
+
+
+def count_requests(by_status: dict[str, int], dropped: int = 0) -> dict[str, Any]:
+    """2xx ok, 429 and 503 apart (both come with Retry-After), everything else failed
+    (other statuses, timeouts, refused or dropped connections)."""
+    ok = sum(n for k, n in by_status.items() if status_group(k) == "2xx")
+    throttled, unavailable = by_status.get("429", 0), by_status.get("503", 0)
+    failed = {k: n for k, n in by_status.items() if n and status_group(k) == "failed"}
+    return {"sent": sum(by_status.values()), "ok": ok, "status_429": throttled, "status_503": unavailable,
+            "failed": sum(failed.values()), "failed_by_status": failed, "dropped_arrivals": dropped}
+
+
+def status_group(code: str) -> str:
+    """``2xx``, ``429``, ``503`` or ``failed`` for one status name of the load's report."""
+    if code.isdigit() and 200 <= int(code) < 300:
+        return "2xx"
+    return code if code in ("429", "503") else "failed"
+
+
+def engine_memory(sample: dict[str, Any], key: str) -> float | None:
+    """Our engines' memory in one sample: NVML (``gpu``) or RSS (``rss``), summed."""
+    vals = [e[key] for e in (sample.get("engines") or {}).values() if e.get(key) is not None]
+    return float(sum(vals)) if vals else None
+
+
+def peak(samples: list[dict[str, Any]], key: str, start: float = float("-inf"),
+         end: float = float("inf")) -> float | None:
+    vals = [v for s in samples if start <= s["t"] <= end and (v := engine_memory(s, key)) is not None]
+    return max(vals) if vals else None
+
+
+def leak_start(doc: dict[str, Any]) -> float | None:
+    """The leak's start: the engine's own log line, else the stack's ready time."""
+    ev = doc.get("events", {})
+    return ev.get("leak_start") or ev.get("ready")
+
+
+def memory_key(doc: dict[str, Any]) -> str:
+    return "rss" if doc["meta"].get("device") == "cpu" else "gpu"
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """The drill's figures from its series (pure: no I/O)."""
+    meta, ev = doc["meta"], doc.get("events", {})
+    samples = [s for s in doc.get("samples", []) if "error" not in s]
+    rate = float(meta["rate_bytes_per_s"])
+    min_span = float(meta["health"].get("min_span_s", 0.0))
+    due_h = meta["health"].get("replace_below_hours")
+    t0 = leak_start(doc)
+    rs, rd = ev.get("replace_start"), ev.get("replace_done")
+    end = ev.get("stop") or (samples[-1]["t"] if samples else 0.0)
+    points = forecast_points(samples, rate)
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None or t0 is None else round(t - t0, 1)
+
+    out: dict[str, Any] = {
+        "device": meta.get("device"), "rate": meta.get("rate"), "resource": meta.get("resource"),
+        "limit_gb": round(meta["limit_bytes"] / GB, 2), "replaced": rd is not None,
+        "replacement_failed": ev.get("replace_failed") is not None,
+        "ended": meta.get("ended"), "ready_s": round(ev["ready"] - ev["stack_start"], 1)
+        if ev.get("ready") and ev.get("stack_start") else None,
+        "replace_start_s": rel(rs), "replace_done_s": rel(rd),
+        "swap_s": round(rd - rs, 1) if rs is not None and rd is not None else None,
+        "replace_below_s": round(3600 * due_h) if due_h else None,
+        "replacements_metric": max((s.get("replacements_metric") or 0 for s in samples), default=None),
+    }
+    # the old engine's series: from the leak's start until the replacement started
+    old_end = rs if rs is not None else end
+    if t0 is not None:
+        out["forecast_error"] = forecast_error(points, t0 + min_span, old_end)
+        before = [p for p in points if p.t <= old_end]
+        if before:  # the limit, as the last sample before the replacement puts it
+            last = before[-1]
+            out["limit_reached_s"] = rel(last.t + last.true_s)
+            at_start = rs is not None
+            out["true_s_at_replace_start"] = round(last.true_s, 1) if at_start else None
+            out["forecast_s_at_replace_start"] = (
+                round(last.forecast_s, 1) if at_start and last.forecast_s is not None else None)
+    old_used = [s["used"] for s in samples if s.get("used") is not None and s["t"] <= (rd or end)]
+    out["peak_used_gb"] = round(max(old_used) / GB, 2) if old_used else None
+    out["limit_reached"] = bool(old_used) and max(old_used) >= meta["limit_bytes"]
+    key = memory_key(doc)
+    p_all, p_swap = peak(samples, key), peak(samples, key, rs or end, rd or end)
+    out["memory_measure"] = "NVML memory of the engines' processes" if key == "gpu" else "RSS of the engines"
+    out["peak_engines_gb"] = round(p_all / GB, 2) if p_all is not None else None
+    out["peak_engines_swap_gb"] = round(p_swap / GB, 2) if p_swap is not None else None
+    load = doc.get("load")
+    if load:
+        out["requests"] = count_requests(load.get("by_status", {}), int(load.get("dropped_arrivals") or 0))
+        out["requests"]["req_s"] = load.get("requests_per_s")
+    fe = out.get("forecast_error") or {}
+    out["passed"] = bool(out["replaced"] and not out["limit_reached"] and fe.get("within_target")
+                         and load and out["requests"]["failed"] == 0)
+    return out
+
+
+# -- report --------------------------------------------------------------------------------
+def _fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.3g}{unit}" if abs(v) < 100 else f"{v:,.0f}{unit}"
+    return f"{v:,}{unit}" if isinstance(v, int) else f"{v}{unit}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def table_lines(s: dict[str, Any]) -> list[str]:
+    fe = s.get("forecast_error") or {}
+    rq = s.get("requests") or {}
+    rows = [
+        ("forecast error, median abs. relative (target <= 20%)",
+         f"{_pct(fe.get('median_abs'))} over {fe.get('samples', 0)} samples "
+         f"({_pct(fe.get('share_within_target'))} of them within 20%; "
+         f"signed median {_pct(fe.get('median'))})"),
+        ("forecast error, max abs. relative", _pct(fe.get("max_abs"))),
+        ("replacement started (after the leak's start)",
+         f"{_fmt(s.get('replace_start_s'), ' s')}: true time to the limit then "
+         f"{_fmt(s.get('true_s_at_replace_start'), ' s')}, "
+         f"forecast {_fmt(s.get('forecast_s_at_replace_start'), ' s')}"
+         f" (replace under {_fmt(s.get('replace_below_s'), ' s')})"),
+        ("old engine stopped (replacement done)", _fmt(s.get("replace_done_s"), " s")),
+        ("the limit would have been reached at", _fmt(s.get("limit_reached_s"), " s")),
+        ("swap (start to old engine stopped)", _fmt(s.get("swap_s"), " s")),
+        (f"peak {s.get('resource')} used (health) vs limit",
+         f"{_fmt(s.get('peak_used_gb'), ' GB')} of {_fmt(s.get('limit_gb'), ' GB')}"
+         f"{' (REACHED)' if s.get('limit_reached') else ''}"),
+        (f"peak {s.get('memory_measure')}: whole drill / across the swap",
+         f"{_fmt(s.get('peak_engines_gb'), ' GB')} / {_fmt(s.get('peak_engines_swap_gb'), ' GB')}"),
+        ("replacements (/metrics)", _fmt(s.get("replacements_metric"))),
+        ("requests sent / ok / failed", f"{_fmt(rq.get('sent'))} / {_fmt(rq.get('ok'))} / "
+                                        f"{_fmt(rq.get('failed'))} {rq.get('failed_by_status') or ''}"),
+        ("429 / 503 (with Retry-After)", f"{_fmt(rq.get('status_429'))} / {_fmt(rq.get('status_503'))}"),
+        ("dropped arrivals (client behind)", _fmt(rq.get("dropped_arrivals"))),
+        ("verdict", "PASS" if s.get("passed") else "FAIL"),
+    ]
+    return ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def render_markdown(doc: dict[str, Any], plots: list[str]) -> str:
+    meta, s = doc["meta"], doc.get("summary") or summarize(doc)
+    cmds = meta.get("commands", {})
+    env = " ".join(f"{k}={v}" for k, v in sorted((cmds.get("up_env") or {}).items()))
+    cpu = meta.get("device") == "cpu"
+    health = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in meta["health"].items())
+    md = [f"# Leak drill: {meta.get('hardware')}, {Path(str(meta.get('model'))).name}, "
+          f"`--drill-leak {meta.get('rate')}`", ""]
+    if cpu:
+        md += ["**Dry run on CPU**: a tiny checkpoint on the CPU engine, which leaks host memory; the "
+               "figures check the drill and its report, not a GPU.", ""]
+    md += ["How it was produced: `python bench/suite.py --only drill` (bench/drill.py). `embedserve up "
+           "--drill-leak RATE` makes each engine grow its memory at RATE on purpose; the gateway's "
+           "health monitor forecasts the time to out-of-memory and `up` replaces the engine when the "
+           "forecast falls under `replace_below_hours`: a new engine beside the old one, warmed up, new "
+           "work routed to it, the old one finishing what it holds, then stopped. An open-loop load runs "
+           "from ready to the end; a sampler reads /health/memory, /metrics and the engines' memory "
+           "every second. The true time to the limit is (limit - used) / rate, with the rate the drill "
+           "was started with.", "",
+           f"- hardware: {meta.get('hardware')}"
+           + (f" ({'; '.join(meta['gpus'])})" if meta.get("gpus") else ""),
+           f"- versions: {', '.join(f'{k} {v}' for k, v in (meta.get('versions') or {}).items())}",
+           f"- model: `{meta.get('model')}` "
+           f"({'a tiny checkpoint' if cpu else 'random weights, the real shapes'}), "
+           f"max sequence length {meta.get('cap')}",
+           f"- leak: {meta.get('rate')} ({meta['rate_bytes_per_s'] / 2**20:.1f} MiB/s) per engine; resource "
+           f"`{meta.get('resource')}` against a limit of {meta['limit_bytes'] / GB:g} GB",
+           f"- health (EMBEDSERVE_HEALTH__*): {health}",
+           f"- load: {(doc.get('load') or {}).get('traffic', '-')}, {meta['config']['mix']} length mix, "
+           f"{meta['config']['inputs']} inputs per request, unique inputs",
+           f"- ended: {meta.get('ended')}; stack stopped "
+           f"{'cleanly' if meta.get('stopped_clean') else 'by SIGKILL'}",
+           "", "```", f"{env} \\", f"  {' '.join(cmds.get('up') or [])}"]
+    if cmds.get("loadtest"):
+        md.append(" ".join(cmds["loadtest"]))
+    md += ["```", "", "## Figures", "", "Times are seconds after the leak started (the engine's log line).",
+           "", *table_lines(s), ""]
+    captions = {"memory.png": "Memory of each engine, the health monitor's figure and the limit",
+                "forecast.png": "Forecast time to out-of-memory vs the true time to the limit",
+                "requests.png": "Requests per 5 s window by status, and latency"}
+    for name in plots:
+        md += [f"### {captions.get(name, name)}", "", f"![{name}]({name})", ""]
+    t0 = leak_start(doc) or 0.0
+    if doc.get("log"):
+        md += ["## `up`'s log around the drill", "", "| s after leak start | message |", "|---|---|"]
+        md += [f"| {x['t'] - t0:+.1f} | {x['msg'][:160].replace('|', '/')} |" for x in doc["log"]][:40]
+        md.append("")
+    return "\n".join(md)
+
+
+def _marks(ax: Any, doc: dict[str, Any], t0: float) -> None:
+    ev = doc.get("events", {})
+    for key, label, color in (("replace_start", "replacement started", "tab:orange"),
+                              ("replace_done", "old engine stopped", "tab:green")):
+        if ev.get(key):
+            ax.axvline(ev[key] - t0, color=color, ls="--", lw=1.2, label=label)
+    ax.axvline(0.0, color="grey", ls=":", lw=1, label="leak started")
+
+
+def plot_memory(doc: dict[str, Any], path: Path, plt: Any) -> None:
+    samples = [s for s in doc["samples"] if "error" not in s]
+    t0 = leak_start(doc) or samples[0]["t"]
+    key = memory_key(doc)
+    fig, ax = plt.subplots(figsize=(10, 5))
+    names = sorted({n for s in samples for n in s.get("engines", {})})
+    for n in names:
+        pts = [(s["t"] - t0, s["engines"][n].get(key)) for s in samples if n in s.get("engines", {})]
+        pts = [(x, y / GB) for x, y in pts if y is not None]
+        if pts:
+            what = "NVML" if key == "gpu" else "RSS"
+            ax.plot(*zip(*pts, strict=True), lw=1.6, label=f"engine :{n} ({what})")
+    used = [(s["t"] - t0, s["used"] / GB) for s in samples if s.get("used") is not None]
+    if used:
+        ax.plot(*zip(*used, strict=True), color="black", lw=1, alpha=0.6,
+                label=f"health: {doc['meta']['resource']} used ({samples[-1].get('measure') or ''})")
+    device = [(s["t"] - t0, sum(s["device_used"]) / GB) for s in samples if s.get("device_used")]
+    if device:  # the whole GPU, other processes included
+        ax.plot(*zip(*device, strict=True), color="grey", lw=0.8, ls=":", label="GPU memory in use (NVML)")
+    ax.axhline(doc["meta"]["limit_bytes"] / GB, color="tab:red", lw=1.5, label="limit")
+    _marks(ax, doc, t0)
+    ax.set(xlabel="seconds after the leak started", ylabel="GB",
+           title=f"Memory during the drill ({doc['meta']['rate']} per engine)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_forecast(doc: dict[str, Any], path: Path, plt: Any) -> None:
+    samples = [s for s in doc["samples"] if "error" not in s]
+    t0 = leak_start(doc) or samples[0]["t"]
+    pts = forecast_points(samples, float(doc["meta"]["rate_bytes_per_s"]))
+    end = doc.get("events", {}).get("replace_start") or float("inf")
+    fig, ax = plt.subplots(figsize=(10, 5))
+    old = [p for p in pts if p.t <= end]
+    xs = [p.t - t0 for p in old]
+    ax.plot(xs, [p.true_s / 60 for p in old], color="black", lw=1.5, label="true time to the limit")
+    ax.fill_between(xs, [0.8 * p.true_s / 60 for p in old], [1.2 * p.true_s / 60 for p in old],
+                    color="grey", alpha=0.2, label="true +-20%")
+    done = doc.get("events", {}).get("replace_done")
+    # one engine again (the health sample after the old one's stop): the truth holds again
+    new = [p for p in pts if done and p.t > done + 2.0]
+    if new:
+        ax.plot([p.t - t0 for p in new], [p.true_s / 60 for p in new], color="black", lw=1, ls="--",
+                label="true time to the limit, new engine")
+    fc = [(p.t - t0, p.forecast_s / 60) for p in pts if p.forecast_s is not None]
+    if fc:
+        ax.plot(*zip(*fc, strict=True), ".", color="tab:blue", ms=3, label="forecast (health monitor)")
+    span = doc["meta"]["health"].get("min_span_s")
+    if span:
+        ax.axvline(span, color="tab:purple", ls=":", lw=1, label="min_span_s after the leak's start")
+    due = doc["meta"]["health"].get("replace_below_hours")
+    if due:
+        ax.axhline(due * 60, color="tab:orange", lw=1, label="replace below")
+    _marks(ax, doc, t0)
+    top = max([p.true_s for p in old] or [60.0]) / 60
+    ax.set_ylim(0, 1.6 * top)
+    ax.set(xlabel="seconds after the leak started", ylabel="minutes",
+           title="Forecast time to out-of-memory vs the true time to the limit")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
+    load = doc["load"]
+    wins = load["windows"]
+    t0 = leak_start(doc) or wins[0]["t0"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = [w["t0"] - t0 for w in wins]
+    widths = [w["t1"] - w["t0"] for w in wins]
+    bottom = [0.0] * len(wins)
+    for label, color in (("2xx", "tab:green"), ("429", "tab:orange"), ("503", "tab:purple"),
+                         ("failed", "tab:red")):
+        ys = [sum(n for k, n in w["by_status"].items() if status_group(k) == label) / (w["t1"] - w["t0"])
+              for w in wins]
+        if any(ys) or label == "2xx":
+            ax.bar(xs, ys, width=widths, bottom=bottom, align="edge", color=color, alpha=0.8, label=label)
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+    ax.set(xlabel="seconds after the leak started", ylabel="requests per second",
+           title=f"Load by status ({load.get('traffic')})")
+    _marks(ax, doc, t0)
+    ax2 = ax.twinx()
+    p95 = [(w["t0"] - t0 + (w["t1"] - w["t0"]) / 2, w["p95_ms"]) for w in wins if w.get("p95_ms") is not None]
+    if p95:
+        ax2.plot(*zip(*p95, strict=True), color="black", lw=1, marker=".", label="P95 ms")
+        ax2.set_ylabel("P95 latency, ms")
+        ax2.set_ylim(bottom=0)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(doc: dict[str, Any], out: Path) -> Path:
+    """README.md and the PNGs in ``out``; ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {**doc, "summary": summarize(doc)}
+    plots = []
+    if [s for s in doc.get("samples", []) if "error" not in s]:
+        plot_memory(doc, out / "memory.png", plt)
+        plot_forecast(doc, out / "forecast.png", plt)
+        plots += ["memory.png", "forecast.png"]
+    if (doc.get("load") or {}).get("windows"):
+        plot_requests(doc, out / "requests.png", plt)
+        plots.append("requests.png")
+    readme = out / "README.md"
+    readme.write_text(render_markdown(doc, plots))
+    return readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("drill_json", type=Path)
+    ap.add_argument("out", type=Path)
+    a = ap.parse_args(argv)
+    doc = json.loads(a.drill_json.read_text())
+    path = write_report(doc, a.out)
+    s = summarize(doc)
+    fe = s.get("forecast_error") or {}
+    print(f"{path}: {'PASS' if s['passed'] else 'FAIL'}; replaced {s['replaced']} at "
+          f"{s.get('replace_start_s')}-{s.get('replace_done_s')} s, forecast error median "
+          f"{_pct(fe.get('median_abs'))} max {_pct(fe.get('max_abs'))}, failed requests "
+          f"{(s.get('requests') or {}).get('failed')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
