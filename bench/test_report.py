@@ -118,9 +118,9 @@ def test_the_recorded_dry_run_renders_every_table() -> None:
 
 
 def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
+    measured = {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93}
     st = {"fp8-quality": {"4b": {"texts": 1000, "cosine": {"median": 0.995, "p1": 0.97, "min": 0.9},
-                                 "measured": {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93},
-                                 "passed": False},
+                                 "measured": measured, "passed": False},
                           "minilm": {"not_run": "an engine of the pair did not start"}},
           "attention": {"not_run": {"fa3": "sgl_kernel/flash_ops.abi3.so is not installed"}, "rows": []}}
     md = "\n".join(results_md.fp8_sections(st))

@@ -161,5 +161,6 @@ def test_closed_loop_rate_excludes_the_drain(tok_dir: Path, tmp_path: Path) -> N
                         "--warmup", "0.5", "--mix", "fixed:32", "--health-url", "none"], tmp_path)
     meas = res["measured"]
     assert rc == 0
-    assert meas["duration_s"] == pytest.approx(2.0, abs=0.01)
-    assert meas["requests_per_s"] == pytest.approx(meas["ok"] / 2.0, rel=0.01)
+    # with the drain the window would be ~2.5 s; a busy machine moves the loop's stop by a few ms
+    assert meas["duration_s"] == pytest.approx(2.0, abs=0.1)
+    assert meas["requests_per_s"] == pytest.approx(meas["ok"] / meas["duration_s"], rel=0.01)
