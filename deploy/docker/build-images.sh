@@ -84,7 +84,14 @@ choose_base() {
   fi
 }
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# A port for the wheel server: a fixed one, so that the torch layer's build argument, and so its
+# cache entry, stays the same from one build to the next; another only if that one is taken.
+wheel_port() {
+  python3 -c 'import socket; s = socket.socket()
+try: s.bind(("127.0.0.1", 38537))
+except OSError: s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
+}
 
 SECONDS=0
 BASE=$(choose_base)
@@ -99,7 +106,7 @@ mkdir -p "$LOGS"
 TORCH_ARGS=()
 if [[ -n ${TORCH_WHEELS:-} ]]; then
   ls "$TORCH_WHEELS"/torch-*.whl >/dev/null || { echo "no torch wheel in $TORCH_WHEELS" >&2; exit 1; }
-  port=$(free_port)
+  port=$(wheel_port)
   python3 -m http.server --bind 127.0.0.1 --directory "$TORCH_WHEELS" "$port" >/dev/null 2>&1 &
   WHEEL_SERVER=$!
   for _ in $(seq 50); do
