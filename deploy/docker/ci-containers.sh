@@ -82,7 +82,7 @@ ensure_docker() {
     [[ $(id -u) -eq 0 ]] || fail "no Docker engine answers, and only root can install one"
     log "no Docker engine answers: installing Debian's docker.io"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io >/dev/null \
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io >/dev/null; } \
       || fail "no Docker engine answers and docker.io could not be installed"
   fi
   command -v docker >/dev/null || fail "dockerd is installed but the docker client is missing"
