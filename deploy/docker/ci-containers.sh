@@ -28,8 +28,15 @@ ENGINE=embedserve-ci-engine
 GATEWAY=embedserve-ci-gateway
 STATS=embedserve-ci-stats
 HISTORY=embedserve-ci-health-history
-if [[ -z ${TORCH_WHEELS:-} && -z ${TORCH_INDEX:-} ]] && ls /opt/wheels/torch-*+cpu-*.whl >/dev/null 2>&1; then
-  export TORCH_WHEELS=/opt/wheels  # this machine keeps torch's CPU wheel there
+# torch's CPU build: from TORCH_WHEELS or TORCH_INDEX when set; else from a wheel folder
+# pip is configured with (find-links) when one holds it; else PyTorch's CPU index.
+if [[ -z ${TORCH_WHEELS:-} && -z ${TORCH_INDEX:-} ]]; then
+  for dir in ${PIP_FIND_LINKS:-} $(python3 -m pip config get global.find-links 2>/dev/null || true); do
+    if compgen -G "${dir#file://}/torch-*+cpu-*.whl" >/dev/null; then
+      export TORCH_WHEELS=${dir#file://}
+      break
+    fi
+  done
 fi
 
 log() { printf '%s [containers] %s\n' "$(date +%T)" "$*"; }
