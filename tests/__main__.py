@@ -40,7 +40,7 @@ def link_tree() -> Path:
 def main() -> int:
     steps = [
         ["ruff", "check", "."],
-        ["mypy", str(link_tree()), "tests", "bench"],
+        ["mypy", str(link_tree()), "tests", "bench", *map(str, sorted(ROOT.glob("deploy/*/*.py")))],
         ["pytest", "-q", "-p", "no:cacheprovider", *sys.argv[1:]],
     ]
     env = {**os.environ, "MYPYPATH": str(TYPECHECK)}

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import httpx
 import pytest
@@ -150,6 +150,48 @@ def minilm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
     stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("minilm-stack"))
     yield stack
     stack.stop()
+
+
+#: The gateway of a stack started elsewhere, e.g. the CPU profile's containers
+#: (deploy/docker/ci-containers.sh). The end-to-end tests that take ``served`` run against it
+#: too, marked ``external_stack``; with the variable unset those runs are skipped.
+E2E_URL = "EMBEDSERVE_E2E_URL"
+
+
+class Served(Protocol):
+    """A gateway serving the bundled model, called over HTTP."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ExternalStack:
+    url: str
+    model_name: str
+
+
+@pytest.fixture(scope="session")
+def external_stack() -> ExternalStack:
+    url = os.environ.get(E2E_URL, "").rstrip("/")
+    if not url:
+        pytest.skip(f"{E2E_URL} is not set")
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    return ExternalStack(url, models[0]["id"])
+
+
+@pytest.fixture(
+    scope="session",
+    params=["local", pytest.param("external", marks=pytest.mark.external_stack)],
+)
+def served(request: pytest.FixtureRequest) -> Served:
+    """The gateway an end-to-end test calls: the stack the tests start (``minilm_stack``),
+    then the one at ``$EMBEDSERVE_E2E_URL``."""
+    stack: Served = request.getfixturevalue("minilm_stack" if request.param == "local" else "external_stack")
+    return stack
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Bad input, case by case and fuzzed: always a 4xx in the OpenAI envelope that names the
 problem (and the field, where there is one), never a 5xx, and the next good request works.
 
-The table runs against the fake-engine app (fast); a subset runs against the real stack."""
+The table runs against the fake-engine app (fast); a subset runs against the real stack, and
+against the gateway at ``$EMBEDSERVE_E2E_URL`` when it is set (the containers in CI)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import RunningStack
+from tests.conftest import Served
 from tests.fake_engine import FakeEngine
 from tests.test_gateway_unit import make_client, wait_ready
 
@@ -210,15 +211,15 @@ def test_streamed_body_over_the_cap_is_413() -> None:
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.real], ids=lambda c: c.name)
-def test_bad_input_real_stack(minilm_stack: RunningStack, case: Case) -> None:
-    with httpx.Client(base_url=minilm_stack.url, timeout=60) as c:
+def test_bad_input_real_stack(served: Served, case: Case) -> None:
+    with httpx.Client(base_url=served.url, timeout=60) as c:
         try:
             r = c.post("/v1/embeddings", content=case.content(), headers=case.headers)
         except httpx.WriteError:  # the server may answer 413 and close before reading it all
             assert case.status == 413
         else:
             check_error(r, case)
-        good = c.post("/v1/embeddings", json={**GOOD, "model": minilm_stack.model_name})
+        good = c.post("/v1/embeddings", json={**GOOD, "model": served.model_name})
         assert good.status_code == 200
         assert c.get("/health/ready").status_code == 200
 

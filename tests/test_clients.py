@@ -1,6 +1,7 @@
 """The client libraries RAG pipelines call us through, unmodified, against the real stack:
 LangChain (its default tokenises with tiktoken and sends the ids), and Haystack. Each
-either gets the vectors sentence-transformers computes, or a 4xx that says what to do."""
+either gets the vectors sentence-transformers computes, or a 4xx that says what to do. Each
+also runs against the gateway at ``$EMBEDSERVE_E2E_URL`` when it is set (the containers in CI)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from haystack.utils import Secret
 from langchain_openai import OpenAIEmbeddings
 from sentence_transformers import SentenceTransformer
 
-from tests.conftest import MINILM_DIR, RunningStack
+from tests.conftest import MINILM_DIR, Served
 
 TEXTS = ["hello world", "a", "Memory grows slowly; the pod restarts before the kernel kills it."]
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
@@ -47,11 +48,9 @@ def cosines(got: list[list[float]], ref: np.ndarray) -> list[float]:
     return [float(x) for x in np.sum(a * ref, axis=1)]
 
 
-def test_langchain_default_gets_a_400_that_names_the_fix(
-    minilm_stack: RunningStack, offline_cl100k: None
-) -> None:
-    url = minilm_stack.url + "/v1"
-    emb = OpenAIEmbeddings(model=minilm_stack.model_name, base_url=url, api_key="x")  # type: ignore[call-arg]
+def test_langchain_default_gets_a_400_that_names_the_fix(served: Served, offline_cl100k: None) -> None:
+    url = served.url + "/v1"
+    emb = OpenAIEmbeddings(model=served.model_name, base_url=url, api_key="x")  # type: ignore[call-arg]
     assert emb.check_embedding_ctx_length  # LangChain's default: it sends tiktoken ids
     with pytest.raises(openai.BadRequestError) as err:
         emb.embed_documents(TEXTS)
@@ -59,13 +58,11 @@ def test_langchain_default_gets_a_400_that_names_the_fix(
     assert "check_embedding_ctx_length=False" in str(err.value)
 
 
-def test_langchain_with_texts_gets_the_right_vectors(
-    minilm_stack: RunningStack, reference: np.ndarray
-) -> None:
+def test_langchain_with_texts_gets_the_right_vectors(served: Served, reference: np.ndarray) -> None:
     # base_url and api_key are pydantic aliases, which mypy's pydantic plugin does not know
     emb = OpenAIEmbeddings(  # type: ignore[call-arg]
-        model=minilm_stack.model_name,
-        base_url=minilm_stack.url + "/v1",
+        model=served.model_name,
+        base_url=served.url + "/v1",
         api_key="x",
         check_embedding_ctx_length=False,
     )
@@ -73,8 +70,8 @@ def test_langchain_with_texts_gets_the_right_vectors(
     assert cosines([emb.embed_query(TEXTS[0])], reference[:1])[0] > 0.9999
 
 
-def test_haystack_embedders_get_the_right_vectors(minilm_stack: RunningStack, reference: np.ndarray) -> None:
-    key, model, url = Secret.from_token("x"), minilm_stack.model_name, minilm_stack.url + "/v1"
+def test_haystack_embedders_get_the_right_vectors(served: Served, reference: np.ndarray) -> None:
+    key, model, url = Secret.from_token("x"), served.model_name, served.url + "/v1"
     text = OpenAITextEmbedder(api_key=key, model=model, api_base_url=url).run(text=TEXTS[2])["embedding"]
     assert cosines([text], reference[2:])[0] > 0.9999
     embedder = OpenAIDocumentEmbedder(api_key=key, model=model, api_base_url=url)

