@@ -46,11 +46,22 @@ def fp8_shapes(host: Host) -> list[str]:
     return ["4b", "0.6b"] + (["minilm"] if "minilm" in host.models else [])
 
 
+def _max_seq_length(host: Host, shape: str) -> int:
+    """The model's own cap (all-MiniLM-L6-v2: 256 tokens) where it states one."""
+    conf = Path(host.model(shape)) / "sentence_bert_config.json"
+    own = json.loads(conf.read_text()).get("max_seq_length") if conf.exists() else None
+    return min(int(own or host.cap), host.cap)
+
+
 def _start_pair(host: Host, tag: str, shape: str, port: int, extra: dict[str, str]) -> None:
+    """An engine and its gateway, both at the model's own cap (SGLang refuses a context
+    longer than a BERT's position table)."""
+    cap = {"EMBEDSERVE_MODEL__MAX_SEQ_LEN": str(_max_seq_length(host, shape))}
     if not host.work.running(f"engine-{tag}"):
-        stacks.start_engine(host, f"engine-{tag}", shape, port, kv_pool=MAIN_KV_POOL, gpu=0, extra=extra)
+        stacks.start_engine(host, f"engine-{tag}", shape, port, kv_pool=MAIN_KV_POOL, gpu=0,
+                            extra=extra | cap)
     if not host.work.running(f"gateway-{tag}"):
-        stacks.start_gateway(host, f"gateway-{tag}", shape, gateway_port(port), [port])
+        stacks.start_gateway(host, f"gateway-{tag}", shape, gateway_port(port), [port], extra=cap)
 
 
 def _tags(shape: str) -> tuple[str, str]:
@@ -77,13 +88,6 @@ def step_fp8_engines(host: Host, budget_end: float) -> dict[str, Any]:
                 host.work.stop(f"gateway-{tag}", 10)
     out["engine_gpu_gb"] = engine_memory(host, [f"engine-{t}" for s in fp8_shapes(host) for t in _tags(s)])
     return out
-
-
-def _max_seq_length(host: Host, shape: str) -> int:
-    """The model's own cap (all-MiniLM-L6-v2: 256 tokens) where it states one."""
-    conf = Path(host.model(shape)) / "sentence_bert_config.json"
-    own = json.loads(conf.read_text()).get("max_seq_length") if conf.exists() else None
-    return min(int(own or host.cap), host.cap)
 
 
 def step_fp8_quality(host: Host, budget_end: float) -> dict[str, Any]:

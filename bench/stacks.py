@@ -75,7 +75,8 @@ def start_engine(host: Host, tag: str, shape: str, port: int, **kw: Any) -> dict
     return host.work.start(tag, argv, engine_env(host, shape, port, **kw))
 
 
-def start_gateway(host: Host, tag: str, shape: str, port: int, engine_ports: list[int]) -> dict[str, Any]:
+def start_gateway(host: Host, tag: str, shape: str, port: int, engine_ports: list[int],
+                  extra: dict[str, str] | None = None) -> dict[str, Any]:
     free_port(port)
     argv = [*embedserve_cmd(), "gateway", "--port", str(port)]
     for p in engine_ports:
@@ -84,7 +85,7 @@ def start_gateway(host: Host, tag: str, shape: str, port: int, engine_ports: lis
            "EMBEDSERVE_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
            # the vector check sends the model's own token ids through the gateway
            "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS": "true"}
-    return host.work.start(tag, argv, env)
+    return host.work.start(tag, argv, env | (extra or {}))
 
 
 def up_env(host: Host, shape: str, port: int, *, replicas: int = 1, engine_port: int = 30000,
