@@ -42,3 +42,20 @@ def test_verdict_names_what_missed() -> None:
     v = quality.verdict({"median": 0.995, "p1": 0.97, "min": 0.9}, overlap=0.95)
     assert not v["passed"] and set(v["missed"]) == {"p1_cosine"}
     assert quality.verdict({"median": 0.995, "p1": 0.985, "min": 0.9}, overlap=0.95)["passed"]
+
+
+def test_boundary_shows_a_near_tie_at_the_tenth_neighbour() -> None:
+    # eleven passages at nearly the same angle from the query, then the rest far away
+    angles = np.concatenate([np.linspace(0.0, 0.001, 11), np.linspace(1.0, 3.0, 9)])
+    passages = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    query = np.array([[1.0, 0.0]])
+    nudged = np.array([[np.cos(-0.01), np.sin(-0.01)]])  # turns the query by 0.01 rad
+    b = quality.boundary(query, passages, nudged, passages)
+    assert b["gap_k_to_next_median"] < 1e-6  # the 10th and 11th score alike
+    assert b["score_change_median"] > b["gap_k_to_next_median"]  # the change is larger than the gap
+
+
+def test_a_corpus_smaller_than_k_overlaps_fully_with_itself() -> None:
+    rng = np.random.default_rng(1)
+    q, p = rng.normal(size=(3, 8)), rng.normal(size=(4, 8))
+    assert quality.top_k_overlap(q, p, q, p, k=10) == 1.0
