@@ -294,8 +294,12 @@ def plot_memory(doc: dict[str, Any], path: Path, plt: Any) -> None:
     _marks(ax, doc, t0)
     ax.set(xlabel="seconds after the leak started", ylabel="GB",
            title=f"Memory during the drill ({doc['meta']['rate']} per engine)")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    _save(fig, ax, path, plt)
+
+
+def _save(fig: Any, ax: Any, path: Path, plt: Any) -> None:
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -332,11 +336,8 @@ def plot_forecast(doc: dict[str, Any], path: Path, plt: Any) -> None:
     ax.set_ylim(0, 1.6 * top)
     ax.set(xlabel="seconds after the leak started", ylabel="minutes",
            title="Forecast time to out-of-memory vs the true time to the limit")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, path, plt)
 
 
 def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
@@ -366,10 +367,7 @@ def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower left")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, path, plt)
 
 
 def write_report(doc: dict[str, Any], out: Path) -> Path:
