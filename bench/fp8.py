@@ -6,7 +6,8 @@
   on the same texts; then the 4B pair is measured side by side through its gateways:
   throughput at 64 in flight, latency at 1 in flight, GPU memory of each engine.
 - ``attention``: the 4B on FlashInfer (the default) against the other prefill backends
-  SGLang 0.5.17 has for it on this GPU: FA3 (needs sgl_kernel's ``flash_ops``) and Triton.
+  SGLang 0.5.17 has for it on this GPU: FA3 (needs sgl_kernel's ``flash_ops``: the offline
+  bundle fa3/pNN) and Triton; throughput, and the quality gate against FlashInfer's vectors.
   A backend whose kernels are missing is recorded as not run, with the reason.
 """
 
@@ -90,27 +91,30 @@ def step_fp8_engines(host: Host, budget_end: float) -> dict[str, Any]:
     return out
 
 
+def gate(host: Host, shape: str, base_port: int, cand_port: int) -> dict[str, Any]:
+    """bench/quality.py between two gateways serving ``shape``: its JSON, or the error."""
+    n = (200, 100, 1000) if host.cpu else (1000, 500, 5000)
+    argv = [sys.executable, str(HERE / "quality.py"), "--baseline", f"http://127.0.0.1:{base_port}",
+            "--candidate", f"http://127.0.0.1:{cand_port}", "--tokenizer", host.model(shape),
+            "--cap", str(_max_seq_length(host, shape)),
+            "--texts", str(n[0]), "--queries", str(n[1]), "--passages", str(n[2])]
+    done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=900, check=False)
+    try:
+        return dict(json.loads(done.stdout))
+    except json.JSONDecodeError:
+        return {"error": (done.stderr or done.stdout)[-1500:]}
+
+
 def step_fp8_quality(host: Host, budget_end: float) -> dict[str, Any]:
     """bench/quality.py per shape: per-input cosine (1,000 seed-mix texts) and top-10 overlap
     (500 queries over 5,000 passages), FP8 against bf16."""
-    n = (200, 100, 1000) if host.cpu else (1000, 500, 5000)
     out: dict[str, Any] = {}
     for shape in fp8_shapes(host):
         bf16, fp8 = _tags(shape)
         if not (host.work.running(f"gateway-{bf16}") and host.work.running(f"gateway-{fp8}")):
             out[shape] = {"not_run": "an engine of the pair did not start (see fp8-engines)"}
             continue
-        cap = _max_seq_length(host, shape)
-        argv = [sys.executable, str(HERE / "quality.py"),
-                "--baseline", f"http://127.0.0.1:{gateway_port(FP8_PORTS[shape][0])}",
-                "--candidate", f"http://127.0.0.1:{gateway_port(FP8_PORTS[shape][1])}",
-                "--tokenizer", host.model(shape), "--cap", str(cap),
-                "--texts", str(n[0]), "--queries", str(n[1]), "--passages", str(n[2])]
-        done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=900, check=False)
-        try:
-            out[shape] = json.loads(done.stdout)
-        except json.JSONDecodeError:
-            out[shape] = {"error": (done.stderr or done.stdout)[-1500:]}
+        out[shape] = gate(host, shape, gateway_port(FP8_PORTS[shape][0]), gateway_port(FP8_PORTS[shape][1]))
     return out
 
 
@@ -179,6 +183,8 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
             for i, case in enumerate(ATTENTION_CASES):
                 out["rows"] += alternate(host, [base, side], Case(case.name, case.load), f"attn-{name}",
                                          600 + 10 * i, tags={"shape": "4b", "backend_pair": name})
+            quality = gate(host, "4b", gateway_port(base_port), gateway_port(port))
+            out.setdefault("quality", {})[name] = quality
     finally:
         for name in backends:
             for kind in ("gateway", "engine"):

@@ -252,6 +252,11 @@ def fp8_sections(st: dict[str, Any]) -> list[str]:
         rows = [r for r in att["rows"] if r["backend_pair"] == name]
         md += comparison_section(f"Prefill attention: FlashInfer vs {name} (4B, bf16, through the gateway)",
                                  rows, "flashinfer", name)
+    if att.get("quality"):
+        md += ["Quality gate, each backend's vectors against FlashInfer's (4B, bf16):", "",
+               *table(quality_rows(att["quality"]),
+                      [("model", "backend"), ("median", "median cosine"), ("p1", "1st pct cosine"),
+                       ("min", "min cosine"), ("overlap", "top-10 overlap"), ("passed", "passed")]), ""]
     md += [f"- attention backend {name} not run: {why[-300:]}"
            for name, why in att.get("not_run", {}).items()]
     return md + ([""] if att.get("not_run") else [])

@@ -127,3 +127,11 @@ def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
     assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | NO | - |" in md
     assert "| minilm | - | - | - | - | - | - | an engine of the pair did not start |" in md
     assert "attention backend fa3 not run: sgl_kernel/flash_ops.abi3.so is not installed" in md
+
+
+def test_attention_backends_get_a_quality_table() -> None:
+    gate = {"texts": 1000, "cosine": {"min": 0.999},
+            "measured": {"median_cosine": 0.9999, "p1_cosine": 0.9998, "top10_overlap": 0.98}, "passed": True}
+    md = "\n".join(results_md.fp8_sections({"attention": {"rows": [], "quality": {"fa3": gate}}}))
+    assert "Quality gate, each backend's vectors against FlashInfer's" in md
+    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | yes |" in md

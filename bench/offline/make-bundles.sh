@@ -29,6 +29,21 @@ dl "$TMP" sglang-kernel==0.4.5
     -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/infllm_ops*' 'sgl_kernel/sm100/*' 'sgl_kernel/flashmla_ops.abi3.so' \
   && tar czf "$DEST/b1/sgl_kernel_sm90.tgz" . )
 
+# fa3: SGLang's FA3 attention kernels (sgl_kernel/flash_ops.abi3.so: 1.1 GB, 341 MB gzipped),
+# needed only by the attention scenario: six parts of at most 57 MiB (fa3/p01 .. p06), one per
+# transfer, staged in any order; stage.sh puts the file together once every part is there.
+unzip -p "$TMP"/sglang_kernel-0.4.5-*.whl sgl_kernel/flash_ops.abi3.so | gzip -6 > "$TMP/flash_ops.so.gz"
+( cd "$TMP" && split -b 57M -d -a 2 --numeric-suffixes=1 flash_ops.so.gz flash_ops.so.gz.part )
+parts=("$TMP"/flash_ops.so.gz.part*)
+sum=$(sha256sum "$TMP/flash_ops.so.gz" | cut -d' ' -f1)
+for part in "${parts[@]}"; do
+  n=${part##*.part}
+  mkdir -p "$DEST/fa3/p$n"
+  mv "$part" "$DEST/fa3/p$n/"
+  printf '%s %s\n' "${#parts[@]}" "$sum" > "$DEST/fa3/p$n/FA3_PARTS"
+done
+rm -f "$TMP/flash_ops.so.gz"
+
 # b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
 # what embedserve needs beyond b1 and the host, and embedserve's own wheel (its SGLang
 # plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
@@ -59,7 +74,7 @@ dl "$DEST/b4" infinity-emb==0.0.78 transformers==4.57.3 sentence-transformers==5
 echo infinity > "$DEST/b4/SITE_SUFFIX"
 
 du -sh "$DEST"/b*
-for b in "$DEST"/b*; do
+for b in "$DEST"/b* "$DEST"/fa3/p*; do
   s=$(du -sm "$b" | cut -f1); [ "$s" -lt 60 ] || { echo "bundle $b is ${s} MiB (limit 60)"; exit 1; }
 done
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host with no package index: install one bundle (a folder of wheels from
 # make-bundles.sh, maybe with sgl_kernel_sm90.tgz and fi-cache.tgz) into SITE, one bundle per
-# transfer, in the order b1, b2, b3 (b4, the Infinity peer, goes to its own folder). Then
+# transfer, in the order b1, b2, b3 (b4, the Infinity peer, goes to its own folder; the FA3
+# parts fa3/pNN after b1, in any order). Then
 # `export PYTHONPATH=/tmp/site`. SITE defaults to /tmp/site, or /tmp/site-infinity for b4.
 # `stage.sh --project [SITE]` builds embedserve's wheel from this checkout and installs it, so
 # that SGLang's plugin loader finds our entry point (group sglang.srt.plugins) next to SGLang.
@@ -50,6 +51,25 @@ PY
   exit 0
 fi
 
+if [ -f "$B/FA3_PARTS" ]; then
+  # one part of SGLang's FA3 kernels (make-bundles.sh, fa3/pNN): kept until all have come
+  read -r count sum < "$B/FA3_PARTS"
+  PARTS=${FA3_PARTS_DIR:-/tmp/fa3-parts}
+  mkdir -p "$PARTS" && cp "$B"/flash_ops.so.gz.part* "$PARTS/"
+  have=$(find "$PARTS" -name 'flash_ops.so.gz.part*' | wc -l)
+  if [ "$have" -lt "$count" ]; then
+    echo "staged FA3 part $(basename "$B"): $have of $count"
+    exit 0
+  fi
+  cat "$PARTS"/flash_ops.so.gz.part* > "$PARTS/flash_ops.so.gz"
+  echo "$sum  $PARTS/flash_ops.so.gz" | sha256sum -c --quiet - || { echo "FA3 parts do not add up" >&2; exit 1; }
+  mkdir -p "$SITE/sgl_kernel"
+  gunzip -c "$PARTS/flash_ops.so.gz" > "$SITE/sgl_kernel/flash_ops.abi3.so"
+  rm -rf "$PARTS"
+  echo "staged SGLang's FA3 kernels into $SITE/sgl_kernel/flash_ops.abi3.so"
+  exit 0
+fi
+
 ls "$B"/*.whl >/dev/null
 install_wheels "$B"/*.whl
 if [ -f "$B/sgl_kernel_sm90.tgz" ]; then tar xzf "$B/sgl_kernel_sm90.tgz" -C "$SITE"; fi
@@ -70,4 +90,4 @@ if [ -f "$B/fi-cache.tgz" ]; then
     echo "warning: FlashInfer is not staged yet (stage b1 first), so the cache will be rebuilt" >&2
   fi
 fi
-echo "staged $B into $SITE ($(ls "$SITE" | wc -l) entries)"
+echo "staged $B into $SITE ($(find "$SITE" -mindepth 1 -maxdepth 1 | wc -l) entries)"
