@@ -41,7 +41,7 @@ TAG = "drill"
 DRILL_PORT, DRILL_ENGINE_PORT = 8300, 30300
 STOP_RESERVE_S = 45.0  # stopping the load and the stack, and writing the results
 CAPACITY_4B_REQ_S = 16.0  # seed mix, 1-16 inputs per request, one H200 (results/gpu-perf)
-CAPACITY_CPU_REQ_S = 4.0  # the tiny checkpoint on a 2-core VM
+CAPACITY_CPU_REQ_S = 3.0  # the tiny checkpoint on a 2-core VM shared with other work
 CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"  # the settings `up` hands each engine it starts
 # `up`'s log lines worth a time: the leak, the replacement, the banner, failures
 LOG_KEYS = re.compile(r"leak|replac|embedserve is up|did not start|exited|Traceback", re.IGNORECASE)
@@ -275,13 +275,15 @@ class Sampler(threading.Thread):
 # -- the load ------------------------------------------------------------------------------
 def loadtest_argv(host: stacks.Host, cfg: DrillConfig, url: str, out: Path, seconds: float) -> list[str]:
     """`embedserve loadtest` open loop: the seed length mix, unique inputs, the memory report
-    sampled every second, windows of 5 s for the throughput series."""
+    sampled every second, windows of 5 s for the throughput series, no resending of a 429 (so
+    each status counts one request)."""
     model = host.model("4b")
     argv = [*embedserve_cmd(), "loadtest", url, "--tokenizer", model, "--model", Path(model).name,
             "--mix", cfg.mix, "--inputs", cfg.inputs, "--rate", f"{cfg.load_rate:g}",
             "--duration", f"{seconds:.0f}", "--warmup", "0", "--seed", "23", "--out", str(out),
             "--no-progress", "--no-plots", "--health-url", "/health/memory", "--sample-interval", "1",
-            "--window", "5", "--timeout", "300", "--max-tokens", str(host.cap), "--metrics-url", "none"]
+            "--window", "5", "--timeout", "300", "--max-tokens", str(host.cap), "--metrics-url", "none",
+            "--retries-429", "0"]  # one attempt per request: a 429 is counted, not sent again
     if flag := supported(UNIQUE_INPUT_FLAGS):
         argv.append(flag)
     return argv

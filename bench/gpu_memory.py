@@ -58,7 +58,7 @@ def group_used_gb(pgids: dict[str, int]) -> dict[str, float]:
 
 class ProcessGpuReader:
     """NVML's memory per process (host pid -> bytes, summed over the GPUs) and each GPU's
-    memory in use, read as often as needed with one NVML session; ``read`` returns None
+    memory in use, read as often as needed after one nvmlInit; ``read`` returns None
     without a GPU driver."""
 
     def __init__(self) -> None:
