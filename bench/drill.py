@@ -37,21 +37,19 @@ from gpu_memory import ProcessGpuReader, gpu_description
 from loadgen import UNIQUE_INPUT_FLAGS, supported
 from procs import alive, child_env, embedserve_cmd, http_get
 
+from embedserve.config import CHILD_SETTINGS_ENV
+from embedserve.contracts.memory import MemoryReport, ProcessMemory
+from embedserve.engines.drill import parse_rate
+from embedserve.health.sources.processes import read_processes
+from embedserve.loadtest.cachehits import counters
+
 TAG = "drill"
 DRILL_PORT, DRILL_ENGINE_PORT = 8300, 30300
 STOP_RESERVE_S = 45.0  # stopping the load and the stack, and writing the results
 CAPACITY_4B_REQ_S = 16.0  # seed mix, 1-16 inputs per request, one H200 (results/gpu-perf)
 CAPACITY_CPU_REQ_S = 3.0  # the tiny checkpoint on a 2-core VM shared with other work
-CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"  # the settings `up` hands each engine it starts
 # `up`'s log lines worth a time: the leak, the replacement, the banner, failures
 LOG_KEYS = re.compile(r"leak|replac|embedserve is up|did not start|exited|Traceback", re.IGNORECASE)
-
-
-def rate_bytes_per_s(text: str) -> float:
-    """``4GiB/min`` -> bytes per second (the product's own parser)."""
-    from embedserve.engines.drill import parse_rate
-
-    return parse_rate(text)
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class DrillConfig:
 
     @property
     def rate_bytes_per_s(self) -> float:
-        return rate_bytes_per_s(self.rate)
+        return parse_rate(self.rate)
 
     def env(self) -> dict[str, str]:
         return {f"EMBEDSERVE_HEALTH__{k.upper()}": f"{v:g}" if isinstance(v, float) else str(v)
@@ -99,7 +97,7 @@ def config_for(host: stacks.Host, rate: str | None = None) -> DrillConfig:
         health = {"sample_interval_s": 1.0, "warmup_s": 10.0, "min_span_s": span}
         load = 0.5 * (capacity or CAPACITY_4B_REQ_S)
         after, limit_s = 60.0, 530.0
-    per_s = rate_bytes_per_s(rate)
+    per_s = parse_rate(rate)
     limit = int(base + headroom)
     # due when the forecast says this much time is left: `after_leak` seconds into the leak,
     # but never before the forecast has had its minimum span
@@ -132,43 +130,29 @@ def engine_port(proc: psutil.Process) -> int | None:
     return None
 
 
-def engines_under(up_pid: int) -> dict[int, list[int]]:
-    """`up`'s engines: its direct children that are SGLang or the CPU engine -> every pid of
-    each one's family."""
-    out: dict[int, list[int]] = {}
+def engines_under(up_pid: int) -> dict[int, ProcessMemory]:
+    """`up`'s engines (its direct children that are SGLang or the CPU engine), each with its
+    family's pids and RSS as health reads them."""
+    pids: dict[str, int] = {}
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(up_pid).children():
             with contextlib.suppress(psutil.Error):
                 argv = " ".join(child.cmdline())
                 if "sglang" in argv or "embedserve.engines" in argv:
-                    out[child.pid] = [child.pid, *(c.pid for c in child.children(recursive=True))]
-    return out
+                    pids[str(child.pid)] = child.pid
+    found, _ = read_processes(pids)
+    return {mem.pid: mem for mem in found.values()}
 
 
-def rss(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            total += psutil.Process(pid).memory_info().rss
-    return total
-
-
-def metric(text: str, name: str) -> float | None:
-    """One unlabelled sample of a Prometheus text page."""
-    m = re.search(rf"^{re.escape(name)}(?:\{{\}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else None
-
-
-def health_figures(doc: dict[str, Any], resource: str) -> dict[str, Any]:
+def health_figures(doc: MemoryReport, resource: str) -> dict[str, Any]:
     """What one /health/memory answer says about the drill's resource, and the verdict."""
-    res = (doc.get("resources") or {}).get(resource) or {}
-    return {"status": doc.get("status"), "recommends_restart": doc.get("recommends_restart"),
-            "binding": doc.get("binding_resource"), "hours": doc.get("estimated_hours_until_oom"),
-            "res_hours": res.get("estimated_hours_until_oom"), "res_low": res.get("hours_lower"),
-            "res_high": res.get("hours_upper"), "res_status": res.get("status"),
-            "used": res.get("used_bytes"), "limit": res.get("limit_bytes"), "measure": res.get("measure"),
-            "replacements": doc.get("replacements"),
-            "ready": {e["url"]: e["ready"] for e in doc.get("engines") or []}}
+    res = doc.resource(resource)
+    return {"status": doc.status, "recommends_restart": doc.recommends_restart,
+            "binding": doc.binding_resource, "hours": doc.estimated_hours_until_oom,
+            "res_hours": res and res.estimated_hours_until_oom, "res_low": res and res.hours_lower,
+            "res_high": res and res.hours_upper, "res_status": res and res.status,
+            "used": res and res.used_bytes, "limit": res and res.limit_bytes, "measure": res and res.measure,
+            "replacements": doc.replacements, "ready": {e.url: e.ready for e in doc.engines}}
 
 
 def exit_status(pid: int) -> str | None:
@@ -230,14 +214,14 @@ class Sampler(threading.Thread):
         row: dict[str, Any] = {"t": round(t, 3)}
         code, body = http_get(self.url + "/health/memory", timeout=3)
         if code in (200, 503) and body:
-            with contextlib.suppress(ValueError):
-                row |= health_figures(json.loads(body), self.resource)
+            with contextlib.suppress(ValueError):  # pydantic's ValidationError included
+                row |= health_figures(MemoryReport.model_validate_json(body), self.resource)
         code, body = http_get(self.url + "/metrics", timeout=3)
         if code == 200:
-            row["replacements_metric"] = metric(body, "embedserve_engine_replacements_total")
+            row["replacements_metric"] = counters(body).get("embedserve_engine_replacements_total")
         gpu = self._gpu.read()
         engines: dict[str, dict[str, Any]] = {}
-        for pid, family in engines_under(self.up_pid).items():
+        for pid, mem in engines_under(self.up_pid).items():
             seen = self.engine_seen.get(pid)
             if seen is None:
                 with contextlib.suppress(psutil.Error):
@@ -246,9 +230,9 @@ class Sampler(threading.Thread):
             if seen is None:
                 continue
             seen["last"] = round(t, 3)
-            e: dict[str, Any] = {"pid": pid, "rss": rss(family)}
+            e: dict[str, Any] = {"pid": pid, "rss": mem.rss_bytes}
             if gpu is not None:
-                e["gpu"] = sum(gpu[0].get(p, 0) for p in family)
+                e["gpu"] = sum(gpu[0].get(p, 0) for p in mem.pids)
             engines[str(seen["port"] or pid)] = e
         row["engines"] = engines
         if gpu is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import stacks
-from loadgen import Load
+from loadgen import Load, Target
 from procs import child_env
 from scenarios import MAIN_KV_POOL, Case, alternate, engine_memory, ready_engine
 from stacks import Host
@@ -63,6 +63,12 @@ def _start_pair(host: Host, tag: str, shape: str, port: int, extra: dict[str, st
                             extra=extra | cap)
     if not host.work.running(f"gateway-{tag}"):
         stacks.start_gateway(host, f"gateway-{tag}", shape, gateway_port(port), [port], extra=cap)
+
+
+def _target(host: Host, tag: str, engine_port: int) -> Target:
+    """The 4B gateway of the pair ``tag``, for a measured run."""
+    pid = host.work.state["procs"][f"gateway-{tag}"]["pid"]
+    return stacks.gateway_target(host, "4b", gateway_port(engine_port), [engine_port], pid)
 
 
 def _tags(shape: str) -> tuple[str, str]:
@@ -123,9 +129,8 @@ def step_fp8_throughput(host: Host, budget_end: float) -> dict[str, Any]:
     bf16, fp8 = _tags("4b")
     if not host.work.running(f"gateway-{fp8}"):
         return {"not_run": "the FP8 engine did not start (see fp8-engines)"}
-    procs = host.work.state["procs"]
-    sides = [(q, stacks.gateway_target(host, "4b", gateway_port(p), [p], procs[f"gateway-{t}"]["pid"]))
-             for q, t, p in (("bf16", bf16, FP8_PORTS["4b"][0]), ("fp8", fp8, FP8_PORTS["4b"][1]))]
+    bf16_port, fp8_port = FP8_PORTS["4b"]
+    sides = [("bf16", _target(host, bf16, bf16_port)), ("fp8", _target(host, fp8, fp8_port))]
     alternate(host, sides, Case("warm-up", Load("uniform:16-512", 64, seconds=8, warmup=0)), "fp8-warm", 480)
     rows = [r for i, case in enumerate(FP8_CASES)
             for r in alternate(host, sides, case, "fp8", 500 + 10 * i, tags={"shape": "4b"})]
@@ -164,12 +169,10 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
         backends.pop("fa3")
     for name, port in backends.items():
         _start_pair(host, f"4b-{name}", "4b", port, {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": name})
-    procs = host.work.state["procs"]
     try:
         ready_engine(host, f"engine-{base_tag}", base_port, budget_end)
         stacks.wait_ready(host, f"gateway-{base_tag}", "/health/ready", gateway_port(base_port), budget_end)
-        base = ("flashinfer", stacks.gateway_target(host, "4b", gateway_port(base_port), [base_port],
-                                                    procs[f"gateway-{base_tag}"]["pid"]))
+        base = ("flashinfer", _target(host, base_tag, base_port))
         for name, port in backends.items():
             try:
                 ready = ready_engine(host, f"engine-4b-{name}", port, budget_end)
@@ -178,8 +181,7 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
             except RuntimeError as exc:
                 out["not_run"][name] = str(exc)[-1500:]
                 continue
-            side = (name, stacks.gateway_target(host, "4b", gateway_port(port), [port],
-                                                procs[f"gateway-4b-{name}"]["pid"]))
+            side = (name, _target(host, f"4b-{name}", port))
             for i, case in enumerate(ATTENTION_CASES):
                 out["rows"] += alternate(host, [base, side], Case(case.name, case.load), f"attn-{name}",
                                          600 + 10 * i, tags={"shape": "4b", "backend_pair": name})

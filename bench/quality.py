@@ -49,10 +49,19 @@ def cosine_stats(a: Vectors, b: Vectors) -> dict[str, float]:
     return {"median": float(np.median(cos)), "p1": float(np.percentile(cos, 1)), "min": float(cos.min())}
 
 
+def cosines(queries: Vectors, passages: Vectors) -> Vectors:
+    """Every query's cosine with every passage."""
+    return normalised(queries) @ normalised(passages).T
+
+
+def ranking(scores: Vectors) -> npt.NDArray[np.int64]:
+    """Each row's passages, best first (ties in passage order)."""
+    return np.argsort(-scores, axis=1, kind="stable")
+
+
 def top_k(queries: Vectors, passages: Vectors, k: int) -> npt.NDArray[np.int64]:
     """Each query's k nearest passages by cosine, best first."""
-    scores = normalised(queries) @ normalised(passages).T
-    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return ranking(cosines(queries, passages))[:, :k]
 
 
 def top_k_overlap(base_q: Vectors, base_p: Vectors, cand_q: Vectors, cand_p: Vectors, k: int = 10) -> float:
@@ -66,10 +75,9 @@ def boundary(base_q: Vectors, base_p: Vectors, cand_q: Vectors, cand_p: Vectors,
              k: int = 10) -> dict[str, float]:
     """How close the top-k boundary is to a tie: the baseline's median gap between its k-th and
     (k+1)-th score, and the median change the candidate makes to the baseline's top-k scores."""
-    base = normalised(base_q) @ normalised(base_p).T
-    cand = normalised(cand_q) @ normalised(cand_p).T
+    base, cand = cosines(base_q, base_p), cosines(cand_q, cand_p)
     k = min(k, base.shape[1] - 1)
-    order = np.argsort(-base, axis=1, kind="stable")
+    order = ranking(base)
     ranked = np.take_along_axis(base, order[:, : k + 1], 1)
     moved = np.abs(np.take_along_axis(cand, order[:, :k], 1) - ranked[:, :k])
     return {"gap_k_to_next_median": float(np.median(ranked[:, k - 1] - ranked[:, k])),

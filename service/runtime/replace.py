@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from embedserve.config import Settings
-from embedserve.contracts.memory import MACHINE_RAM, MemoryReport
+from embedserve.contracts.memory import MACHINE_RAM, MemoryReport, ProcessMemory
 from embedserve.engines.pool import EnginePool
 from embedserve.health.sources.nvml import NvmlSource
 from embedserve.health.sources.processes import read_processes
@@ -98,17 +98,21 @@ class EngineReplacer:
         return due(report, self.settings, rss, [now - t for t in self.started_at], now - self.last)
 
     @staticmethod
-    def _rss(sup: ProcessSupervisor) -> int:
-        """Resident memory of the engine and its children, as health counts it."""
+    def _family(sup: ProcessSupervisor) -> ProcessMemory | None:
+        """The engine and its children, as health counts them."""
         found, _ = read_processes({sup.name: sup.pid or 0})
-        return found[sup.name].rss_bytes if sup.name in found else 0
+        return found.get(sup.name)
 
-    @staticmethod
-    def _room(old: ProcessSupervisor, resource: str) -> bool:
+    @classmethod
+    def _rss(cls, sup: ProcessSupervisor) -> int:
+        proc = cls._family(sup)
+        return proc.rss_bytes if proc else 0
+
+    @classmethod
+    def _room(cls, old: ProcessSupervisor, resource: str) -> bool:
         """Whether a replacement fits beside ``old`` on the resource that runs out: a fresh
         engine needs at most what the old one holds now (its leak included)."""
-        found, _ = read_processes({old.name: old.pid or 0})
-        proc = found.get(old.name)
+        proc = cls._family(old)
         if not resource.startswith("gpu:"):
             return psutil.virtual_memory().available > 1.5 * (proc.rss_bytes if proc else 0)
         index = int(resource.split(":")[1])
