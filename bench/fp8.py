@@ -22,7 +22,7 @@ from typing import Any
 
 import stacks
 from loadgen import Load, Target
-from procs import child_env
+from procs import child_env, http_get
 from scenarios import MAIN_KV_POOL, Case, alternate, engine_memory, ready_engine
 from stacks import Host
 
@@ -36,7 +36,7 @@ FP8_CASES = [
     Case("long", Load("uniform:8000-8191", 8, seconds=15)),
     Case("one in flight", Load("seed", 1, seconds=6, warmup=1), rounds=4),
 ]
-ATTENTION_CASES = [FP8_CASES[0], FP8_CASES[2], FP8_CASES[3]]
+ATTENTION_CASES = [Case(c.name, c.load, rounds=3) for c in (FP8_CASES[0], FP8_CASES[2], FP8_CASES[3])]
 
 
 def gateway_port(engine_port: int) -> int:
@@ -154,13 +154,24 @@ def fa3_missing() -> str | None:
     return None
 
 
+def resolved_backends(port: int) -> dict[str, Any]:
+    """The attention backends SGLang settled on (its own fallbacks may override the flag)."""
+    status, body = http_get(f"http://127.0.0.1:{port}/server_info", timeout=10)
+    if status != 200:
+        return {"error": f"HTTP {status}"}
+    info = json.loads(body)
+    return {k: info.get(k) for k in ("attention_backend", "prefill_attention_backend",
+                                      "decode_attention_backend")}
+
+
 def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
-    """The 4B (bf16) behind a gateway on each available prefill backend, against FlashInfer
-    (the bf16 pair of the fp8 scenario, or one started here), alternating."""
-    out: dict[str, Any] = {"not_run": {}, "rows": []}
+    """The 4B (bf16) behind a gateway on each chosen prefill backend (``--attention-backends``),
+    against FlashInfer (the bf16 pair of the fp8 scenario, or one started here), alternating."""
+    out: dict[str, Any] = {"not_run": {}, "rows": [], "resolved": {}}
     base_tag, base_port = _tags("4b")[0], FP8_PORTS["4b"][0]
     _start_pair(host, base_tag, "4b", base_port, {})
-    backends = {"fa3": 30410, "triton": 30411}
+    backends = {name: port for name, port in (("fa3", 30410), ("triton", 30411))
+                if name in host.attention_backends}
     if host.cpu:
         out["not_run"] = {b: "no attention backends on the CPU engine" for b in backends}
         return out
@@ -173,6 +184,7 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
         ready_engine(host, f"engine-{base_tag}", base_port, budget_end)
         stacks.wait_ready(host, f"gateway-{base_tag}", "/health/ready", gateway_port(base_port), budget_end)
         base = ("flashinfer", _target(host, base_tag, base_port))
+        out["resolved"]["flashinfer"] = resolved_backends(base_port)
         for name, port in backends.items():
             try:
                 ready = ready_engine(host, f"engine-4b-{name}", port, budget_end)
@@ -181,6 +193,7 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
             except RuntimeError as exc:
                 out["not_run"][name] = str(exc)[-1500:]
                 continue
+            out["resolved"][name] = resolved_backends(port)
             side = (name, _target(host, f"4b-{name}", port))
             for i, case in enumerate(ATTENTION_CASES):
                 out["rows"] += alternate(host, [base, side], Case(case.name, case.load), f"attn-{name}",

@@ -32,6 +32,7 @@ class Host:
     models: dict[str, str] = field(default_factory=dict)  # shape -> checkpoint folder
     out: Path | None = None  # where results go (and the packed FlashInfer JIT cache)
     drill_rate: str | None = None  # the leak drill's `--drill-leak` (default per device: bench/drill.py)
+    attention_backends: tuple[str, ...] = ("fa3", "triton")  # measured against FlashInfer
 
     @property
     def cpu(self) -> bool:

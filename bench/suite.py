@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
     ap.add_argument("--drill-leak", metavar="RATE",
                     help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
+    ap.add_argument("--attention-backends", default="fa3,triton",
+                    help="the attention scenario's backends, each against FlashInfer (of: fa3, triton)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                        time_scale=a.time_scale or (0.1 if cpu else 1.0), fi_cache=a.fi_cache,
                        infinity_site=a.infinity_site,
                        models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
-                       out=a.out, drill_rate=a.drill_leak)
+                       out=a.out, drill_rate=a.drill_leak,
+                       attention_backends=tuple(a.attention_backends.split(",")))
     return run(host, plan(selected), a.out, a.budget_s, a.redo)
 
 
