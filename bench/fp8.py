@@ -196,7 +196,7 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
             out["resolved"][name] = resolved_backends(port)
             side = (name, _target(host, f"4b-{name}", port))
             for i, case in enumerate(ATTENTION_CASES):
-                out["rows"] += alternate(host, [base, side], Case(case.name, case.load), f"attn-{name}",
+                out["rows"] += alternate(host, [base, side], case, f"attn-{name}",
                                          600 + 10 * i, tags={"shape": "4b", "backend_pair": name})
             quality = gate(host, "4b", gateway_port(base_port), gateway_port(port))
             out.setdefault("quality", {})[name] = quality
