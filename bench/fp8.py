@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from loadgen import Load, Target
 from procs import child_env, http_get
 from scenarios import MAIN_KV_POOL, Case, alternate, engine_memory, ready_engine
 from stacks import Host
+
+from embedserve.engines.sglang import fa3_installed
 
 HERE = Path(__file__).resolve().parent
 # shape -> (bf16 engine port, fp8 engine port); gateways listen on engine port - 22000
@@ -145,13 +146,10 @@ def step_fp8_stop(host: Host, budget_end: float) -> dict[str, Any]:
 
 def fa3_missing() -> str | None:
     """SGLang's FA3 backend imports sgl_kernel.flash_ops (1.1 GB unpacked in sglang-kernel
-    0.4.5's wheel); the offline bundles leave it out."""
-    spec = importlib.util.find_spec("sgl_kernel")
-    if spec is None or not spec.submodule_search_locations:
-        return "sgl_kernel is not installed"
-    if not any(Path(p, "flash_ops.abi3.so").exists() for p in spec.submodule_search_locations):
-        return "sgl_kernel/flash_ops.abi3.so is not installed (1.1 GB; left out of the offline bundles)"
-    return None
+    0.4.5's wheel); the offline bundles bring it in six parts (fa3/pNN)."""
+    if fa3_installed():
+        return None
+    return "sgl_kernel/flash_ops.abi3.so is not installed (1.1 GB; stage the offline bundle fa3/pNN)"
 
 
 def resolved_backends(port: int) -> dict[str, Any]:

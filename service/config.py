@@ -101,7 +101,12 @@ class EngineSettings(BaseModel):
     gpu_memory_budget_gb: float | None = Field(
         None, gt=0, description="cap the engine's static GPU memory at this many GB"
     )
-    attention_backend: str = "flashinfer"
+    attention_backend: str = Field(
+        "auto",
+        description="SGLang's prefill attention. auto: FA3 on Hopper when sgl-kernel carries "
+        "its FA3 kernels, else FlashInfer (on one H200 FA3 gave the 4B identical vectors and "
+        "was 0-3% faster: docs/PERFORMANCE.md); or any --attention-backend value of SGLang",
+    )
     quantization: Literal["none", "fp8"] = Field(
         "none",
         description="fp8: SGLang quantizes the bf16 checkpoint's linear layers to FP8 at load "

@@ -52,3 +52,17 @@ def gpu_total_bytes(index: int | None = None) -> int | None:
             return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
         except Exception:
             return None
+
+
+def gpu_compute_capability(index: int | None = None) -> tuple[int, int] | None:
+    """(major, minor) of a GPU (default: the first visible one), e.g. (9, 0) for Hopper;
+    None without one."""
+    with nvml_session() as nv:
+        if nv is None:
+            return None
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(first_visible_gpu() if index is None else index)
+            major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
+            return int(major), int(minor)
+        except Exception:
+            return None

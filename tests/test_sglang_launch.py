@@ -16,6 +16,7 @@ from embedserve.engines.sglang import (
     LaunchConfigError,
     build_launch,
     default_kv_pool_tokens,
+    fa3_installed,
     main,
 )
 from embedserve.model_info import ModelInfo
@@ -73,7 +74,8 @@ def test_fixture_knows_flags_that_do_not_exist() -> None:
     assert {"--is-embedding", "--skip-tokenizer-init", "--max-total-tokens"} <= SGLANG_FLAGS
 
 
-def test_embedding_mode_and_attention(model_dir: Path) -> None:
+def test_embedding_mode_and_attention(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang_launch, "gpu_compute_capability", lambda: None)  # no GPU
     argv = build_launch(make(model_dir)).argv
     for f in ("--is-embedding", "--skip-tokenizer-init", "--enable-metrics",
               "--disable-overlap-schedule"):
@@ -82,6 +84,37 @@ def test_embedding_mode_and_attention(model_dir: Path) -> None:
     assert arg(argv, "--model-path") == str(model_dir)
     assert arg(argv, "--served-model-name") == "m4"
     assert arg(argv, "--port") == "30000"
+
+
+@pytest.mark.parametrize(
+    ("capability", "fa3", "backend"),
+    [((9, 0), True, "fa3"), ((9, 0), False, "flashinfer"), ((8, 0), True, "flashinfer"),
+     ((10, 0), True, "flashinfer"), (None, True, "flashinfer")],
+)
+def test_auto_attention_is_fa3_only_on_hopper_with_its_kernels(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int] | None,
+    fa3: bool, backend: str,
+) -> None:
+    monkeypatch.setattr(sglang_launch, "gpu_compute_capability", lambda: capability)
+    spec = build_launch(make(model_dir), fa3=fa3)
+    assert arg(spec.argv, "--attention-backend") == backend
+    assert any("flash_ops" in n for n in spec.notes) == (capability == (9, 0) and not fa3)
+
+
+def test_an_explicit_attention_backend_is_passed_through(model_dir: Path) -> None:
+    for name in ("flashinfer", "triton", "fa3"):
+        spec = build_launch(make(model_dir, attention_backend=name), gpu_capability=(9, 0), fa3=False)
+        assert arg(spec.argv, "--attention-backend") == name
+
+
+def test_fa3_installed_looks_for_flash_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "sgl_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not fa3_installed()
+    (pkg / "flash_ops.abi3.so").write_bytes(b"")
+    assert fa3_installed()
 
 
 def test_cap_drives_context_prefill_and_pool(model_dir: Path) -> None:
