@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def open_nvml() -> ModuleType:
@@ -42,27 +45,28 @@ def first_visible_gpu() -> int:
     return int(first) if first.isdigit() else 0
 
 
-def gpu_total_bytes(index: int | None = None) -> int | None:
-    """Total memory of a GPU (default: the first visible one); None without one."""
+def _query_gpu(index: int | None, read: Callable[[ModuleType, Any], T]) -> T | None:
+    """``read(pynvml, handle)`` for a GPU (default: the first visible one); None without one."""
     with nvml_session() as nv:
         if nv is None:
             return None
         try:
-            handle = nv.nvmlDeviceGetHandleByIndex(first_visible_gpu() if index is None else index)
-            return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
+            return read(nv, nv.nvmlDeviceGetHandleByIndex(first_visible_gpu() if index is None else index))
         except Exception:
             return None
+
+
+def gpu_total_bytes(index: int | None = None) -> int | None:
+    """Total memory of a GPU (default: the first visible one); None without one."""
+    return _query_gpu(index, lambda nv, handle: int(nv.nvmlDeviceGetMemoryInfo(handle).total))
 
 
 def gpu_compute_capability(index: int | None = None) -> tuple[int, int] | None:
     """(major, minor) of a GPU (default: the first visible one), e.g. (9, 0) for Hopper;
     None without one."""
-    with nvml_session() as nv:
-        if nv is None:
-            return None
-        try:
-            handle = nv.nvmlDeviceGetHandleByIndex(first_visible_gpu() if index is None else index)
-            major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
-            return int(major), int(minor)
-        except Exception:
-            return None
+
+    def read(nv: ModuleType, handle: Any) -> tuple[int, int]:
+        major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
+        return int(major), int(minor)
+
+    return _query_gpu(index, read)

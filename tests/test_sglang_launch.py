@@ -258,3 +258,30 @@ def test_fp8_maps_to_sglangs_quantization_flag(model_dir: Path) -> None:
 def test_an_unknown_quantization_is_a_config_error(model_dir: Path) -> None:
     with pytest.raises(ValidationError, match="quantization"):
         make(model_dir, quantization="int3")
+
+
+def test_compute_capability_from_nvml_none_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedserve import nvml
+
+    class FakeNvml:
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(index: int) -> int:
+            return index
+
+        @staticmethod
+        def nvmlDeviceGetCudaComputeCapability(handle: int) -> tuple[int, int]:
+            return (9, 0) if handle == 0 else (8, 6)
+
+        @staticmethod
+        def nvmlShutdown() -> None:
+            pass
+
+    monkeypatch.setattr(nvml, "open_nvml", lambda: FakeNvml)
+    assert nvml.gpu_compute_capability() == (9, 0)
+    assert nvml.gpu_compute_capability(1) == (8, 6)
+
+    def no_driver() -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(nvml, "open_nvml", no_driver)
+    assert nvml.gpu_compute_capability() is None
