@@ -9,6 +9,7 @@ set -euo pipefail
 DEST=${1:?usage: make-bundles.sh DEST_DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$DEST"/{b1,b2,b3,b4}
+DEST=$(cd "$DEST" && pwd)  # the steps below change folders
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
@@ -44,11 +45,12 @@ for part in "${parts[@]}"; do
 done
 rm -f "$TMP/flash_ops.so.gz"
 
-# b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
+# b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types, py-spy
+# (bench/profile_engine.py),
 # what embedserve needs beyond b1 and the host, and embedserve's own wheel (its SGLang
 # plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
 dl "$DEST/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
-  pydantic-settings python-dotenv httptools==0.9.0
+  pydantic-settings python-dotenv httptools==0.9.0 py-spy
 rm -f "$DEST"/b2/embedserve-*.whl
 pip wheel -q --no-deps -w "$DEST/b2" "$ROOT"
 
