@@ -60,7 +60,6 @@ UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",
             "EMBEDSERVE_HEALTH__REPLACE_ENGINES": "false"}
 CASES = [
     Case("short", Load("uniform:16-512", 64, seconds=10, warmup=2)),
-    Case("short, 256 in flight", Load("uniform:16-512", 256, seconds=10, warmup=2)),
     Case("seed mix", Load("seed", 64, seconds=10, warmup=2)),
     Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=10, warmup=2)),
     Case("medium", Load("uniform:512-2048", 64, seconds=10, warmup=2)),

@@ -126,10 +126,10 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("overlap-start", ("engines-per-gpu",), overlap.step_start, 150,
              holds=tuple(c.tag for g in ("0.6b", "4b", "4b-fp8") for c in overlap.CONFIGS[g])),
         Step("overlap-profile-0.6b", ("engines-per-gpu",), overlap.step_profile, 40),
-        Step("overlap-0.6b", ("engines-per-gpu",), partial(overlap.step_measure, group="0.6b"), 330),
+        Step("overlap-0.6b", ("engines-per-gpu",), partial(overlap.step_measure, group="0.6b"), 390),
         Step("overlap-profile-4b", ("engines-per-gpu",), partial(overlap.step_profile, group="4b"), 40),
-        Step("overlap-4b", ("engines-per-gpu",), partial(overlap.step_measure, group="4b"), 260),
-        Step("overlap-4b-fp8", ("engines-per-gpu",), partial(overlap.step_measure, group="4b-fp8"), 110),
+        Step("overlap-4b", ("engines-per-gpu",), partial(overlap.step_measure, group="4b"), 300),
+        Step("overlap-4b-fp8", ("engines-per-gpu",), partial(overlap.step_measure, group="4b-fp8"), 120),
         Step("overlap-stop", ("engines-per-gpu",), overlap.step_stop, 30, always=True),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
