@@ -20,8 +20,9 @@ from typing import Any
 
 import profile_engine
 import stacks
-from gpu_memory import group_used_gb
+from gpu_memory import tree_used_gb
 from loadgen import Load, Target, measure
+from profile_engine import listener_pid
 from scenarios import Case, runs_dir
 from stacks import Host
 
@@ -34,11 +35,12 @@ class Config:
     engines: int
     port: int  # the gateway's; its engines listen on port + 22000, + 1, ...
     quantization: str = "none"
+    variant: str = ""  # a settings variant's name (KNOB_EXTRA)
 
     @property
     def tag(self) -> str:
         q = "-fp8" if self.quantization == "fp8" else ""
-        return f"up-{self.shape}{q}-x{self.engines}"
+        return f"up-{self.shape}{q}-x{self.engines}{self.variant}"
 
     @property
     def engine_port(self) -> int:
@@ -58,6 +60,8 @@ CONFIGS = {
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",
             "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300",
             "EMBEDSERVE_HEALTH__REPLACE_ENGINES": "false"}
+KNOB_EXTRA = {"-b32k": {"EMBEDSERVE_ENGINE__BATCH_TOKEN_BUDGET": "32768",
+                        "EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_ENGINE_CALL": "32768"}}
 CASES = [
     Case("short", Load("uniform:16-512", 64, seconds=10, warmup=2)),
     Case("seed mix", Load("seed", 64, seconds=10, warmup=2)),
@@ -74,7 +78,8 @@ def start(host: Host, configs: list[Config]) -> None:
     for c in configs:
         if host.work.running(c.tag):
             continue
-        extra = {**UP_EXTRA, "EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(c.engines)}
+        extra = {**UP_EXTRA, **KNOB_EXTRA.get(c.variant, {}),
+                 "EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(c.engines)}
         if c.quantization != "none":
             extra["EMBEDSERVE_ENGINE__QUANTIZATION"] = c.quantization
         stacks.start_up(host, c.tag, c.shape, c.port, engine_port=c.engine_port, extra=extra)
@@ -85,9 +90,16 @@ def wait(host: Host, configs: list[Config], budget_end: float) -> dict[str, Any]
     for c in configs:
         out[f"ready_s_{c.tag}"] = stacks.wait_ready(host, c.tag, "/health/ready", c.port, budget_end,
                                                     banner="embedserve is up")
-    procs = host.work.state["procs"]
-    out["stack_gpu_gb"] = group_used_gb({c.tag: procs[c.tag]["pid"] for c in configs if c.tag in procs})
+    out["memory"] = {c.tag: stack_memory(c) for c in configs}
     return out
+
+
+def stack_memory(c: Config) -> dict[str, Any]:
+    """GPU memory (NVML) of the whole stack (`up` and everything under it) and of each engine."""
+    up = listener_pid(c.port)
+    engines = {str(p): listener_pid(p) for p in c.engine_ports}
+    found = tree_used_gb({"stack": [up] if up else [], **{k: [v] for k, v in engines.items() if v}})
+    return {"stack_gb": found.get("stack"), "engine_gb": [found.get(k) for k in engines]}
 
 
 def step_start(host: Host, budget_end: float) -> dict[str, Any]:
@@ -163,7 +175,7 @@ def step_measure(host: Host, budget_end: float, group: str = "0.6b") -> dict[str
                               tags={"group": group, "case": case.name, "side": side})
             row["gpu_busy_pct"] = busy.median
             if side in configs:
-                row["stack_gpu_gb"] = group_used_gb({side: procs[configs[side].tag]["pid"]}).get(side)
+                row["stack_gpu_gb"] = stack_memory(configs[side])["stack_gb"]
             rows.append(row)
     check = CROSSCHECK.get(group)
     crosschecked = []
@@ -193,3 +205,67 @@ def step_profile(host: Host, budget_end: float, group: str = "0.6b") -> dict[str
 def step_stop(host: Host, budget_end: float) -> dict[str, Any]:
     stopped = [c.tag for group in CONFIGS.values() for c in group if host.work.stop(c.tag, 60) is not None]
     return {"stopped": stopped}
+
+
+# -- the detail run: memory per engine, profiles, latency at one in flight, SGLang's knobs ------
+
+DETAIL = {
+    "0.6b": CONFIGS["0.6b"] + [Config("0.6b", 2, 8470, variant="-b32k")],
+    "4b": CONFIGS["4b"],
+    "4b-fp8": CONFIGS["4b-fp8"],
+}
+def step_detail_start(host: Host, budget_end: float) -> dict[str, Any]:
+    configs = [c for group in DETAIL.values() for c in group]
+    start(host, configs)
+    return wait(host, configs, budget_end)
+
+
+def detail_target(host: Host, c: Config) -> Target:
+    pid = host.work.state["procs"][c.tag]["pid"]
+    return stacks.gateway_target(host, c.shape, c.port, c.engine_ports, pid)
+
+
+def step_detail_profile(host: Host, budget_end: float, group: str = "0.6b") -> dict[str, Any]:
+    c = DETAIL[group][0]
+    return profile_engine.profile_under_load(
+        detail_target(host, c), Load("seed", 64, seconds=14, warmup=2),
+        host.work.root / "profiles-detail" / group, gateway_port=c.port, engine_port=c.engine_port,
+        runs=runs_dir(host))
+
+
+def step_detail_latency(host: Host, budget_end: float) -> dict[str, Any]:
+    """One request in flight, three rounds, the sides' order turned each round."""
+    rows = []
+    load = Load("seed", 1, seconds=8, warmup=1).scaled(host.time_scale)
+    for group in ("0.6b", "4b"):
+        one, two = DETAIL[group][0], DETAIL[group][1]
+        sides = [("raw SGLang", stacks.raw_target(host, one.shape, one.engine_port)),
+                 ("x1", detail_target(host, one)), ("x2", detail_target(host, two))]
+        for rnd in range(3):
+            for side, target in sides if rnd % 2 == 0 else sides[::-1]:
+                tags = {"group": group, "case": "one in flight", "side": side, "round": rnd}
+                rows.append(measure(f"latency-{group}-{side.replace(' ', '-')}-{rnd}", target, load,
+                                    runs_dir(host), seed=60 + rnd, tags=tags))
+    return {"rows": rows}
+
+
+def step_detail_knobs(host: Host, budget_end: float) -> dict[str, Any]:
+    """The 0.6B with two engines: the default 16,384-token batch budget against 32,768."""
+    base, big = DETAIL["0.6b"][1], DETAIL["0.6b"][3]
+    rows = []
+    for case in (CASES[1], CASES[2], CASES[0]):  # seed mix, 1-16 inputs, short
+        load = case.load.scaled(host.time_scale)
+        for rnd in range(2):
+            for side, c in [("x2", base), ("x2, budget 32768", big)][:: 1 if rnd % 2 == 0 else -1]:
+                with BusySampler() as busy:
+                    row = measure(f"knob-{case.name}-{side}-{rnd}".replace(" ", "-").replace(",", ""),
+                                  detail_target(host, c), load, runs_dir(host), seed=70 + rnd,
+                                  tags={"group": "0.6b", "case": case.name, "side": side, "round": rnd})
+                row["gpu_busy_pct"] = busy.median
+                rows.append(row)
+    return {"rows": rows}
+
+
+def step_detail_stop(host: Host, budget_end: float) -> dict[str, Any]:
+    tags = [c.tag for group in DETAIL.values() for c in group]
+    return {"stopped": [t for t in tags if host.work.stop(t, 60) is not None]}

@@ -41,7 +41,7 @@ from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
 SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-             "attention", "engines-per-gpu")
+             "attention", "engines-per-gpu", "engines-per-gpu-detail")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -90,7 +90,8 @@ def raw_vs_gateway(shape: str) -> list[Step]:
 
 
 def plan(selected: tuple[str, ...]) -> list[Step]:
-    shapes = ("4b", "0.6b") if {"raw-vs-gateway", "fp8", "engines-per-gpu"} & set(selected) else ("4b",)
+    shapes = ("4b", "0.6b") if {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"} & set(
+        selected) else ("4b",)
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
     up_for = ("soak-capacity", "scale")
     steps = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
@@ -131,6 +132,15 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("overlap-4b", ("engines-per-gpu",), partial(overlap.step_measure, group="4b"), 300),
         Step("overlap-4b-fp8", ("engines-per-gpu",), partial(overlap.step_measure, group="4b-fp8"), 120),
         Step("overlap-stop", ("engines-per-gpu",), overlap.step_stop, 30, always=True),
+        # per-engine memory, GPU-only profiles with py-spy, latency in three rounds, batch budget
+        Step("detail-start", ("engines-per-gpu-detail",), overlap.step_detail_start, 150,
+             holds=tuple(c.tag for g in overlap.DETAIL.values() for c in g)),
+        Step("detail-profile-0.6b", ("engines-per-gpu-detail",), overlap.step_detail_profile, 40),
+        Step("detail-profile-4b", ("engines-per-gpu-detail",),
+             partial(overlap.step_detail_profile, group="4b"), 40),
+        Step("detail-latency", ("engines-per-gpu-detail",), overlap.step_detail_latency, 150),
+        Step("detail-knobs", ("engines-per-gpu-detail",), overlap.step_detail_knobs, 140),
+        Step("detail-stop", ("engines-per-gpu-detail",), overlap.step_detail_stop, 30, always=True),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]
