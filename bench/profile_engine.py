@@ -29,10 +29,12 @@ GAP_BUCKETS_US = ((10, "under 10 us"), (100, "10-100 us"), (1000, "0.1-1 ms"), (
 
 
 def kernel_kind(name: str) -> str:
-    if GEMM.search(name):
-        return "gemm"
+    """Attention first: FlashInfer's prefill kernels are CUTLASS templates, so their names
+    match the GEMM pattern too."""
     if ATTENTION.search(name):
         return "attention"
+    if GEMM.search(name):
+        return "gemm"
     return "other"
 
 

@@ -19,6 +19,8 @@ def test_kernels_are_sorted_into_gemm_attention_and_the_rest() -> None:
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert kernel_kind("BatchPrefillWithRaggedKVCacheKernel") == "attention"
     assert kernel_kind("flash_fwd_kernel") == "attention"
+    name = "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>"
+    assert kernel_kind(name) == "attention"
     assert kernel_kind("RMSNormKernel") == "other"
 
 
