@@ -16,9 +16,10 @@ An engine's GPU memory, as measured with SGLang 0.5.17 on one H200 (NVML, per pr
 
 That sum is at most 8% above what NVML measured per engine (14.48 GB for the 4B, 10.98 GB
 for the 4B in FP8, 5.81 GB for the 0.6B with the default 16,384-token pool, 8.71 GB for the
-0.6B with a 32,768-token budget and pool), and never below it. SGLang sizes its pool against the free memory it sees at start
-(``--mem-fraction-static`` of it, less what is loaded already), so N engines fit in any start
-order when N of them together stay within that fraction of the GPU.
+0.6B with a 32,768-token budget and pool), and never below it. SGLang sizes its pool
+against the free memory it sees at start (``--mem-fraction-static`` of it, less what is
+loaded already), so N engines fit in any start order when N of them together stay within
+that fraction of the GPU.
 """
 
 from __future__ import annotations
