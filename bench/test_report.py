@@ -84,15 +84,23 @@ def test_raw_runs_send_capped_ids_and_optional_flags_only_when_supported(monkeyp
 
 def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
     names = [s.name for s in suite.plan(("peers",))]
-    assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "peers-vllm",
-                     "stop-engines", "finish"]
+    assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "stop-engines", "finish"]
     scale = [s.name for s in suite.plan(("scale",))]
     assert "engines" not in scale and scale[-4:] == ["up-2", "scale-load-2", "down-2", "finish"]
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
-    assert len(set(everything)) == len(everything) == 28
+    assert len(set(everything)) == len(everything) == 37
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
+
+
+def test_the_vllm_scenario_runs_the_small_model_first_and_stops_its_servers() -> None:
+    names = [s.name for s in suite.plan(("vllm",))]
+    assert names[0] == "models" and names[-1] == "finish"
+    assert names.index("vllm-stop-0.6b") < names.index("vllm-start-4b")
+    only_small = [s.name for s in suite.plan(("vllm",), ("0.6b",))]
+    assert not any(n.endswith("4b") or "-4b-" in n for n in only_small)
+    assert "engines" not in names  # its servers are its own
 
 
 def test_the_recorded_dry_run_renders_every_table() -> None:

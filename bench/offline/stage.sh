@@ -2,8 +2,9 @@
 # On a GPU host with no package index: install one bundle (a folder of wheels from
 # make-bundles.sh, maybe with sgl_kernel_sm90.tgz and fi-cache.tgz) into SITE, one bundle per
 # transfer, in the order b1, b2, b3 (b4, the Infinity peer, goes to its own folder; the FA3
-# parts fa3/pNN after b1, in any order). Then
-# `export PYTHONPATH=/tmp/site`. SITE defaults to /tmp/site, or /tmp/site-infinity for b4.
+# parts fa3/pNN after b1, in any order; vLLM's parts vllm/pNN after b3, in any order, into
+# /tmp/site-vllm). Then `export PYTHONPATH=/tmp/site`. SITE defaults to /tmp/site, or
+# /tmp/site-infinity for b4.
 # `stage.sh --project [SITE]` builds embedserve's wheel from this checkout and installs it, so
 # that SGLang's plugin loader finds our entry point (group sglang.srt.plugins) next to SGLang.
 set -euo pipefail
@@ -48,6 +49,33 @@ eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "embedse
 assert eps, "embedserve entry point not visible"
 print("entry point:", eps[0].value, "from", eps[0].dist.name)
 PY
+  exit 0
+fi
+
+if [ -f "$B/VLLM_PARTS" ]; then
+  # one part of vLLM 0.26.0 (make-bundles.sh, vllm/pNN, any order): kept until all have come;
+  # then the joined tar.xz's SHA-256 is checked, it is unpacked into SITE (/tmp/site-vllm unless
+  # given) and the wheels that came with a part are installed next to it.
+  read -r count sum < "$B/VLLM_PARTS"
+  [ -n "${2:-}" ] || SITE=/tmp/site-vllm
+  PARTS=${VLLM_PARTS_DIR:-/tmp/vllm-parts}
+  mkdir -p "$PARTS" "$SITE" && cp "$B"/vllm.tar.xz.part* "$PARTS/"
+  if ls "$B"/*.whl >/dev/null 2>&1; then cp "$B"/*.whl "$PARTS/"; fi
+  have=$(find "$PARTS" -name 'vllm.tar.xz.part*' | wc -l)
+  if [ "$have" -lt "$count" ]; then
+    echo "staged vLLM part $(basename "$B"): $have of $count"
+    exit 0
+  fi
+  cat "$PARTS"/vllm.tar.xz.part* > "$PARTS/vllm.tar.xz"
+  echo "$sum  $PARTS/vllm.tar.xz" | sha256sum -c --quiet - || { echo "vLLM parts do not add up" >&2; exit 1; }
+  if command -v xz >/dev/null; then
+    tar xJf "$PARTS/vllm.tar.xz" -C "$SITE"
+  else  # no xz binary: Python's lzma reads it
+    $PY -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$PARTS/vllm.tar.xz" "$SITE"
+  fi
+  install_wheels "$PARTS"/*.whl
+  rm -rf "$PARTS"
+  PYTHONPATH=$SITE:${PYTHONPATH:-} $PY -c 'import vllm, flashinfer; print("vllm", vllm.__version__, "flashinfer", flashinfer.__version__, "from", vllm.__file__)'
   exit 0
 fi
 
