@@ -143,3 +143,41 @@ def test_attention_backends_get_a_quality_table() -> None:
     md = "\n".join(results_md.fp8_sections({"attention": {"rows": [], "quality": {"fa3": gate}}}))
     assert "Quality gate, each backend's vectors against FlashInfer's" in md
     assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | yes |" in md
+
+
+def test_vllm_table_compares_the_best_side_of_each_server() -> None:
+    sides = ["embedserve", "embedserve x2", "vllm", "vllm tuned"]
+    rows = [row("short", "embedserve", 60_000, 100, prefix_cache_hit_rate=0.0),
+            row("short", "embedserve x2", 66_000, 90), row("short", "vllm", 30_000, 200),
+            row("short", "vllm tuned", 44_000, 180, prefix_cache_hit_rate=0.02),
+            row("one in flight", "embedserve", 900, 12.0), row("one in flight", "embedserve", 1_100, 10.0),
+            row("one in flight", "vllm tuned", 800, 15.0)]
+    short, one = results_md.multi_side(rows, sides)
+    assert short["ratio"] == 1.5 and short["p50_ratio"] == 2.0  # 66k / 44k; 180 ms / 90 ms
+    assert short["vllm tuned|hits"] == 0.02 and short["embedserve|runs"] == 1
+    assert one["embedserve|p50_ms"] == 11.0 and one["vllm|tok_s"] is None and one["p50_ratio"] == 1.364
+
+
+def test_vllm_section_shows_how_each_side_ran_and_what_did_not() -> None:
+    argv = ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m/0.6b", "--runner", "pooling"]
+    st = {"vllm-start-0.6b": {"shape": "0.6b", "argv": {"embedserve": ["embedserve", "up"], "vllm": argv},
+                              "ready_s": {"embedserve": 80.5, "vllm": 95.0},
+                              "vllm_facts": {"vllm": {"attention_backend": "FLASH_ATTN",
+                                                      "cudagraph_mode": "PIECEWISE"}},
+                              "not_run": {"embedserve x2": "no engines_per_gpu setting"},
+                              "gpu_gb_idle": {"embedserve-0.6b": 5.5, "vllm-0.6b": 7.25}},
+          "vllm-vectors-0.6b": {"texts": 2, "errors": {}, "pairs": [
+              {"pair": "vllm vs sglang", "cosines": [0.9999, 0.9991], "min": 0.9991,
+               "tokens_a": [3, 40], "tokens_b": [3, 40]}]},
+          "vllm-load-0.6b-1": {"rows": [row("short", "embedserve", 60_000, 100, name="a"),
+                                        row("short", "vllm", 40_000, 150, name="b")]},
+          "vllm-load-0.6b-2": {"rows": [], "crosscheck_rows": [row("short", "vllm", 41_000, 150)],
+                               "gpu_gb_after": {"vllm-0.6b": 7.5}}}
+    md = "\n".join(results_md.vllm_sections(st))
+    assert "## vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b, same texts" in md
+    assert "attention backend FLASH_ATTN, CUDA graphs PIECEWISE" in md and "ready after 95 s" in md
+    assert "- embedserve x2 not run: no engines_per_gpu setting" in md
+    assert "| short | 60,000 | 40,000 | 1.5 | 100 | 150 | 1.5 |" in md
+    assert "| vllm vs sglang | 0.9991 | 0.9999, 0.9991 | yes |" in md
+    assert "idle embedserve-0.6b 5.5 GB, vllm-0.6b 7.25 GB; after the runs vllm-0.6b 7.5 GB" in md
+    assert "| short | vllm | 40,000 | 41,000 | 0.025 | 0 | yes |" in md

@@ -200,13 +200,13 @@ def step_start(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, 
     return out
 
 
-def vector_texts(n: int = 6, seed: int = 3) -> list[str]:
+def vector_texts(cap: int, n: int = 6, seed: int = 3) -> list[str]:
     """Texts of a few lengths, from plain words (no two alike)."""
     rng = random.Random(seed)
     words = ("the", "model", "retrieves", "passages", "that", "answer", "a", "query", "about", "memory",
              "cache", "and", "vectors")
-    return [f"text {i}: " + " ".join(rng.choice(words) for _ in range(k))
-            for i, k in enumerate((3, 20, 60, 150, 400, 900)[:n])]
+    lengths = [k for k in (3, 20, 60, 150, 400, 900) if 4 * k < cap]  # words: at most ~2 tokens each
+    return [f"text {i}: " + " ".join(rng.choice(words) for _ in range(k)) for i, k in enumerate(lengths[:n])]
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -228,7 +228,7 @@ def server_vectors(url: str, model: str, texts: list[str]) -> tuple[list[list[fl
 def step_vectors(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:
     """Cosines on the same texts: vLLM against SGLang (embedserve's gateway), and each against a
     transformers forward pass (last-token pooling, L2 norm) of the same checkpoint."""
-    texts = vector_texts()
+    texts = vector_texts(host.cap)
     work = host.work.root / "vectors" / shape
     work.mkdir(parents=True, exist_ok=True)
     (work / "texts.json").write_text(json.dumps(texts))
