@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "(e.g. a stub: 'python3 bench/fake_vllm.py')")
     ap.add_argument("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     ap.add_argument("--engines-per-gpu", type=int, default=2,
-                    help="the vllm scenario's second embedserve side (EMBEDSERVE_ENGINE__ENGINES_PER_GPU)")
+                    help="the vllm scenario's second embedserve side (ENGINE__ENGINES_PER_GPU; 1: none)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)

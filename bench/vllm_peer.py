@@ -162,7 +162,7 @@ def step_start(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, 
     names = side_names(host)
     out: dict[str, Any] = {"shape": shape, "not_run": {}, "argv": {}, "ready_s": {}}
     no_vllm = vllm_missing(host)
-    no_n = engines_per_gpu_setting()
+    no_n = engines_per_gpu_setting() if host.engines_per_gpu > 1 else "not asked for (--engines-per-gpu 1)"
     if no_vllm:
         why = f"vLLM not importable from {host.vllm_site}: {no_vllm}"
         out["not_run"]["vllm"] = out["not_run"]["vllm tuned"] = why
