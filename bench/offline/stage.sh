@@ -52,22 +52,30 @@ PY
   exit 0
 fi
 
+# A file that travels in parts (make-bundles.sh: fa3/pNN, vllm/pNN), staged in any order: each
+# part waits in PARTS until all COUNT have come (MARKER holds "COUNT SHA256"); the last one
+# joins them into PARTS/NAME and checks its SHA-256. Returns 1 while parts are missing.
+join_parts() {  # MARKER NAME PARTS
+  local count sum have
+  read -r count sum < "$B/$1"
+  mkdir -p "$3" && cp "$B/$2".part* "$3/"
+  have=$(find "$3" -name "$2.part*" | wc -l)
+  if [ "$have" -lt "$count" ]; then
+    echo "staged part $(basename "$B") of $2: $have of $count"
+    return 1
+  fi
+  cat "$3/$2".part* > "$3/$2"
+  echo "$sum  $3/$2" | sha256sum -c --quiet - || { echo "the parts of $2 do not add up" >&2; exit 1; }
+}
+
 if [ -f "$B/VLLM_PARTS" ]; then
-  # one part of vLLM 0.26.0 (make-bundles.sh, vllm/pNN, any order): kept until all have come;
-  # then the joined tar.xz's SHA-256 is checked, it is unpacked into SITE (/tmp/site-vllm unless
-  # given) and the wheels that came with a part are installed next to it.
-  read -r count sum < "$B/VLLM_PARTS"
+  # vLLM 0.26.0: unpacked into SITE (/tmp/site-vllm unless given), with the wheels that came
+  # with a part installed next to it
   [ -n "${2:-}" ] || SITE=/tmp/site-vllm
   PARTS=${VLLM_PARTS_DIR:-/tmp/vllm-parts}
-  mkdir -p "$PARTS" "$SITE" && cp "$B"/vllm.tar.xz.part* "$PARTS/"
+  mkdir -p "$PARTS" "$SITE"
   if ls "$B"/*.whl >/dev/null 2>&1; then cp "$B"/*.whl "$PARTS/"; fi
-  have=$(find "$PARTS" -name 'vllm.tar.xz.part*' | wc -l)
-  if [ "$have" -lt "$count" ]; then
-    echo "staged vLLM part $(basename "$B"): $have of $count"
-    exit 0
-  fi
-  cat "$PARTS"/vllm.tar.xz.part* > "$PARTS/vllm.tar.xz"
-  echo "$sum  $PARTS/vllm.tar.xz" | sha256sum -c --quiet - || { echo "vLLM parts do not add up" >&2; exit 1; }
+  join_parts VLLM_PARTS vllm.tar.xz "$PARTS" || exit 0
   if command -v xz >/dev/null; then
     tar xJf "$PARTS/vllm.tar.xz" -C "$SITE"
   else  # no xz binary: Python's lzma reads it
@@ -80,17 +88,9 @@ if [ -f "$B/VLLM_PARTS" ]; then
 fi
 
 if [ -f "$B/FA3_PARTS" ]; then
-  # one part of SGLang's FA3 kernels (make-bundles.sh, fa3/pNN): kept until all have come
-  read -r count sum < "$B/FA3_PARTS"
+  # SGLang's FA3 kernels, into SITE/sgl_kernel
   PARTS=${FA3_PARTS_DIR:-/tmp/fa3-parts}
-  mkdir -p "$PARTS" && cp "$B"/flash_ops.so.gz.part* "$PARTS/"
-  have=$(find "$PARTS" -name 'flash_ops.so.gz.part*' | wc -l)
-  if [ "$have" -lt "$count" ]; then
-    echo "staged FA3 part $(basename "$B"): $have of $count"
-    exit 0
-  fi
-  cat "$PARTS"/flash_ops.so.gz.part* > "$PARTS/flash_ops.so.gz"
-  echo "$sum  $PARTS/flash_ops.so.gz" | sha256sum -c --quiet - || { echo "FA3 parts do not add up" >&2; exit 1; }
+  join_parts FA3_PARTS flash_ops.so.gz "$PARTS" || exit 0
   mkdir -p "$SITE/sgl_kernel"
   gunzip -c "$PARTS/flash_ops.so.gz" > "$SITE/sgl_kernel/flash_ops.abi3.so"
   rm -rf "$PARTS"
