@@ -24,7 +24,7 @@ dl() { local dest=$1; shift; pip download -q --no-deps "${PLAT[@]}" -d "$dest" "
 # (_vllm_fa2_C, 305 MB: FA3 is used on sm90 and FA2 is imported in a try), the MoE kernels
 # (_moe_C_stable_libtorch: MoE ops only, imported in a try), the Rust front end (vllm-rs:
 # opt-in, VLLM_USE_RUST_FRONTEND=1, and it has no /v1/embeddings route) and the SM100 attention
-# headers (third_party/fmha_sm100: MiniMax M3 on Blackwell). 732 MB unpacked -> 309 MB -> 72.8 MB
+# headers (third_party/fmha_sm100: MiniMax M3 on Blackwell). 732 MB unpacked -> 308 MB -> 72.8 MB
 # with xz -9. The last part also has the wheels vLLM imports at start-up that the host image and
 # b1-b3 lack or hold at a version vLLM does not take (found by importing its serve path with
 # that package set: bench/README.md lists them and what is left out).
