@@ -4,7 +4,10 @@ instruction formatting, truncation with EOS kept last and ``usage`` counted in t
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
+import shutil
 import time
 import unicodedata
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ from embedserve.runtime.synth_model import (
     EOS,
     PATTERN,
     QUERY_PROMPT,
+    VOCAB_SIZES,
     build_tokenizer,
     ranks_file,
 )
@@ -122,11 +126,10 @@ def test_hugging_face_loads_the_folder_with_the_same_ids(tok_dir: Path, qwen3: A
 # -- through the gateway: what the engine receives and what `usage` says --------------------
 
 
-@pytest.fixture(scope="module")
-def gateway(tiny_qwen_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
-    engine = FakeEngine(dim=64)
+@contextlib.contextmanager
+def _gateway_over(model: Path, engine: FakeEngine) -> Iterator[TestClient]:
     settings = Settings(
-        model={"path": str(tiny_qwen_dir)},
+        model={"path": str(model)},
         engine={"kind": "external", "urls": ["http://fake-engine"]},
         gateway={"request_timeout_s": 10.0},
         health={"sample_interval_s": 60},
@@ -138,6 +141,13 @@ def gateway(tiny_qwen_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
         while not c.app.state.pool.any_ready:  # type: ignore[attr-defined]
             assert time.monotonic() < deadline, "fake engine never became ready"
             time.sleep(0.01)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_qwen_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
+    engine = FakeEngine(dim=64)
+    with _gateway_over(tiny_qwen_dir, engine) as c:
         yield c, engine
 
 
@@ -179,3 +189,23 @@ def test_truncation_keeps_eos_last_and_usage_counts_what_was_embedded(gateway: A
     doc, sent = _embed(gateway, input=query, input_type="query")
     assert sent == [hf(QUERY_PROMPT + query, truncation=True, max_length=TINY_QWEN_MAX_SEQ)["input_ids"]]
     assert sent[0][-1] == EOS_ID and doc["usage"]["prompt_tokens"] == TINY_QWEN_MAX_SEQ
+
+
+def test_a_token_past_the_models_embedding_rows_is_a_400(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """Qwen3-Embedding-4B's embedding has 151,665 rows, its tokenizer 151,669 tokens: a text
+    that spells `</think>` would index past the matrix (an IndexError on CPU, a device-side
+    assert that kills a GPU engine). The gateway refuses it and names the token."""
+    model = tmp_path / "qwen3-4b-vocab"
+    shutil.copytree(tiny_qwen_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB_SIZES["4b"]}))
+    engine = FakeEngine(dim=64)
+    with _gateway_over(model, engine) as c:
+        r = c.post("/v1/embeddings", json={"model": model.name, "input": ["fine", "a </think> b"]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input" and err["code"] == "invalid_token_id"
+        assert "input[1]" in err["message"] and "</think>" in err["message"] and "151668" in err["message"]
+        assert not engine.calls
+        ok = c.post("/v1/embeddings", json={"model": model.name, "input": "<|im_end|> is embedded"})
+        assert ok.status_code == 200 and engine.calls[0][0][0] == 151645
