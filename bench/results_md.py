@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 CROSSCHECK_TOLERANCE = 0.05  # the second client must agree within 5% on tok/s
+QWEN3_TOKENS = 151669  # Qwen3-Embedding's tokenizer: 151,643 BPE ranks and 26 added tokens
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -128,11 +129,22 @@ def first_of(steps: dict[str, Any], prefix: str, key: str) -> Any:
     return next((s[key] for name, s in steps.items() if name.startswith(prefix) and s.get(key)), None)
 
 
+def tokenizer_words(steps: dict[str, Any]) -> str:
+    """What the checkpoints tokenised with, from the token counts the models step recorded."""
+    sizes = sorted(set((first_of(steps, "models", "tokenizer_tokens") or {}).values()))
+    if sizes == [QWEN3_TOKENS]:
+        return "Qwen3's own tokenizer"
+    if not sizes:  # runs from before the step recorded it, when synth-model trained its own
+        return "a 590-token byte-level BPE tokenizer trained on the fly, not Qwen3's"
+    return f"a tokenizer of {' / '.join(f'{n:,}' for n in sizes)} tokens, not Qwen3's"
+
+
 def header(res: dict[str, Any]) -> list[str]:
     meta = res.get("meta", {})
     md = [f"# embedserve GPU benchmark ({meta.get('hardware', 'unknown hardware')})", "",
           "How it was produced: `python bench/suite.py` (bench/README.md). Checkpoints have random "
-          "weights and the exact Qwen3-Embedding shapes and tokenizer (`embedserve synth-model`): "
+          "weights, the exact Qwen3-Embedding shapes and "
+          f"{tokenizer_words(res.get('steps', {}))} (`embedserve synth-model`): "
           "speed and memory depend on shapes, not weight values. Every input is unique unless a "
           "row says repeated content; `cache hits` is SGLang's prefix-cache hit rate over the run. "
           "GPU GB is the memory in use on the GPUs (NVML), peak over the run.", ""]

@@ -73,7 +73,16 @@ def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = 
         output, _ = proc.communicate(timeout=max(30.0, min(budget_end - time.time(), 1800.0)))
         if proc.returncode:
             raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
-    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs)}
+    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs),
+            "tokenizer_tokens": {s: tokenizer_tokens(Path(host.model(s))) for s in shapes}}
+
+
+def tokenizer_tokens(model_dir: Path) -> int:
+    """Tokens in a checkpoint's tokenizer.json, added ones included (Qwen3's: 151,669): a
+    folder kept from an earlier run may hold another tokenizer, and the report says which."""
+    doc = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    return len(vocab) + sum(t["content"] not in vocab for t in doc.get("added_tokens", []))
 
 
 def step_finish(host: stacks.Host, budget_end: float) -> dict[str, Any]:

@@ -125,6 +125,25 @@ def test_the_recorded_dry_run_renders_every_table() -> None:
                                                        ("medium", "raw"), ("medium", "gateway")]
 
 
+def test_the_header_names_the_tokenizer_the_checkpoints_had(tmp_path: Path) -> None:
+    """Counted from the folders the models step used: a folder kept from an older run may hold
+    the small BPE synth-model trained before it wrote Qwen3's tokenizer."""
+    from embedserve.runtime.synth_model import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    qwen3 = suite.tokenizer_tokens(tmp_path)
+    assert qwen3 == results_md.QWEN3_TOKENS
+
+    def said(step: dict[str, Any]) -> str:
+        return results_md.header({"steps": {"models": {"ok": True, **step}}, "meta": {}})[2]
+
+    assert "shapes and Qwen3's own tokenizer (`embedserve synth-model`)" in said(
+        {"tokenizer_tokens": {"4b": qwen3, "0.6b": qwen3}})
+    assert "a 590-token byte-level BPE tokenizer trained on the fly, not Qwen3's" in said({})
+    assert "a tokenizer of 590 / 151,669 tokens, not Qwen3's" in said(
+        {"tokenizer_tokens": {"4b": qwen3, "0.6b": 590}})
+
+
 def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
     measured = {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93}
     st = {"fp8-quality": {"4b": {"texts": 1000, "cosine": {"median": 0.995, "p1": 0.97, "min": 0.9},

