@@ -8,7 +8,10 @@ import asyncio
 import importlib
 import json
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+from embedserve.settings_errors import ConfigError
 
 # Commands served by another module's ``main(argv)``: name -> (module, one-line help).
 _DELEGATED = {
@@ -41,16 +44,24 @@ _FLAGS = {  # flag -> (section, field) of the settings it overrides
 }
 
 
+#: For configuration mistakes: the flag that sets a field, by its dotted name.
+FLAG_OF = {f"{section}.{field}": "--" + flag.replace("_", "-") for flag, (section, field) in _FLAGS.items()}
+
+
 def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    # Values are checked by the settings (one sentence naming the variable and the flag).
     ap = argparse.ArgumentParser(prog=prog, description=doc)
-    ap.add_argument("--model", help="model folder (default: the bundled all-MiniLM-L6-v2)")
-    ap.add_argument("--model-name", help="model id clients send")
-    ap.add_argument("--max-seq-len", type=int, help="the one sequence-length cap")
-    ap.add_argument("--engine-kind", choices=["auto", "cpu", "sglang", "external"])
+    ap.add_argument("--model", help="model folder (default: the bundled all-MiniLM-L6-v2; "
+                    "`embedserve config` prints where it lies)")
+    ap.add_argument("--model-name", help="model id clients send (default: the folder's name)")
+    ap.add_argument("--max-seq-len", metavar="TOKENS", help="the one sequence-length cap")
+    ap.add_argument("--engine-kind", metavar="{auto,cpu,sglang,external}",
+                    help="auto (default): SGLang when a GPU and the gpu extra are present, else the "
+                    "CPU engine; external: no local engine, use --engine-url")
     ap.add_argument("--engine-url", action="append", help="use these engines (repeatable)")
     ap.add_argument("--host", help="gateway address (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, help="gateway port (default 8000)")
-    ap.add_argument("--engine-port", type=int, help="engine port (default 30000)")
+    ap.add_argument("--port", help="gateway port (default 8000)")
+    ap.add_argument("--engine-port", help="engine port (default 30000)")
     return ap
 
 
@@ -86,7 +97,7 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
 
-    settings = load_settings(_overrides(args))
+    settings = load_settings(_overrides(args), FLAG_OF)
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
@@ -106,8 +117,17 @@ def _gateway(argv: list[str]) -> int:
 def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
     from embedserve.config import load_settings
+    from embedserve.model_info import model_folder
 
-    print(json.dumps(load_settings(_overrides(args)).redacted(), indent=2))
+    settings = load_settings(_overrides(args), FLAG_OF)
+    shown = settings.redacted()
+    model = shown["model"]
+    assert isinstance(model, dict)
+    try:  # where `bundled:...` (or a relative path) resolves to
+        model["folder"] = str(model_folder(settings.model).resolve())
+    except ConfigError as exc:
+        model["folder"] = f"none: {exc}"
+    print(json.dumps(shown, indent=2))
     return 0
 
 
@@ -124,15 +144,39 @@ def usage() -> str:
     helps = {name: text for name, (_, text) in (_LOCAL | _DELEGATED).items()}
     width = max(map(len, helps)) + 2
     lines = [f"  {name:<{width}}{text}" for name, text in helps.items()]
-    return "usage: embedserve {" + ",".join(sorted(helps)) + "} [options]\n\n" + "\n".join(lines)
+    return (
+        "usage: embedserve {" + ",".join(sorted(helps)) + "} [options]\n"
+        "       embedserve --version\n\n" + "\n".join(lines)
+    )
+
+
+def package_version() -> str:
+    try:
+        return version("embedserve")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every command; a configuration mistake anywhere is one sentence on stderr, exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except ConfigError as exc:
+        print(f"embedserve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the servers took over the signal
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     commands = sorted([*_LOCAL, *_DELEGATED])
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"embedserve {package_version()}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in _LOCAL:
         return _LOCAL[cmd][0](rest)

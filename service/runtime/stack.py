@@ -163,7 +163,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
             timeout_keep_alive=int(g.keep_alive_s),
-            http=bounded_httptools(g.max_head_bytes),
+            http=bounded_httptools(g.max_head_bytes, g.header_timeout_s, g.body_idle_timeout_s),
         )
     )
     failure: list[BaseException] = []
