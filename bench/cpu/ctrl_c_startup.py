@@ -1,0 +1,97 @@
+"""Benchmark: how long ``embedserve up`` takes to exit after Ctrl-C while it is starting.
+
+Each round starts ``embedserve up`` (the CPU engine and the bundled model), sends SIGINT a
+given time after the start (the engines run in their own session, so this is what a
+terminal's Ctrl-C delivers), and times the exit. Offsets cover the engine's import and model
+load; a round whose stack was already up is reported as such.
+
+    python -m bench.cpu.ctrl_c_startup --offsets 0.5,1,1.5,2,2.5,3,3.5,4 --out results/ctrl-c-cpu
+
+Prints and writes JSON + Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_round(offset_s: float) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDSERVE_")}
+    env.update({"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__KIND": "cpu",
+                "EMBEDSERVE_GATEWAY__PORT": str(_free_port()), "EMBEDSERVE_ENGINE__PORT": str(_free_port())})
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "embedserve", "up"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        time.sleep(offset_s)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        took = time.monotonic() - t0
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    return {"offset_s": offset_s, "exit_s": round(took, 3), "exit_code": code,
+            "was_up": "embedserve is up" in text, "traceback": "Traceback" in text}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "# Ctrl-C while `embedserve up` starts (CPU stack)",
+        "",
+        f"{res['machine']}; {res['when']}. `python -m bench.cpu.ctrl_c_startup` with the offsets "
+        "below: SIGINT to `up` that long after its start, the time until it exited. The "
+        "machine was shared with other jobs.",
+        "",
+        "| SIGINT after (s) | exited after (s) | exit code | stack was up | traceback |",
+        "|---|---|---|---|---|",
+    ]
+    yes = {True: "yes", False: "no"}
+    lines += [f"| {r['offset_s']:g} | {r['exit_s']:.2f} | {r['exit_code']} | {yes[r['was_up']]} "
+              f"| {yes[r['traceback']]} |" for r in res["rounds"]]
+    starting = [r["exit_s"] for r in res["rounds"] if not r["was_up"]]
+    if starting:
+        lines += ["", f"While starting: {min(starting):.2f}-{max(starting):.2f} s "
+                  f"over {len(starting)} rounds."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Ctrl-C while embedserve up starts: time to exit")
+    ap.add_argument("--offsets", default="0.5,1,1.5,2,2.5,3,3.5,4",
+                    help="seconds after start, comma-separated")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    rounds = []
+    for offset in (float(x) for x in a.offsets.split(",")):
+        r = one_round(offset)
+        print(json.dumps(r), flush=True)
+        rounds.append(r)
+    res = {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
+           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": rounds}
+    md = markdown(res)
+    print(md)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+        (a.out / "results.md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
