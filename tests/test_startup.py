@@ -169,6 +169,6 @@ def test_an_engine_loading_its_model_stops_at_once_on_sigterm() -> None:
         if "cpu engine loading" in line:
             break
     proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=NO_HANG_S)
+    _, rest = proc.communicate(timeout=NO_HANG_S)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, rest[-2000:])
     assert "cpu engine ready" not in "".join(lines) + rest  # it never finished loading
