@@ -5,7 +5,7 @@ given time after the start (the engines run in their own session, so this is wha
 terminal's Ctrl-C delivers), and times the exit. Offsets cover the engine's import and model
 load; a round whose stack was already up is reported as such.
 
-    python -m bench.cpu.ctrl_c_startup --offsets 0.5,1,1.5,2,2.5,3,3.5,4 --out results/ctrl-c-cpu
+    python -m bench.cpu.ctrl_c_startup --out results/ctrl-c-cpu
 
 Prints and writes JSON + Markdown.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -24,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.cpu.publish import machine, publish
 
 
 def _free_port() -> int:
@@ -34,12 +35,14 @@ def _free_port() -> int:
 
 def one_round(offset_s: float) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDSERVE_")}
+    port = _free_port()
     env.update({"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__KIND": "cpu",
-                "EMBEDSERVE_GATEWAY__PORT": str(_free_port()), "EMBEDSERVE_ENGINE__PORT": str(_free_port())})
+                "EMBEDSERVE_GATEWAY__PORT": str(port), "EMBEDSERVE_ENGINE__PORT": str(_free_port())})
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen([sys.executable, "-m", "embedserve", "up"], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         time.sleep(offset_s)
+        listening = _listening(port)  # the gateway serves (503 while the engine loads)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
@@ -47,7 +50,14 @@ def one_round(offset_s: float) -> dict[str, Any]:
         log.seek(0)
         text = log.read().decode(errors="replace")
     return {"offset_s": offset_s, "exit_s": round(took, 3), "exit_code": code,
-            "was_up": "embedserve is up" in text, "traceback": "Traceback" in text}
+            "gateway_listening": listening, "was_up": "embedserve is up" in text,
+            "traceback": "Traceback" in text,
+            "log_tail": text[-3000:] if "Traceback" in text else None}
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -58,11 +68,15 @@ def markdown(res: dict[str, Any]) -> str:
         "below: SIGINT to `up` that long after its start, the time until it exited. The "
         "machine was shared with other jobs.",
         "",
-        "| SIGINT after (s) | exited after (s) | exit code | stack was up | traceback |",
-        "|---|---|---|---|---|",
+        "A round whose gateway was listening had handed signals to its server, and `up` stopped "
+        "an engine that was still loading its model: the case where the engine used to wait.",
+        "",
+        "| SIGINT after (s) | exited after (s) | exit code | gateway listening | stack was up | traceback |",
+        "|---|---|---|---|---|---|",
     ]
     yes = {True: "yes", False: "no"}
-    lines += [f"| {r['offset_s']:g} | {r['exit_s']:.2f} | {r['exit_code']} | {yes[r['was_up']]} "
+    lines += [f"| {r['offset_s']:g} | {r['exit_s']:.2f} | {r['exit_code']} | {yes[r['gateway_listening']]} "
+              f"| {yes[r['was_up']]} "
               f"| {yes[r['traceback']]} |" for r in res["rounds"]]
     starting = [r["exit_s"] for r in res["rounds"] if not r["was_up"]]
     if starting:
@@ -73,7 +87,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Ctrl-C while embedserve up starts: time to exit")
-    ap.add_argument("--offsets", default="0.5,1,1.5,2,2.5,3,3.5,4",
+    ap.add_argument("--offsets", default="0.5,1,1.5,2,2.5,3,3.5,4,5,6,7,8,10,12",
                     help="seconds after start, comma-separated")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -82,14 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         r = one_round(offset)
         print(json.dumps(r), flush=True)
         rounds.append(r)
-    res = {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": rounds}
-    md = markdown(res)
-    print(md)
-    if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-        (a.out / "results.md").write_text(md)
+    res = {**machine(), "rounds": rounds}
+    publish(res, markdown(res), a.out)
     return 0
 
 

@@ -8,10 +8,10 @@ import asyncio
 import importlib
 import json
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from embedserve.settings_errors import ConfigError
+# Imports beyond the standard library happen inside ``main``: a Ctrl-C while they load is then
+# an exit status, not a KeyboardInterrupt traceback.
 
 # Commands served by another module's ``main(argv)``: name -> (module, one-line help).
 _DELEGATED = {
@@ -118,6 +118,7 @@ def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
     from embedserve.config import load_settings
     from embedserve.model_info import model_folder
+    from embedserve.settings_errors import ConfigError
 
     settings = load_settings(_overrides(args), FLAG_OF)
     shown = settings.redacted()
@@ -150,23 +151,20 @@ def usage() -> str:
     )
 
 
-def package_version() -> str:
-    try:
-        return version("embedserve")
-    except PackageNotFoundError:  # running from a checkout that was never installed
-        return "unknown (not installed)"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Every command; a configuration mistake anywhere is one sentence on stderr, exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)
-    except ConfigError as exc:
-        print(f"embedserve: {exc}", file=sys.stderr, flush=True)
-        return 2
     except KeyboardInterrupt:  # Ctrl-C before the servers took over the signal
         return 130
+    except Exception as exc:
+        from embedserve.settings_errors import ConfigError
+
+        if not isinstance(exc, ConfigError):
+            raise
+        print(f"embedserve: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 def _main(argv: list[str]) -> int:
@@ -175,7 +173,9 @@ def _main(argv: list[str]) -> int:
         print(usage())
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        print(f"embedserve {package_version()}")
+        from embedserve import __version__
+
+        print(f"embedserve {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in _LOCAL:
