@@ -68,8 +68,8 @@ def markdown(res: dict[str, Any]) -> str:
         "below: SIGINT to `up` that long after its start, the time until it exited. The "
         "machine was shared with other jobs.",
         "",
-        "A round whose gateway was listening had handed signals to its server, and `up` stopped "
-        "an engine that was still loading its model: the case where the engine used to wait.",
+        "In a round whose gateway was listening, `up` stopped an engine that was still loading "
+        "its model: the case where the engine used to wait for its load (or for up's 2 s grace).",
         "",
         "| SIGINT after (s) | exited after (s) | exit code | gateway listening | stack was up | traceback |",
         "|---|---|---|---|---|---|",

@@ -4,14 +4,11 @@ environment for this process; engines that ``up`` starts get the resolved settin
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib
-import json
 import sys
 from typing import Any
 
-# Imports beyond the standard library happen inside ``main``: a Ctrl-C while they load is then
-# an exit status, not a KeyboardInterrupt traceback.
+# Everything else is imported inside ``main``: a Ctrl-C while it loads is then an exit
+# status, not a KeyboardInterrupt traceback.
 
 # Commands served by another module's ``main(argv)``: name -> (module, one-line help).
 _DELEGATED = {
@@ -103,6 +100,8 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     setup_logging(settings.log_level, settings.log_format)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
         parser.error("--drill-leak needs engines that up starts (not --engine-url)")
+    import asyncio
+
     return asyncio.run(run_stack(settings, drill_leak=leak))
 
 
@@ -128,6 +127,8 @@ def _config(argv: list[str]) -> int:
         model["folder"] = str(model_folder(settings.model).resolve())
     except ConfigError as exc:
         model["folder"] = f"none: {exc}"
+    import json
+
     print(json.dumps(shown, indent=2))
     return 0
 
@@ -182,6 +183,8 @@ def _main(argv: list[str]) -> int:
         return _LOCAL[cmd][0](rest)
     if cmd in _DELEGATED:
         try:
+            import importlib
+
             module = importlib.import_module(_DELEGATED[cmd][0])
         except ModuleNotFoundError as exc:
             extra = _EXTRAS.get(cmd)
