@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -23,8 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-from bench.cpu.publish import machine, publish
 
 
 def _free_port() -> int:
@@ -58,6 +57,23 @@ def one_round(offset_s: float) -> dict[str, Any]:
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def machine() -> dict[str, str]:
+    """``machine`` and ``when`` for a result document."""
+    return {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def publish(res: dict[str, Any], md: str, out: Path | None) -> None:
+    """Print the Markdown; with ``out``, write results.json and results.md there (each
+    bench/cpu script stands alone: mypy reads them as top-level modules, so they do not
+    import each other)."""
+    print(md)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+        (out / "results.md").write_text(md)
 
 
 def markdown(res: dict[str, Any]) -> str:

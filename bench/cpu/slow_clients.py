@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
-
-from bench.cpu.publish import machine, publish
 
 SERIAL = itertools.count()
 MAX_TRICKLE_S = 120.0  # a trickler gives up after this long: the bound of the whole run
@@ -114,6 +114,23 @@ async def run(url: str, tricklers: int, rounds: int, window_s: float) -> dict[st
             print(json.dumps(out[-1]), flush=True)
     return {"url": url, "model": model, "tricklers": tricklers, "window_s": window_s,
             **machine(), "rounds": out}
+
+
+def machine() -> dict[str, str]:
+    """``machine`` and ``when`` for a result document."""
+    return {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def publish(res: dict[str, Any], md: str, out: Path | None) -> None:
+    """Print the Markdown; with ``out``, write results.json and results.md there (each
+    bench/cpu script stands alone: mypy reads them as top-level modules, so they do not
+    import each other)."""
+    print(md)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+        (out / "results.md").write_text(md)
 
 
 def markdown(res: dict[str, Any]) -> str:
