@@ -58,11 +58,22 @@ def _model_in(annotation: Any) -> Any:
 
 
 def accepts(info: FieldInfo) -> str | None:
-    """What a field takes, in words: ``a whole number from 1 to 65535``, ``one of 'a', 'b'``."""
-    annotation: Any = info.annotation
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        annotation = args[0]
+    """What a field takes, in words: ``a whole number from 1 to 65535``, ``one of 'a', 'b'``,
+    ``a whole number at least 1 or 'auto'``."""
+    return _accepts(info.annotation, info.metadata)
+
+
+def _accepts(annotation: Any, metadata: list[Any]) -> str | None:
+    if typing.get_origin(annotation) is typing.Annotated:  # Annotated[int, Field(ge=1)]
+        inner, *extra = typing.get_args(annotation)
+        found = [m for e in extra for m in getattr(e, "metadata", [e])]
+        return _accepts(inner, [*metadata, *found])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        branches = [_accepts(a, metadata) for a in typing.get_args(annotation) if a is not type(None)]
+        texts = [b for b in branches if b is not None]
+        if len(texts) < len(branches) or not texts:
+            return None
+        return " or ".join([texts[0], *(t.removeprefix("one of ") for t in texts[1:])])
     if typing.get_origin(annotation) is typing.Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
     words = {int: "a whole number", float: "a number", bool: "true or false"}.get(annotation)
@@ -71,28 +82,31 @@ def accepts(info: FieldInfo) -> str | None:
             return "JSON, e.g. '[\"a\", \"b\"]'" if typing.get_origin(annotation) is list else "a JSON object"
         return None
     bounds = {}
-    for meta in info.metadata:
+    for meta in metadata:
         for key in ("ge", "gt", "le", "lt"):
             if getattr(meta, key, None) is not None:
                 bounds[key] = getattr(meta, key)
-    lo = bounds.get("ge", bounds.get("gt"))
-    hi = bounds.get("le", bounds.get("lt"))
-    if lo is not None and hi is not None and "gt" not in bounds and "lt" not in bounds:
-        return f"{words} from {lo:g} to {hi:g}"
-    parts = [words]
-    if "ge" in bounds:
-        parts.append(f"at least {bounds['ge']:g}")
-    if "gt" in bounds:
-        parts.append(f"above {bounds['gt']:g}")
-    if "le" in bounds:
-        parts.append(f"at most {bounds['le']:g}")
-    if "lt" in bounds:
-        parts.append(f"below {bounds['lt']:g}")
-    return ", ".join(parts) if len(parts) == 1 else f"{parts[0]} {' and '.join(parts[1:])}"
+    if "ge" in bounds and "le" in bounds and len(bounds) == 2:
+        return f"{words} from {bounds['ge']:g} to {bounds['le']:g}"
+    phrases = {"ge": "at least", "gt": "above", "le": "at most", "lt": "below"}
+    limits = [f"{phrases[k]} {bounds[k]:g}" for k in ("ge", "gt", "le", "lt") if k in bounds]
+    return f"{words} {' and '.join(limits)}" if limits else words
+
+
+def _setting_loc(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The part of an error's location that names settings: pydantic appends the union
+    branch it tried (``constrained-int``, ``literal['auto']``), which is no setting."""
+    current: Any = model
+    for n, part in enumerate(loc):
+        fields = getattr(current, "model_fields", None)
+        if not isinstance(part, str) or not fields or part not in fields:
+            return loc[:n]
+        current = _model_in(fields[part].annotation)
+    return loc
 
 
 def _one(error: Mapping[str, Any], model: type[BaseModel], flags: Mapping[str, str]) -> str:
-    loc = tuple(error.get("loc", ()))
+    loc = _setting_loc(model, tuple(error.get("loc", ()))) or tuple(error.get("loc", ()))
     msg = str(error.get("msg", "is invalid"))
     if not loc:  # a rule across fields: its message names the settings itself
         return msg.removeprefix("Value error, ")

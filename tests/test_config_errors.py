@@ -34,6 +34,9 @@ from embedserve.settings_errors import ConfigError
          "EMBEDSERVE_MODEL__MAX_SEQ_LEN (--max-seq-len) must be a whole number at least 8, got '4'"),
         ({"EMBEDSERVE_GATEWAY__API_KEYS": "k1,k2"}, {},
          "EMBEDSERVE_GATEWAY__API_KEYS must be JSON, e.g. '[\"a\", \"b\"]', got 'k1,k2'"),
+        ({}, {"engine": {"engines_per_gpu": "two"}},  # a union: one sentence, not one per branch
+         "EMBEDSERVE_ENGINE__ENGINES_PER_GPU (--engines-per-gpu) must be a whole number at least 1 or "
+         "'auto', got 'two'"),
         ({"EMBEDSERVE_HEALTH__CRITICAL_HOURS": "8"}, {},
          "EMBEDSERVE_HEALTH__CRITICAL_HOURS (8) must be below EMBEDSERVE_HEALTH__WARNING_HOURS (6)"),
     ],
