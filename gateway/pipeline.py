@@ -176,13 +176,9 @@ class EmbeddingPipeline:
             return texts
         template = self.info.query_template
         if template is None:
-            if req.instruction is not None:
-                raise APIError(
-                    400,
-                    f"the model '{self.info.name}' takes no instructions",
-                    param="instruction",
-                    code="invalid_value",
-                )
+            # A model without an instruction format embeds queries as they are; accepting
+            # input_type and instruction alike lets an application written for Qwen3 run
+            # unchanged on the CPU stack (the header x-embedserve-instruction says "none").
             return texts
         task = req.instruction or self.info.default_task
         return [template.format(task=task, text=t) for t in texts]
@@ -327,4 +323,6 @@ class EmbeddingPipeline:
             "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
             "x-embedserve-truncated-inputs": str(len(truncated)),
         }
+        if req.input_type == "query":
+            headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers)

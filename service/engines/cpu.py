@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -99,8 +100,23 @@ class CpuEmbedder:
         return out
 
 
-def create_engine_app(settings: Settings, drill_leak_bytes_per_s: float | None = None) -> FastAPI:
-    """``drill_leak_bytes_per_s``: grow on purpose (``embedserve up --drill-leak``)."""
+def load_embedder(settings: Settings) -> CpuEmbedder:
+    """Load the model before the server takes over SIGINT and SIGTERM: uvicorn only notes a
+    signal during its start-up and acts once that is over, so a Ctrl-C (or ``up`` stopping a
+    starting engine) would wait for the model to load. Here either signal ends it at once."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)  # no KeyboardInterrupt traceback
+    try:
+        log.info("cpu engine loading", extra={"model": str(settings.model.resolved_path)})
+        return CpuEmbedder(settings)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def create_engine_app(
+    settings: Settings, drill_leak_bytes_per_s: float | None = None, embedder: CpuEmbedder | None = None
+) -> FastAPI:
+    """``drill_leak_bytes_per_s``: grow on purpose (``embedserve up --drill-leak``);
+    ``embedder``: the model loaded already (else the app loads it as it starts)."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine")
     state: dict[str, Any] = {}
     stats = EngineStats(source="cpu")
@@ -118,7 +134,7 @@ def create_engine_app(settings: Settings, drill_leak_bytes_per_s: float | None =
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        state["embedder"] = await loop.run_in_executor(executor, CpuEmbedder, settings)
+        state["embedder"] = embedder or await loop.run_in_executor(executor, CpuEmbedder, settings)
         stats_dir = settings.engine.stats_dir
         publisher = asyncio.create_task(publish_stats(stats_dir)) if stats_dir else None
         leak = None
@@ -205,14 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    embedder = load_embedder(settings)
+    g = settings.gateway
     config = uvicorn.Config(
-        create_engine_app(settings, drill_leak_bytes_per_s=args.drill_leak),
+        create_engine_app(settings, drill_leak_bytes_per_s=args.drill_leak, embedder=embedder),
         host=args.host or settings.engine.host,
         port=args.port or settings.engine.port,
         log_config=None,
         timeout_graceful_shutdown=int(settings.gateway.graceful_shutdown_s),
         # httptools is installed, so uvicorn's default would be its unbounded parser
-        http=bounded_httptools(settings.gateway.max_head_bytes),
+        http=bounded_httptools(g.max_head_bytes, g.header_timeout_s, g.body_idle_timeout_s),
     )
     QuietServer(config).run()
     return 0
