@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
 
@@ -148,7 +148,28 @@ class EngineSettings(BaseModel):
         description="ask engines for base64 float32 vectors (no float text on either side); "
         "turn off for an engine that rejects encoding_format",
     )
-    cpu_threads: int | None = None
+    # The CPU engine (kind cpu).
+    cpu_backend: Literal["torch", "onnx"] = Field(
+        "onnx",
+        description="onnx: the model exported once to ONNX (cached in cpu_export_dir) and run on "
+        "ONNX Runtime, 2.3-2.9x torch's throughput on two cores (docs/PERFORMANCE.md); torch: "
+        "sentence-transformers on torch",
+    )
+    cpu_quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: ONNX Runtime's dynamic int8 quantisation of the exported model (onnx "
+        "backend only): faster, vectors a little further from the model's; check it with the "
+        "quality gate on your own data first",
+    )
+    cpu_export_dir: str | None = Field(
+        None,
+        description="where the onnx backend caches its exports, one folder per model, exporter and "
+        "library versions; default: $XDG_CACHE_HOME/embedserve/onnx, else ~/.cache/embedserve/onnx",
+    )
+    cpu_threads: int | None = Field(
+        None, ge=1, description="compute threads; default: the cores this process may use "
+        "(its CPU affinity, capped by its cgroup's CPU quota)",
+    )
 
 
 class GatewaySettings(BaseModel):
@@ -304,6 +325,12 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.health.critical_hours >= self.health.warning_hours:
             raise ValueError("health.critical_hours must be below health.warning_hours")
+        if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
+            raise ValueError(
+                f"engine.cpu_quantization={self.engine.cpu_quantization} "
+                "(EMBEDSERVE_ENGINE__CPU_QUANTIZATION) needs engine.cpu_backend=onnx "
+                "(EMBEDSERVE_ENGINE__CPU_BACKEND)"
+            )
         return self
 
     def tokens_in_flight_limit(self, engine_kind: str) -> int:
@@ -345,10 +372,42 @@ class Settings(BaseSettings):
         return json.loads(self.model_dump_json())
 
 
+class ConfigError(ValueError):
+    """A setting's value is wrong. ``setting``: its dotted name (``engine.cpu_backend``), so a
+    command can add the flag that sets it; ``str()`` is one sentence naming the variable."""
+
+    def __init__(self, problem: str, setting: str | None = None) -> None:
+        self.problem, self.setting = problem, setting
+        self.env = "EMBEDSERVE_" + setting.upper().replace(".", "__") if setting else None
+        super().__init__(self.sentence())
+
+    def sentence(self, flag: str | None = None) -> str:
+        if not self.setting:
+            return f"invalid configuration: {self.problem}"
+        names = f"{self.env} or {flag}" if flag else self.env
+        return f"{self.setting} ({names}): {self.problem}"
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> ConfigError:
+        """The first error: pydantic's words for what the setting accepts, and the literal given."""
+        err = exc.errors()[0]
+        setting = ".".join(str(part) for part in err["loc"]) or None
+        problem = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "literal_error":  # choices are never secrets: say what was given
+            problem += f", not {err['input']!r}"
+        return cls(problem[:1].lower() + problem[1:], setting)
+
+
 def load_settings(overrides: dict[str, Any] | None = None) -> Settings:
     """The settings of this process: a parent's, when it started this one (see
-    ``Settings.child_env``), else the environment and ``.env`` with ``overrides`` on top."""
+    ``Settings.child_env``), else the environment and ``.env`` with ``overrides`` on top.
+    A bad value raises ``ConfigError``."""
     inherited = os.environ.get(CHILD_SETTINGS_ENV)
-    if inherited:
-        return Settings.model_validate_json(inherited)
-    return Settings(**(overrides or {}))
+    try:
+        if inherited:
+            return Settings.model_validate_json(inherited)
+        return Settings(**(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError.from_validation(exc) from None
+    except SettingsError as exc:  # a variable that is not valid JSON for its list or object
+        raise ConfigError(str(exc)) from None

@@ -38,6 +38,8 @@ _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "host": ("gateway", "host"),
     "port": ("gateway", "port"),
     "engine_port": ("engine", "port"),
+    "cpu_backend": ("engine", "cpu_backend"),
+    "cpu_quantization": ("engine", "cpu_quantization"),
 }
 
 
@@ -51,6 +53,8 @@ def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--host", help="gateway address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, help="gateway port (default 8000)")
     ap.add_argument("--engine-port", type=int, help="engine port (default 30000)")
+    ap.add_argument("--cpu-backend", help="the CPU engine's backend: onnx (default) or torch")
+    ap.add_argument("--cpu-quantization", help="none (default) or int8 (onnx backend)")
     return ap
 
 
@@ -134,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    from embedserve.config import ConfigError
+
+    try:
+        return _dispatch(cmd, rest, commands)
+    except ConfigError as exc:
+        flags = {f"{sec}.{field}": "--" + flag.replace("_", "-") for flag, (sec, field) in _FLAGS.items()}
+        print(f"embedserve {cmd}: {exc.sentence(flags.get(exc.setting or ''))}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(cmd: str, rest: list[str], commands: list[str]) -> int:
     if cmd in _LOCAL:
         return _LOCAL[cmd][0](rest)
     if cmd in _DELEGATED:
