@@ -31,6 +31,21 @@ def compute_threads(settings: Settings) -> int:
     return settings.engine.cpu_threads or usable_cores()
 
 
+def session_options(threads: int) -> Any:
+    """Full graph optimisation, ``threads`` intra-op threads, no busy-waiting between calls:
+    the gateway (and, in a pod, its neighbours) share these cores; on a busy 2-core VM a
+    spinning pool ran a single input 1.8-3x slower."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
 class OnnxForward:
     """ONNX Runtime with full graph optimisation, one intra-op thread per usable core."""
 
@@ -40,11 +55,7 @@ class OnnxForward:
         from embedserve.engines.onnx_export import ensure_export
 
         folder, export = ensure_export(settings)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.intra_op_num_threads = compute_threads(settings)
-        options.inter_op_num_threads = 1
+        options = session_options(compute_threads(settings))
         self.session = ort.InferenceSession(
             str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"]
         )
