@@ -365,6 +365,66 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None], dic
             for k, v in groups.items()}
 
 
+def to_markdown(doc: dict[str, Any]) -> str:
+    """The side-by-side table (medians of the rounds), the ratios the targets name, the vector check."""
+    med = {(m["side"], m["load"], m["batch"]): m for m in doc["medians"]}
+    sides = list(dict.fromkeys(m["side"] for m in doc["medians"]))
+
+    def cell(side: str, load: Load) -> str:
+        if side.endswith("in process"):
+            parts = [f"{med[(side, load.name, b)]['texts_per_s']:g} at batch {b}"
+                     for b in load.in_process_batches if (side, load.name, b) in med]
+            if load.conc == 1 and (one := med.get((side, load.name, 1))):
+                return f"{one['texts_per_s']:g}, {one['p50_ms']:.1f} ms"
+            return "; ".join(parts)
+        m = med.get((side, load.name, None))
+        if not m:
+            return "-"
+        text = f"{m['texts_per_s']:g}" + (f", {m['p50_ms']:.1f} ms" if load.conc == 1 else "")
+        return text + (f" ({m['errors']} errors)" if m["errors"] else "")
+
+    def rss(side: str) -> str:
+        values = [r["rss_mib"] for r in doc["rows"] if r["side"] == side]
+        return f"{max(values):,.0f} MiB" if values else "-"
+
+    lines = ["| load | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+    for load in LOADS:
+        unit = "texts/s, P50" if load.conc == 1 else "texts/s"
+        lines.append(f"| {load.name} ({unit}) | " + " | ".join(cell(s, load) for s in sides) + " |")
+    lines.append("| resident memory, largest seen | " + " | ".join(rss(s) for s in sides) + " |")
+    check = doc.get("vector_check", {})
+    lines.append("| cosine to sentence-transformers, min | "
+                 + " | ".join(f"{check[s]['min']:.7f}" if s in check else "reference" for s in sides) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ratios(doc: dict[str, Any], default: str = "embedserve onnx") -> dict[str, float | None]:
+    """The targets' figures: the default against Infinity's fastest and the in-process ONNX side."""
+    med = {(m["side"], m["load"], m["batch"]): m for m in doc["medians"]}
+    short, batches, single = (load.name for load in LOADS)
+
+    def tps(side: str, load: str, batch: int | None = None) -> float | None:
+        m = med.get((side, load, batch))
+        return m["texts_per_s"] if m else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 2) if a and b else None
+
+    infinity = [s for s in {m["side"] for m in doc["medians"]} if s.startswith("Infinity")]
+    best = {load: max((tps(s, load) or 0.0 for s in infinity), default=0.0) or None
+            for load in (short, batches)}
+    return {
+        "short vs Infinity's fastest": ratio(tps(default, short), best[short]),
+        "batches vs Infinity's fastest": ratio(tps(default, batches), best[batches]),
+        "short vs ONNX in process at batch 16": ratio(tps(default, short), tps("ONNX in process", short, 16)),
+        "batches vs ONNX in process at batch 32": ratio(tps(default, batches),
+                                                        tps("ONNX in process", batches, 32)),
+        "one in flight P50 ms": (med.get((default, single, None)) or {}).get("p50_ms"),
+        "torch backend vs ST torch in process, batch 16": ratio(tps("embedserve torch", short),
+                                                                  tps("ST torch in process", short, 16)),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/cpu-peers")
@@ -389,9 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     doc["settings"] = {"rounds": a.rounds, "seconds": a.seconds, "warmup": a.warmup}
     doc["medians"] = [{"side": k[0], "load": k[1], "batch": k[2], **v}
                       for k, v in medians(doc["rows"]).items()]
+    doc["ratios"] = ratios(doc)
     out = Path(a.out)
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    print(json.dumps(doc["medians"], indent=1))
+    (out / "table.md").write_text(to_markdown(doc))
+    print(to_markdown(doc))
+    print(json.dumps(doc["ratios"], indent=1))
     return 0
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from embedserve.config import Settings
 from embedserve.engines.cores import usable_cores
 from embedserve.engines.cpu_backends import session_options
-from embedserve.engines.onnx_export import Exporter, quantize_int8
+from embedserve.engines.onnx_export import Exporter, pooled, quantize_int8
 from embedserve.loadtest.textbuild import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,15 +37,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def dynamo_export(exporter: Exporter, out: Path) -> None:
     import torch
 
-    class Pooled(torch.nn.Module):
-        def __init__(self, st: Any) -> None:
-            super().__init__()
-            self.st = st
-
-        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            features = self.st({"input_ids": input_ids, "attention_mask": attention_mask})
-            return torch.nn.functional.normalize(features["sentence_embedding"].float(), dim=-1)
-
     ids = torch.randint(1000, 30000, (2, 8))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
@@ -53,7 +44,7 @@ def dynamo_export(exporter: Exporter, out: Path) -> None:
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(Pooled(exporter.model).eval(), (ids, mask), None, dynamo=True,
+        program = torch.onnx.export(pooled(exporter.model), (ids, mask), None, dynamo=True,
                                     input_names=["input_ids", "attention_mask"], output_names=["embedding"],
                                     dynamic_shapes=shapes)
         assert program is not None

@@ -179,22 +179,13 @@ class Exporter:
         """torch.onnx's tracer on a padded batch, so the graph keeps the masked path."""
         import torch
 
-        class Pooled(torch.nn.Module):
-            def __init__(self, st: Any) -> None:
-                super().__init__()
-                self.st = st
-
-            def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-                features = self.st({"input_ids": input_ids, "attention_mask": attention_mask})
-                return torch.nn.functional.normalize(features["sentence_embedding"].float(), dim=-1)
-
         ids, mask = _padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0))
         axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
                 "embedding": {0: "batch"}}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
             torch.onnx.export(
-                Pooled(self.model).eval(), (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
+                pooled(self.model), (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
                 input_names=["input_ids", "attention_mask"], output_names=["embedding"],
                 dynamic_axes=axes, opset_version=OPSET, dynamo=False,
             )
@@ -221,6 +212,22 @@ class Exporter:
             cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
             worst = min(worst, float(cos.min()))
         return worst
+
+
+def pooled(st: Any) -> Any:
+    """A sentence-transformers model as a torch module from (ids, mask) to unit vectors."""
+    import torch
+
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.st = st
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            features = self.st({"input_ids": input_ids, "attention_mask": attention_mask})
+            return torch.nn.functional.normalize(features["sentence_embedding"].float(), dim=-1)
+
+    return Pooled().eval()
 
 
 def _padded_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
