@@ -271,6 +271,26 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def cold_exports() -> dict[str, Any]:
+    """What a first start adds: the export into an empty cache (fp32, then int8 from it), in the
+    child process the engine runs, wall-clock seconds."""
+    import tempfile
+
+    out: dict[str, Any] = {"load_average_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as cache:
+        for quantization in ("none", "int8"):
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBEDSERVE_LOG_LEVEL": "WARNING",
+                   "EMBEDSERVE_ENGINE__CPU_EXPORT_DIR": cache,
+                   "EMBEDSERVE_ENGINE__CPU_QUANTIZATION": quantization}
+            t0 = time.monotonic()
+            subprocess.run([sys.executable, "-m", "embedserve.engines.onnx_export"], env=env, check=True,
+                           capture_output=True)
+            out[quantization] = round(time.monotonic() - t0, 1)
+    out["load_average_after"] = os.getloadavg()
+    print(json.dumps({"first_start_export_s": out}), flush=True)
+    return out
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     out = Path(a.out)
     logs = out / "logs"
@@ -286,6 +306,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         {"PYTHONPATH": a.infinity_site} if a.onnx_in_process == "st-onnx" else {})]
     doc: dict[str, Any] = {"load_average_before": os.getloadavg(), "started": time.time(), "rows": [],
                            "skipped": {}}
+    doc["first_start_export"] = cold_exports()
     try:
         live: list[Server] = []
         for s in servers:  # one at a time: a start is not measured against another's export
