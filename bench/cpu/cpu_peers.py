@@ -318,8 +318,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 doc["skipped"][s.name] = str(exc)
                 s.stop()
             print(f"{s.name}: ready in {s.ready_s} s", flush=True)
-        for p in inproc:
-            p.start(logs)
+        inproc[0].start(logs)
+        try:
+            inproc[1].start(logs)
+        except RuntimeError as exc:  # sentence-transformers' onnx backend did not load: say so
+            doc["skipped"][f"{inproc[1].name} ({inproc[1].backend})"] = str(exc)
+            inproc[1].stop()
+            inproc[1] = InProcess("ONNX in process", "ort-export", {})
+            inproc[1].start(logs)
+        doc["onnx_in_process"] = inproc[1].backend
         check = texts_for(3, 4, 7) + texts_for(20, 8, 8) + texts_for(64, 8, 9) + texts_for(180, 4, 10)
         reference = np.asarray(inproc[0].ask({"op": "embed", "texts": check})["vectors"], dtype=np.float32)
         doc["vector_check"] = {}

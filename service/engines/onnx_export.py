@@ -39,8 +39,9 @@ from embedserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
-#: torch.onnx's tracer. Its dynamo exporter gave the same vectors at the same speed on the
-#: bundled model but took 7x as long to export (results/cpu-peers/README.md).
+#: torch.onnx's tracer. On the bundled model its dynamo exporter gave the same vectors (min
+#: cosine to torch 0.9999999 for both) but took about 7x as long to export on a 2-core VM
+#: (bench/cpu/onnx_variants.py compares the two).
 EXPORTER = "torchscript"
 OPSET = 17
 MIN_FP32_COSINE = 0.9999
@@ -243,8 +244,9 @@ def _padded_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> t
 def quantize_int8(fp32: Path, out: Path) -> None:
     """ONNX Runtime's dynamic quantisation: 8-bit weights, one scale per output channel,
     activations quantised per call. Unsigned weights: on CPUs without VNNI the signed kernel
-    (u8 x s8) saturates; on the bundled model with real text, per-tensor signed weights gave a
-    median cosine to fp32 of 0.94, per-channel unsigned ones 0.993 (results/cpu-peers/)."""
+    (u8 x s8) saturates; on the bundled model with real text (this repository's docs), per-tensor
+    signed weights gave a median cosine to fp32 of 0.94, per-channel unsigned ones 0.993
+    (bench/cpu/onnx_variants.py compares the variants)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(fp32, out, weight_type=QuantType.QUInt8, per_channel=True)
