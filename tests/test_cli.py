@@ -113,3 +113,30 @@ def test_loadtest_takes_the_bundled_model_as_tokenizer() -> None:
     from embedserve.loadtest.textbuild import load_tokenizer
 
     assert load_tokenizer("bundled:all-MiniLM-L6-v2").encode("hello").ids[0] == 101  # [CLS]
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "expected"),
+    [
+        ({"EMBEDSERVE_ENGINE__CPU_BACKEND": "tensorrt"}, [],
+         "engine.cpu_backend (EMBEDSERVE_ENGINE__CPU_BACKEND or --cpu-backend): input should be 'torch' "
+         "or 'onnx', not 'tensorrt'"),
+        ({}, ["--cpu-quantization", "int4"],
+         "engine.cpu_quantization (EMBEDSERVE_ENGINE__CPU_QUANTIZATION or --cpu-quantization): input "
+         "should be 'none' or 'int8', not 'int4'"),
+        ({"EMBEDSERVE_ENGINE__CPU_BACKEND": "torch", "EMBEDSERVE_ENGINE__CPU_QUANTIZATION": "int8"}, [],
+         "engine.cpu_quantization=int8 (EMBEDSERVE_ENGINE__CPU_QUANTIZATION) needs engine.cpu_backend=onnx"),
+        ({"EMBEDSERVE_ENGINE__CPU_THREADS": "0"}, [],
+         "engine.cpu_threads (EMBEDSERVE_ENGINE__CPU_THREADS): input should be greater than or equal to 1"),
+    ],
+)
+@pytest.mark.parametrize("command", ["up", "config"])
+def test_a_bad_setting_is_one_sentence_and_exit_2(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    env: dict[str, str], flags: list[str], expected: str, command: str,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main([command, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and err.startswith(f"embedserve {command}: ")

@@ -39,6 +39,8 @@ _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "port": ("gateway", "port"),
     "engine_port": ("engine", "port"),
     "engines_per_gpu": ("engine", "engines_per_gpu"),
+    "cpu_backend": ("engine", "cpu_backend"),
+    "cpu_quantization": ("engine", "cpu_quantization"),
 }
 
 
@@ -62,6 +64,8 @@ def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--engine-port", help="engine port (default 30000)")
     ap.add_argument("--engines-per-gpu", metavar="N|auto",
                     help="SGLang engines on each GPU (default auto: by model size and GPU memory)")
+    ap.add_argument("--cpu-backend", help="the CPU engine's backend: onnx (default) or torch")
+    ap.add_argument("--cpu-quantization", help="none (default) or int8 (onnx backend)")
     return ap
 
 
