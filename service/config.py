@@ -350,6 +350,11 @@ class Settings(BaseSettings):
                 f"EMBEDSERVE_HEALTH__CRITICAL_HOURS ({self.health.critical_hours:g}) must be below "
                 f"EMBEDSERVE_HEALTH__WARNING_HOURS ({self.health.warning_hours:g})"
             )
+        if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
+            raise ValueError(
+                f"EMBEDSERVE_ENGINE__CPU_QUANTIZATION={self.engine.cpu_quantization} (--cpu-quantization) "
+                "needs EMBEDSERVE_ENGINE__CPU_BACKEND=onnx (--cpu-backend)"
+            )
         return self
 
     def tokens_in_flight_limit(self, engine_kind: str) -> int:
