@@ -33,6 +33,7 @@ class Host:
     out: Path | None = None  # where results go (and the packed FlashInfer JIT cache)
     drill_rate: str | None = None  # the leak drill's `--drill-leak` (default per device: bench/drill.py)
     attention_backends: tuple[str, ...] = ("fa3", "triton")  # measured against FlashInfer
+    quality_corpus: str | None = None  # the quality gate's corpus (embedserve quality-corpus)
 
     @property
     def cpu(self) -> bool:

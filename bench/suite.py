@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
     ap.add_argument("--attention-backends", default="fa3,triton",
                     help="the attention scenario's backends, each against FlashInfer (of: fa3, triton)")
+    ap.add_argument("--quality-corpus", metavar="FILE",
+                    help="the quality gate's corpus (embedserve quality-corpus; default: built from "
+                         "python3-doc when the host has it)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                        infinity_site=a.infinity_site,
                        models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
                        out=a.out, drill_rate=a.drill_leak,
-                       attention_backends=tuple(a.attention_backends.split(",")))
+                       attention_backends=tuple(a.attention_backends.split(",")),
+                       quality_corpus=a.quality_corpus)
     return run(host, plan(selected), a.out, a.budget_s, a.redo)
 
 

@@ -6,8 +6,9 @@
 - **429 and 503** (overloaded, warming up) are waited out for their ``Retry-After`` and sent
   again, up to ``retries`` times a batch; so is a connection that failed (after 1 s).
 - **A batch the server finds too large** (embedserve's 413 ``request_exceeds_capacity``, 400
-  ``max_tokens_per_request`` or ``too_many_inputs``) is halved, and later batches stay at the
-  size that was accepted.
+  ``max_tokens_per_request`` or ``too_many_inputs``), or could not embed before its deadline
+  (504), is halved, and later batches stay at the size that was accepted; a single text that
+  times out is sent again like a 503.
 - Vectors are asked for as base64 float32 (the server's own numbers, no decimal rounding);
   a server that answers float lists is read too.
 """
@@ -152,9 +153,9 @@ class Embedder:
                 except ValueError:
                     raise EndpointError(f"{self.url} answered 200 with a body that is not JSON") from None
             code, message = _error_of(r)
-            if code in TOO_LARGE and len(chunk) > 1:
+            if (code in TOO_LARGE or r.status_code == 504) and len(chunk) > 1:
                 return None
-            if r.status_code in (429, 503) and attempt < self.limits.retries:
+            if r.status_code in (429, 503, 504) and attempt < self.limits.retries:
                 self.traffic.retried += 1
                 self.sleep(min(retry_after_s(r.headers.get("retry-after")), self.limits.max_retry_after_s))
                 continue

@@ -150,9 +150,11 @@ def describe(corpus: Corpus) -> str:
     """One line of what is in it."""
     i = corpus.info
     topics = len({p.id.split("#", 1)[0] for p in corpus.passages})
+    passage_words = statistics.median(len(p.text.split()) for p in corpus.passages)
+    query_words = statistics.median(len(q.text.split()) for q in corpus.queries)
     return (f"{len(corpus.passages)} passages from {topics} pages ({i.source_title or i.source}), "
-            f"{len(corpus.queries)} queries; median {i.passage_words_median:g} words a passage, "
-            f"{i.query_words_median:g} a query; fingerprint {corpus.fingerprint()}")
+            f"{len(corpus.queries)} queries; median {passage_words:g} words a passage, "
+            f"{query_words:g} a query; fingerprint {corpus.fingerprint()}")
 
 
 def build_parser() -> OneLineParser:

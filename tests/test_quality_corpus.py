@@ -9,7 +9,7 @@ import pytest
 
 from embedserve.quality import corpus as qc
 from embedserve.quality.sphinx import page_sections
-from tests.conftest import tool_missing
+from tests.conftest import HOWTO_RULES, python3_doc_howto
 
 WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
          "eiusmod", "tempor"]
@@ -126,24 +126,12 @@ def test_the_command_writes_the_corpus_and_refuses_bad_flags(
         assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def python3_doc_howto() -> Path:
-    howto = qc.DEFAULT_HTML / "howto"
-    if not howto.is_dir():
-        tool_missing(f"{howto} (Debian package python3-doc)")
-    return howto
-
-
-@pytest.fixture(scope="session")
-def howto_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """CI's small real-text corpus: python3-doc's HOWTO pages (a few hundred passages)."""
-    out = tmp_path_factory.mktemp("corpus") / "howto.json"
-    assert qc.main(["--html", str(python3_doc_howto()), "--out", str(out)]) == 0
-    return out
-
-
 def test_python3_doc_howtos_make_a_corpus_of_hundreds_of_sections(howto_corpus: Path) -> None:
     c = qc.load_corpus(howto_corpus)
-    assert 150 <= len(c.passages) <= 1000
+    assert len(c.passages) == len(c.queries) == 200
+    assert c.info.sections_seen - sum(c.info.dropped.values()) == 200
+    assert c.info.dropped["over_max_passages"] >= 50  # the HOWTOs have more usable sections
     assert len({p.id.split("#")[0] for p in c.passages}) >= 10  # many topics
-    assert c.info.passage_words_median >= 50
-    assert qc.build_corpus(python3_doc_howto()).fingerprint() == c.fingerprint()
+    assert c.info.passage_words_median >= 40
+    rules = qc.CutRules(**HOWTO_RULES)
+    assert qc.build_corpus(python3_doc_howto(), rules).fingerprint() == c.fingerprint()

@@ -96,7 +96,7 @@ class Traffic(BaseModel):
 
     requests: int = 0
     texts: int = 0
-    retried: int = 0  # answers 429 or 503, or failed connections, sent again
+    retried: int = 0  # answers 429, 503 or 504, or failed connections, sent again
     batch_splits: int = 0
     batch_inputs_final: int = 0
     seconds: float = 0.0
