@@ -106,8 +106,8 @@ def build_corpus(root: Path, rules: CutRules = CutRules()) -> Corpus:
         chosen = set(sorted((s.id for s in kept), key=_spread)[: rules.max_passages])
         dropped["over_max_passages"] = len(kept) - len(chosen)
         kept = [s for s in kept if s.id in chosen]
-    if not kept:
-        raise ValueError(f"{root}: no section has a unique heading and a passage of "
+    if len(kept) < 2:
+        raise ValueError(f"{root}: fewer than 2 sections have a unique heading and a passage of "
                          f"at least {rules.min_passage_words} words")
     index = root / "index.html"
     info = CorpusInfo(
@@ -163,7 +163,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--html", type=Path, default=DEFAULT_HTML,
                     help=f"a Sphinx HTML tree (default: python3-doc's, {DEFAULT_HTML})")
     ap.add_argument("--out", type=Path, required=True, help="the corpus file to write (JSON)")
-    ap.add_argument("--max-passages", type=at_least(1), help="keep this many (hash-chosen)")
+    ap.add_argument("--max-passages", type=at_least(2), help="keep this many (hash-chosen)")
     ap.add_argument("--min-passage-words", type=at_least(1), default=CutRules.min_passage_words)
     ap.add_argument("--max-passage-words", type=at_least(1), default=CutRules.max_passage_words)
     ap.add_argument("--min-query-words", type=at_least(1), default=CutRules.min_query_words)

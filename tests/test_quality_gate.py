@@ -101,6 +101,21 @@ def test_a_batch_past_the_deadline_is_halved_and_a_lone_text_sent_again() -> Non
     assert (e.traffic.batch_splits, e.traffic.retried, slept) == (1, 2, [1.0, 1.0])
 
 
+def test_queries_carry_the_input_type_when_asked() -> None:
+    bodies: list[dict[str, object]] = []
+    server = Server()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return server(request)
+
+    e = Embedder(httpx.Client(transport=httpx.MockTransport(handler)), "http://x", ServedModel("m"), Limits())
+    e.embed(TEXTS[:2])
+    e.embed(TEXTS[:2], "query")
+    assert [b.get("input_type") for b in bodies] == [None, "query"]
+    assert all(b["encoding_format"] == "base64" and b["model"] == "m" for b in bodies)
+
+
 def test_429s_are_waited_out_for_their_retry_after() -> None:
     server = Server(throttled=2, retry_after="3")
     e, slept = embedder(server)

@@ -42,8 +42,8 @@ class Corpus(BaseModel):
     """Passages, queries with their relevant passages, and how it was built."""
 
     info: CorpusInfo
-    passages: list[Passage]
-    queries: list[Query]
+    passages: list[Passage] = Field(min_length=2)  # a 10th and an 11th neighbour need a few
+    queries: list[Query] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _relevant_passages_exist(self) -> Corpus:
