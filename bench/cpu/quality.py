@@ -1,21 +1,23 @@
-"""The quality gate on the CPU stack: one baseline ``embedserve up`` (defaults: the torch
-engine and the bundled all-MiniLM-L6-v2) and, one after another, a candidate ``embedserve
-up`` per ``--candidate NAME=SETTINGS``, each compared with the baseline by ``embedserve
-quality`` on the same corpus. Both stacks run on this machine; the gate embeds one side at a
-time, so they do not compete for the cores while measured.
+"""The quality gate on the CPU stack: one baseline ``embedserve up`` (the bundled
+all-MiniLM-L6-v2, with ``--baseline`` settings) and, one after another, a candidate
+``embedserve up`` per ``--candidate NAME=SETTINGS``, each compared with the baseline by
+``embedserve quality`` on the same corpus. Both stacks run on this machine; the gate embeds
+one side at a time, so they do not compete for the cores while measured.
 
     embedserve quality-corpus --out /tmp/python-docs.json
     python -m bench.cpu.quality --corpus /tmp/python-docs.json --out results/quality-cpu \\
-        --candidate torch= \\
+        --baseline EMBEDSERVE_ENGINE__CPU_BACKEND=torch \\
+        --candidate torch=EMBEDSERVE_ENGINE__CPU_BACKEND=torch \\
         --candidate onnx-fp32=EMBEDSERVE_ENGINE__CPU_BACKEND=onnx \\
         --candidate onnx-int8=EMBEDSERVE_ENGINE__CPU_BACKEND=onnx,EMBEDSERVE_ENGINE__CPU_QUANTIZATION=int8
 
-``torch=`` (no settings) is a second torch stack: the sanity check, whose recall must equal
-the baseline's. Each candidate's report goes to ``--out/NAME/`` (quality.json, summary.md);
-``--out/results.json`` and ``results.md`` gather them with the machine and versions (the
-stacks' logs go to the temporary folder's embedserve-quality-cpu/). Flags
-after ``--`` go to ``embedserve quality`` (thresholds: ``-- --max-recall-drop 0.01``). The
-exit status is 0 when every candidate passed, 1 when one missed, 2 when one could not run.
+The ``torch`` candidate is a second torch stack: the sanity check, whose recall must equal
+the baseline's (``NAME=`` with no settings is a stack of the defaults). Each candidate's
+report goes to ``--out/NAME/`` (quality.json, summary.md); ``--out/results.json`` and
+``results.md`` gather them with the machine and versions (the stacks' logs go to the
+temporary folder's embedserve-quality-cpu/). Flags after ``--`` go to ``embedserve quality``
+(thresholds: ``-- --max-recall-drop 0.01``). The exit status is 0 when every candidate
+passed, 1 when one missed, 2 when one could not run.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--candidate", type=candidate, action="append", required=True, metavar="NAME=SETTINGS")
     ap.add_argument("--baseline", type=settings, default={}, metavar="SETTINGS",
-                    help="the baseline's settings (default: none, the torch engine)")
+                    help="the baseline's settings, K=V,K=V (default: none)")
     ap.add_argument("--port", type=int, default=18600, help="the baseline's; candidates take the next")
     ap.add_argument("quality_flags", nargs=argparse.REMAINDER, help="after --: for embedserve quality")
     a = ap.parse_args(argv)
