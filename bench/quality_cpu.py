@@ -5,7 +5,7 @@ all-MiniLM-L6-v2, with ``--baseline`` settings) and, one after another, a candid
 one side at a time, so they do not compete for the cores while measured.
 
     embedserve quality-corpus --out /tmp/python-docs.json
-    python -m bench.cpu.quality --corpus /tmp/python-docs.json --out results/quality-cpu \\
+    python bench/quality_cpu.py --corpus /tmp/python-docs.json --out results/quality-cpu \\
         --baseline EMBEDSERVE_ENGINE__CPU_BACKEND=torch \\
         --candidate torch=EMBEDSERVE_ENGINE__CPU_BACKEND=torch \\
         --candidate onnx-fp32=EMBEDSERVE_ENGINE__CPU_BACKEND=onnx \\
@@ -34,7 +34,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from bench.procs import child_env, embedserve_cmd, log_tail, port_busy, spawn, stop_group, wait_ok
+from procs import child_env, embedserve_cmd, log_tail, port_busy, spawn, stop_group, wait_ok
 
 
 def settings(spec: str) -> dict[str, str]:
