@@ -4,10 +4,12 @@ no I/O, no GPU, so it is tested on any machine (bench/test_report.py)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Any
 
 CROSSCHECK_TOLERANCE = 0.05  # the second client must agree within 5% on tok/s
+QWEN3_TOKENS = 151669  # Qwen3-Embedding's tokenizer: 151,643 BPE ranks and 26 added tokens
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -127,11 +129,22 @@ def first_of(steps: dict[str, Any], prefix: str, key: str) -> Any:
     return next((s[key] for name, s in steps.items() if name.startswith(prefix) and s.get(key)), None)
 
 
+def tokenizer_words(steps: dict[str, Any]) -> str:
+    """What the checkpoints tokenised with, from the token counts the models step recorded."""
+    sizes = sorted(set((first_of(steps, "models", "tokenizer_tokens") or {}).values()))
+    if sizes == [QWEN3_TOKENS]:
+        return "Qwen3's own tokenizer"
+    if not sizes:  # runs from before the step recorded it, when synth-model trained its own
+        return "a 590-token byte-level BPE tokenizer trained on the fly, not Qwen3's"
+    return f"a tokenizer of {' / '.join(f'{n:,}' for n in sizes)} tokens, not Qwen3's"
+
+
 def header(res: dict[str, Any]) -> list[str]:
     meta = res.get("meta", {})
     md = [f"# embedserve GPU benchmark ({meta.get('hardware', 'unknown hardware')})", "",
           "How it was produced: `python bench/suite.py` (bench/README.md). Checkpoints have random "
-          "weights and the exact Qwen3-Embedding shapes and tokenizer (`embedserve synth-model`): "
+          "weights, the exact Qwen3-Embedding shapes and "
+          f"{tokenizer_words(res.get('steps', {}))} (`embedserve synth-model`): "
           "speed and memory depend on shapes, not weight values. Every input is unique unless a "
           "row says repeated content; `cache hits` is SGLang's prefix-cache hit rate over the run. "
           "GPU GB is the memory in use on the GPUs (NVML), peak over the run.", ""]
@@ -200,6 +213,8 @@ def render(res: dict[str, Any]) -> str:
                                                   ("two_conc", "in flight"), ("ratio", "ratio"),
                                                   ("errors", "errors")]), "", *every_run(scale_rows)]
     md += fp8_sections(st)
+    md += overlap_sections(st)
+    md += vllm_sections(st)
     md += drill_section(st.get("drill", {}).get("summary"))
     skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
     failed = [f"- {name}: `{s.get('error')}`" for name, s in st.items() if s.get("ok") is False]
@@ -267,6 +282,86 @@ def fp8_sections(st: dict[str, Any]) -> list[str]:
     md += [f"- attention backend {name} not run: {why[-300:]}"
            for name, why in att.get("not_run", {}).items()]
     return md + ([""] if att.get("not_run") else [])
+
+
+def multi_side(rows: list[dict[str, Any]], sides: list[str]) -> list[dict[str, Any]]:
+    """Per case, each side's medians (tok/s, P50, P95), its worst cache hit rate and peak GPU
+    memory; ``ratio``: the best embedserve side's tok/s over the best vLLM side's, and
+    ``p50_ratio``: the best vLLM P50 over the best embedserve P50 (above 1: embedserve answers
+    sooner)."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case]
+        d: dict[str, Any] = {"case": case, "errors": sum(int(r.get("errors") or 0) for r in mine)}
+        for side in sides:
+            runs = [r for r in mine if r["side"] == side]
+            d[f"{side}|runs"] = len(runs)
+            for key in ("tok_s", "p50_ms", "p95_ms"):
+                d[f"{side}|{key}"] = _median(runs, key)
+            d[f"{side}|hits"] = _max(runs, "prefix_cache_hit_rate")
+        ours = [d[f"{s}|tok_s"] for s in sides if s.startswith("embedserve") and d[f"{s}|tok_s"]]
+        theirs = [d[f"{s}|tok_s"] for s in sides if s.startswith("vllm") and d[f"{s}|tok_s"]]
+        d["ratio"] = round(max(ours) / max(theirs), 3) if ours and theirs else None
+        our_p50 = [d[f"{s}|p50_ms"] for s in sides if s.startswith("embedserve") and d[f"{s}|p50_ms"]]
+        their_p50 = [d[f"{s}|p50_ms"] for s in sides if s.startswith("vllm") and d[f"{s}|p50_ms"]]
+        d["p50_ratio"] = round(min(their_p50) / min(our_p50), 3) if our_p50 and their_p50 else None
+        out.append(d)
+    return out
+
+
+def vllm_sections(st: dict[str, Any]) -> list[str]:
+    """The vLLM peer, per shape: how each side was started, the side-by-side table, memory,
+    vectors against SGLang's and a transformers forward pass, the cross-check."""
+    md: list[str] = []
+    for name, start in st.items():
+        if not name.startswith("vllm-start-"):
+            continue
+        shape = start.get("shape") or name.removeprefix("vllm-start-")
+        rows = rows_of(st, f"vllm-load-{shape}-")
+        sides = list(dict.fromkeys(r["side"] for r in rows)) or list(start.get("argv", {}))
+        md += [f"## vLLM 0.26.0 (pooling runner) vs embedserve, {shape}, same texts", "",
+               "Four servers on one GPU, each measured alone in turn, sides alternating; vLLM is sent "
+               "texts (it tokenises itself). `ratio`: the best embedserve side's tok/s over the best "
+               "vLLM side's; `P50 ratio`: the best vLLM P50 over the best embedserve P50.", ""]
+        for side, argv in start.get("argv", {}).items():
+            facts = (start.get("vllm_facts") or {}).get(side, {})
+            extra = (f"; attention backend {facts.get('attention_backend') or '?'}, CUDA graphs "
+                     f"{facts.get('cudagraph_mode') or '?'}") if facts else ""
+            md.append(f"- {side}: `{' '.join(str(a) for a in argv[-24:])}`, ready after "
+                      f"{fmt((start.get('ready_s') or {}).get(side))} s{extra}")
+        md += [f"- {side} not run: {why[-400:]}" for side, why in (start.get("not_run") or {}).items()]
+        md.append("")
+        if rows:
+            cmp = multi_side(rows, sides)
+            cols = [("case", "case"), *[(f"{s}|tok_s", f"{s} tok/s") for s in sides], ("ratio", "ratio"),
+                    *[(f"{s}|p50_ms", f"{s} P50 ms") for s in sides], ("p50_ratio", "P50 ratio"),
+                    *[(f"{s}|p95_ms", f"{s} P95 ms") for s in sides],
+                    *[(f"{s}|hits", f"{s} cache hits") for s in sides], ("errors", "errors")]
+            md += [*table(cmp, cols), ""]
+        idle = start.get("gpu_gb_idle") or {}
+        after = first_of(st, f"vllm-load-{shape}-", "gpu_gb_after") or {}
+        if idle or after:
+            md += [f"GPU memory of each server's processes (NVML): idle {fmt_dict(idle)}; after the runs "
+                   f"{fmt_dict(after)}.", ""]
+        vec = st.get(f"vllm-vectors-{shape}", {})
+        if vec.get("pairs") or vec.get("errors"):
+            pairs = [{**p, "same_tokens": p.get("tokens_a") == p.get("tokens_b")} for p in vec["pairs"]]
+            md += [f"Vectors, {vec.get('texts')} texts each sent alone (cosine per text):", "",
+                   *table(pairs,
+                          [("pair", "pair"), ("min", "min cosine"), ("cosines", "cosines"),
+                           ("same_tokens", "same token counts")]), ""]
+            md += [f"- {k}: no vectors: `{v[-300:]}`" for k, v in vec.get("errors", {}).items()]
+        if cross := rows_of(st, f"vllm-load-{shape}-", "crosscheck_rows"):
+            md += [f"Cross-check with bench/crosscheck.py, {shape}:", "",
+                   *table(crosscheck_agreement(rows, cross),
+                          [("case", "case"), ("side", "side"), ("loadtest_tok_s", "loadtest tok/s"),
+                           ("crosscheck_tok_s", "crosscheck tok/s"), ("deviation", "deviation"),
+                           ("errors", "errors"), ("agree", "within 5%")]), ""]
+        if rows:
+            md += every_run(rows)
+    return md
+
+
 def drill_section(s: dict[str, Any] | None) -> list[str]:
     """The leak drill's summary (bench/drill_report.py has the arithmetic, the plots and the
     full report, next to drill.json)."""
@@ -297,3 +392,29 @@ def drill_section(s: dict[str, Any] | None) -> list[str]:
             "",
             f"Verdict: {'PASS' if s.get('passed') else 'FAIL'} (replaced before the limit, forecast median "
             "error within 20%, no failed request). Plots and the full report: `drill/README.md`.", ""]
+
+
+OVERLAP_COLS = [("case", "case"), ("side", "engines"), ("tok_s", "tok/s"), ("req_s", "req/s"),
+                ("p50_ms", "P50 ms"), ("p95_ms", "P95 ms"), ("gpu_busy_pct", "GPU busy %"),
+                ("stack_gpu_gb", "stack GPU GB"), ("prefix_cache_hit_rate", "cache hits"),
+                ("gateway_cpu_pct", "gateway CPU %"), ("errors", "errors")]
+
+
+def overlap_sections(st: dict[str, Any]) -> list[str]:
+    """Engines per GPU: each case's configurations next to each other, and the cross-check."""
+    md: list[str] = []
+    for group in ("0.6b", "4b", "4b-fp8"):
+        step = st.get(f"overlap-{group}", {})
+        if not step.get("rows"):
+            continue
+        md += [f"## Engines per GPU: {group}", "", *table(step["rows"], OVERLAP_COLS), ""]
+        if step.get("crosscheck"):
+            md += ["Cross-check of the headline row (same load, two clients):", "",
+                   *table(step["crosscheck"], RUN_COLS), ""]
+    for group in ("0.6b", "4b"):
+        prof = st.get(f"overlap-profile-{group}", {})
+        if prof.get("torch_trace") or prof.get("pyspy"):
+            md += [f"## Profile, one engine: {group}", "", "```json",
+                   json.dumps({k: prof.get(k) for k in ("row", "torch_trace", "pyspy", "torch_error")
+                               if prof.get(k)}, indent=1), "```", ""]
+    return md

@@ -137,7 +137,7 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding the tiny Qwen3 tokenizer (tokenizer.json and its config)."""
+    """A folder holding Qwen3-Embedding's tokenizer (tokenizer.json and its config)."""
     from embedserve.runtime.synth_model import write_tokenizer_files
 
     d = tmp_path_factory.mktemp("tok")
