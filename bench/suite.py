@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
     ap.add_argument("--attention-backends", default="fa3,triton",
                     help="the attention scenario's backends, each against FlashInfer (of: fa3, triton)")
+    ap.add_argument("--quality-corpus", metavar="FILE",
+                    help="the quality gate's corpus (embedserve quality-corpus; default: built from "
+                         "python3-doc when the host has it)")
     ap.add_argument("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
     ap.add_argument("--vllm-cmd", help="command that replaces `python3 -m vllm.entrypoints.cli.main` "
                                        "(e.g. a stub: 'python3 bench/fake_vllm.py')")
@@ -281,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                        out=a.out, drill_rate=a.drill_leak,
                        attention_backends=tuple(a.attention_backends.split(",")),
                        vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
-                       engines_per_gpu=a.engines_per_gpu)
+                       engines_per_gpu=a.engines_per_gpu,
+                       quality_corpus=a.quality_corpus)
     vllm_shapes = tuple(a.vllm_shapes.split(","))
     if set(vllm_shapes) - set(vllm_peer.PORTS):
         ap.error(f"--vllm-shapes takes {', '.join(vllm_peer.PORTS)}")

@@ -146,13 +146,15 @@ def test_the_header_names_the_tokenizer_the_checkpoints_had(tmp_path: Path) -> N
 
 def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
     measured = {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93}
+    retrieval = {"baseline": {"recall_at_10": 0.71, "ndcg_at_10": 0.5},
+                 "candidate": {"recall_at_10": 0.69, "ndcg_at_10": 0.49}}
     st = {"fp8-quality": {"4b": {"texts": 1000, "cosine": {"median": 0.995, "p1": 0.97, "min": 0.9},
-                                 "measured": measured, "passed": False},
+                                 "measured": measured, "retrieval": retrieval, "passed": False},
                           "minilm": {"not_run": "an engine of the pair did not start"}},
           "attention": {"not_run": {"fa3": "sgl_kernel/flash_ops.abi3.so is not installed"}, "rows": []}}
     md = "\n".join(results_md.fp8_sections(st))
-    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | NO | - |" in md
-    assert "| minilm | - | - | - | - | - | - | an engine of the pair did not start |" in md
+    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | 0.71 | 0.69 | NO | - |" in md
+    assert "| minilm | - | - | - | - | - | - | - | - | an engine of the pair did not start |" in md
     assert "attention backend fa3 not run: sgl_kernel/flash_ops.abi3.so is not installed" in md
 
 
@@ -161,7 +163,7 @@ def test_attention_backends_get_a_quality_table() -> None:
             "measured": {"median_cosine": 0.9999, "p1_cosine": 0.9998, "top10_overlap": 0.98}, "passed": True}
     md = "\n".join(results_md.fp8_sections({"attention": {"rows": [], "quality": {"fa3": gate}}}))
     assert "Quality gate, each backend's vectors against FlashInfer's" in md
-    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | yes |" in md
+    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | - | - | yes |" in md  # a report of before the corpus
 
 
 def test_vllm_table_compares_the_best_side_of_each_server() -> None:

@@ -120,7 +120,7 @@ class EngineSettings(BaseModel):
         "none",
         description="fp8: SGLang quantizes the bf16 checkpoint's linear layers to FP8 at load "
         "(weights and activations, dynamic scales): half the weight memory and Hopper's FP8 "
-        "tensor cores. Check what it costs in quality with bench/quality.py first",
+        "tensor cores. Check what it costs in quality with `embedserve quality` first",
     )
     prefix_cache: bool = Field(
         False,

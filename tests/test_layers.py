@@ -23,9 +23,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("embedserve.gateway",)),
     ("runtime", ("embedserve.runtime", "embedserve.__main__")),
 ]
-# The load generator is a client: it speaks the contracts and nothing else of the server.
-CLIENT = ("embedserve.loadtest",)
-CLIENT_MAY_IMPORT = ("embedserve.contracts", "embedserve.loadtest")
+# The load generator and the quality gate are clients: they speak the contracts and nothing
+# else of the server.
+CLIENT = ("embedserve.loadtest", "embedserve.quality")
+CLIENT_MAY_IMPORT = ("embedserve.contracts", "embedserve.loadtest", "embedserve.quality")
 
 
 def _matches(module: str, prefixes: tuple[str, ...]) -> bool:

@@ -16,6 +16,14 @@ _DELEGATED = {
     "cpu-engine": ("embedserve.engines.cpu", "the CPU engine alone"),
     "health": ("embedserve.health.cli", "print the memory forecast of a running gateway"),
     "loadtest": ("embedserve.loadtest.cli", "drive an embeddings endpoint and write a report"),
+    "quality": (
+        "embedserve.quality.cli",
+        "compare a candidate endpoint's vectors and retrieval with a baseline's (exit 1: worse)",
+    ),
+    "quality-corpus": (
+        "embedserve.quality.corpus",
+        "build the quality gate's retrieval corpus from the Python documentation (python3-doc)",
+    ),
     "synth-model": (
         "embedserve.runtime.synth_model",
         "build a random-weight Qwen3-Embedding checkpoint with Qwen3's tokenizer",
