@@ -23,6 +23,7 @@ from embedserve.engines.pool import EnginePool
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import install_error_handlers
+from embedserve.gateway.load import LoadCollector, LoadSignal
 from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics
 from embedserve.gateway.middleware import (
     ApiKeyMiddleware,
@@ -108,6 +109,7 @@ def create_app(
         max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
+    load = LoadSignal(pool.tokens_per_s)
     pipeline = EmbeddingPipeline(
         gw,
         info,
@@ -116,7 +118,7 @@ def create_app(
         TokenAdmission(settings.tokens_in_flight_limit(engine_kind)),
         metrics,
         executor,
-        pool.tokens_per_s,
+        load,
     )
 
     if starting:
@@ -126,6 +128,7 @@ def create_app(
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
 
     registry.register(EngineCacheCollector(pool))
+    registry.register(LoadCollector(load))
     health = create_health(
         settings, registry, lambda: engine_view(pool, pipeline.gate, supervisor), process_pids
     )
@@ -147,6 +150,7 @@ def create_app(
     app.state.pool = pool
     app.state.coalescer = coalescer
     app.state.metrics = metrics
+    app.state.load = load
     app.state.info = info
     app.state.gate = pipeline.gate
     app.state.health = health

@@ -164,3 +164,19 @@ def test_closed_loop_rate_excludes_the_drain(tok_dir: Path, tmp_path: Path) -> N
     # with the drain the window would be ~2.5 s; a busy machine moves the loop's stop by a few ms
     assert meas["duration_s"] == pytest.approx(2.0, abs=0.1)
     assert meas["requests_per_s"] == pytest.approx(meas["ok"] / meas["duration_s"], rel=0.01)
+
+
+def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
+    """--gauge follows a gauge of the target's /metrics through the run (the autoscaling
+    signal in a ramp): here the fake's count of requests answered, which only grows."""
+    with FakeServer(FakeConfig(delay_s=0.02, health_memory=False)) as srv:
+        rc, res = _run([srv.url, "--concurrency", "2", "--duration", "2", "--gauge", "fake_requests_seen",
+                        "--gauge", "not_exported", "--no-plots"], tmp_path)
+    assert rc == 0
+    g = res["gauges"]
+    values = [s["fake_requests_seen"] for s in g["samples"]]
+    assert len(values) >= 3 and values == sorted(values) and values[-1] > values[0]
+    assert all(s["not_exported"] is None for s in g["samples"])
+    assert g["measured"]["fake_requests_seen"]["max"] > 0
+    assert g["measured"]["not_exported"]["median"] is None
+    assert "Gauge `fake_requests_seen`" in (tmp_path / "summary.md").read_text()
