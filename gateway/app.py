@@ -109,13 +109,14 @@ def create_app(
         max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
-    load = LoadSignal(pool.tokens_per_s)
+    admission = TokenAdmission(settings.tokens_in_flight_limit(engine_kind))
+    load = LoadSignal(pool.tokens_per_s, admission.limit)
     pipeline = EmbeddingPipeline(
         gw,
         info,
         ModelTokenizer(info.path, info.max_seq_len),
         coalescer,
-        TokenAdmission(settings.tokens_in_flight_limit(engine_kind)),
+        admission,
         metrics,
         executor,
         load,

@@ -77,7 +77,7 @@ class EmbeddingPipeline:
         admission: TokenAdmission,
         metrics: GatewayMetrics,
         executor: Executor,
-        load: LoadSignal | None = None,
+        load: LoadSignal,
     ) -> None:
         """``load``: the load signal, whose capacity (the engines' measured tokens per
         second) also bounds what one request may ask for."""
@@ -89,7 +89,7 @@ class EmbeddingPipeline:
         self.admission = admission
         self.metrics = metrics
         self.executor = executor
-        self.load = load or LoadSignal(lambda: None)
+        self.load = load
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -226,6 +226,7 @@ class EmbeddingPipeline:
                 headers={"Retry-After": "1"},
             )
         self.metrics.tokens_in_flight.set(self.admission.in_flight)
+        self.load.in_flight(self.admission.in_flight)
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 vectors, times = await self.coalescer.embed([x.ids for x in inputs])
@@ -242,6 +243,7 @@ class EmbeddingPipeline:
         finally:
             self.admission.release(total)
             self.metrics.tokens_in_flight.set(self.admission.in_flight)
+            self.load.in_flight(self.admission.in_flight)
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
 

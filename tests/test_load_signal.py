@@ -1,5 +1,5 @@
-"""The autoscaling signal, embedserve_load: offered tokens per second over the engines'
-measured tokens per second, on an injected clock."""
+"""The autoscaling signal, embedserve_load, on an injected clock: the larger of offered over
+the engines' measured tokens per second and the admission window's average fill."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def offer(signal: LoadSignal, clock: Clock, tokens_per_s: float, seconds: int) -
 
 def test_reads_one_at_capacity_and_follows_the_offered_rate() -> None:
     clock = Clock()
-    signal = LoadSignal(lambda: 2000.0, half_life_s=15.0, clock=clock)
+    signal = LoadSignal(lambda: 2000.0, 1 << 20, half_life_s=15.0, clock=clock)
     offer(signal, clock, 1000, 120)
     assert exported(signal)["embedserve_load"] == pytest.approx(0.5, rel=0.02)
     offer(signal, clock, 2000, 120)  # as much as the engines embed: sustainable capacity
@@ -49,7 +49,7 @@ def test_reads_one_at_capacity_and_follows_the_offered_rate() -> None:
 
 def test_forgets_a_burst_within_a_minute() -> None:
     clock = Clock()
-    signal = LoadSignal(lambda: 1000.0, half_life_s=15.0, clock=clock)
+    signal = LoadSignal(lambda: 1000.0, 1 << 20, half_life_s=15.0, clock=clock)
     offer(signal, clock, 3000, 60)
     offer(signal, clock, 0, 60)  # four half-lives of silence
     assert exported(signal)["embedserve_load"] < 3.0 / 2**3
@@ -58,13 +58,46 @@ def test_forgets_a_burst_within_a_minute() -> None:
 def test_nothing_made_up_before_the_capacity_is_measured() -> None:
     clock = Clock()
     capacity: list[float | None] = [None]
-    signal = LoadSignal(lambda: capacity[0], clock=clock)
+    signal = LoadSignal(lambda: capacity[0], 1 << 20, clock=clock)
     offer(signal, clock, 500, 10)
     got = exported(signal)
     assert "embedserve_load" not in got and "embedserve_capacity_tokens_per_second" not in got
     assert got["embedserve_offered_tokens_per_second"] == pytest.approx(500, rel=0.05)
     capacity[0] = 1000.0
     assert exported(signal)["embedserve_load"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_a_full_admission_window_reads_one_whatever_the_capacity_says() -> None:
+    """The engines look fast (the capacity is stale or wrong), but requests queue until the
+    bound: the pod is at its limit, and 429s begin there."""
+    clock = Clock()
+    signal = LoadSignal(lambda: 1e6, 4096, half_life_s=15.0, clock=clock)
+    signal.in_flight(2048)
+    clock.t += 120
+    got = exported(signal)
+    assert got["embedserve_admission_fill"] == pytest.approx(0.5, rel=0.01)
+    assert got["embedserve_load"] == pytest.approx(0.5, rel=0.01)
+    for _ in range(600):  # the window full, half the time over by one request's worth
+        signal.in_flight(4096)
+        clock.t += 0.1
+        signal.in_flight(4096 - 64)
+        clock.t += 0.1
+    assert exported(signal)["embedserve_load"] == pytest.approx(1.0, abs=0.01)
+    signal.in_flight(0)
+    clock.t += 60  # four half-lives empty
+    assert exported(signal)["embedserve_admission_fill"] < 1 / 2**3
+
+
+def test_the_larger_part_is_the_load() -> None:
+    clock = Clock()
+    signal = LoadSignal(lambda: 1000.0, 10_000, half_life_s=15.0, clock=clock)
+    signal.in_flight(3000)
+    offer(signal, clock, 500, 120)
+    got = exported(signal)
+    assert got["embedserve_load"] == pytest.approx(0.5, rel=0.02)  # demand 0.5 > fill 0.3
+    signal.in_flight(9000)
+    offer(signal, clock, 500, 120)
+    assert exported(signal)["embedserve_load"] == pytest.approx(0.9, rel=0.02)  # fill 0.9
 
 
 def test_decayed_rate_counts_wall_time() -> None:

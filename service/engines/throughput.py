@@ -14,19 +14,22 @@ offered per second, the load signal's numerator."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 
 class DecayedRate:
     """Tokens and seconds both decay with one half-life, so their ratio weighs recent
-    seconds most and forgets nothing abruptly."""
+    seconds most and forgets nothing abruptly. Tokens arrive as counts (``add``) or accrue
+    at a level per second (``set_level``: the ratio is then the level's time average)."""
 
     def __init__(self, half_life_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.half_life_s = half_life_s
         self._clock = clock
         self._tokens = 0.0
         self._seconds = 0.0
+        self._level = 0.0
         self._last = clock()
 
     def _counting(self) -> bool:
@@ -38,13 +41,20 @@ class DecayedRate:
         elapsed = now - self._last
         if elapsed > 0:
             decay = 0.5 ** (elapsed / self.half_life_s)
-            self._tokens *= decay
-            self._seconds = self._seconds * decay + (elapsed if self._counting() else 0.0)
+            # the interval just past, each instant weighed by its own decay since
+            weight = -math.expm1(-elapsed / self.half_life_s * math.log(2)) * self.half_life_s / math.log(2)
+            self._tokens = self._tokens * decay + self._level * weight
+            self._seconds = self._seconds * decay + (weight if self._counting() else 0.0)
             self._last = now
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: float) -> None:
         self._advance()
         self._tokens += tokens
+
+    def set_level(self, per_s: float) -> None:
+        """From now on tokens accrue at ``per_s`` (e.g. tokens in flight: token-seconds)."""
+        self._advance()
+        self._level = per_s
 
     def tokens_per_s(self) -> float | None:
         """``None`` until some time has counted."""
