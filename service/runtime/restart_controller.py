@@ -335,9 +335,9 @@ class ControllerMetrics:
             "embedserve_restart_controller_rounds", "Rounds, by outcome", ["action"], registry=self.registry
         )
 
-    def step(self, step: str, message: str, **fields: Any) -> None:
+    def step(self, step: str, message: str, level: int = logging.WARNING, **fields: Any) -> None:
         self.steps.labels(step).inc()
-        log.warning(message, extra={"step": step, **fields})
+        log.log(level, message, extra={"step": step, **fields})
 
 
 # --------------------------------------------------------------------------- a round
@@ -460,7 +460,7 @@ async def _advance(
         log.info("surge over: %s", detail, extra={"pod": surge.pod})
         return Decision("none", f"surge over: {detail}", surge.pod)
     if where == "wait":
-        metrics.step("surge_wait", f"surge: waiting, {detail}", pod=surge.pod)
+        metrics.step("surge_wait", f"surge: waiting, {detail}", logging.INFO, pod=surge.pod)
         return Decision("surge", detail, surge.pod)
     if where == "ready":
         metrics.step("surge_ready", f"surge ready: {detail}", pod=surge.pod)
@@ -522,26 +522,37 @@ async def run_once(
         )
     deployment = await _read_deployment(api, cfg)
     surge = surging.read_surge(deployment)
-    metrics.surging.set(surge is not None)
     if surge is not None:
         decision = await _advance(api, cfg, surge, observations, now, metrics)
     else:
         decision = decide(observations, policy)
         if decision.action == "evict" and decision.pod is not None:
-            why = "the Deployment cannot be read" if deployment is None else None
-            if deployment is not None:
-                started = await _start_surge(api, cfg, decision, deployment, observations, now, metrics)
-                if isinstance(started, Decision):
-                    metrics.surging.set(not cfg.dry_run)
-                    metrics.rounds.labels(started.action).inc()
-                    return started
-                why = started
-            metrics.step("no_surge", f"no surge before evicting {decision.pod}: {why}", pod=decision.pod)
-            decision = await _evict(api, cfg, decision, metrics)
+            decision = await _restart(api, cfg, decision, deployment, observations, now, metrics)
         else:
             log.info("%s: %s", decision.action, decision.reason)
+    metrics.surging.set(decision.action == "surge" and not cfg.dry_run)
     metrics.rounds.labels(decision.action).inc()
     return decision
+
+
+async def _restart(
+    api: KubeApi,
+    cfg: ControllerSettings,
+    decision: Decision,
+    deployment: dict[str, Any] | None,
+    observations: list[Observation],
+    now: float,
+    metrics: ControllerMetrics,
+) -> Decision:
+    """Surge before evicting ``decision.pod`` where there is room; else evict it now."""
+    why = "the Deployment cannot be read"
+    if deployment is not None:
+        started = await _start_surge(api, cfg, decision, deployment, observations, now, metrics)
+        if isinstance(started, Decision):
+            return started
+        why = started
+    metrics.step("no_surge", f"no surge before evicting {decision.pod}: {why}", pod=decision.pod)
+    return await _evict(api, cfg, decision, metrics)
 
 
 def policy_from(settings: Settings) -> Policy:
