@@ -110,7 +110,7 @@ def create_app(
     )
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
     admission = TokenAdmission(settings.tokens_in_flight_limit(engine_kind))
-    load = LoadSignal(pool.tokens_per_s, admission.limit)
+    load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
     pipeline = EmbeddingPipeline(
         gw,
         info,

@@ -10,9 +10,11 @@ sustainable capacity. It is the larger of two ratios that each read 1.0 at the p
   says: requests queue for the engines until the bound is full, so this is the queue's wait
   against the longest wait the pod accepts.
 
-Both are averaged with a 15 s half-life. Nothing is exported until the engines' capacity
-is measured (the start-up warm-up measures it), so a starting pod never reports a made-up
-figure. Why this signal: docs/DEPLOY.md ("Scaling past one pod").
+Both are averaged with a 15 s half-life. A pod with no ready engine exports no load (a
+starting pod never reports a made-up figure); until the engines' capacity is measured
+(``up``'s warm-up measures it at start, ``embedserve gateway`` from its first large calls)
+the load is the admission fill alone. Why this signal: docs/DEPLOY.md ("Scaling past one
+pod").
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class LoadSignal:
         self,
         capacity: Callable[[], float | None],
         admission_limit: int,
+        ready: Callable[[], bool] = lambda: True,
         half_life_s: float = HALF_LIFE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``capacity``: the ready engines' measured tokens per second (None while unknown);
-        ``admission_limit``: the tokens in flight past which requests get 429."""
+        ``admission_limit``: the tokens in flight past which requests get 429; ``ready``:
+        whether an engine is ready to serve."""
         self.capacity = capacity
         self.admission_limit = admission_limit
+        self.ready = ready
         self._offered = DecayedRate(half_life_s, clock)
         # token-seconds in flight per second: the average number of tokens in flight
         self._held = DecayedRate(half_life_s, clock)
@@ -86,16 +91,16 @@ class LoadCollector(Collector):
             value=fill,
         )
         capacity = self.signal.capacity()
-        if not capacity:
-            return
-        yield GaugeMetricFamily(
-            "embedserve_capacity_tokens_per_second",
-            "Tokens the ready engines embed per second of busy time, measured",
-            value=capacity,
-        )
-        yield GaugeMetricFamily(
-            "embedserve_load",
-            "The pod's load, 1.0 = its sustainable capacity: the larger of offered over measured "
-            "tokens per second and the admission fill",
-            value=max(offered / capacity, fill),
-        )
+        if capacity:
+            yield GaugeMetricFamily(
+                "embedserve_capacity_tokens_per_second",
+                "Tokens the ready engines embed per second of busy time, measured",
+                value=capacity,
+            )
+        if self.signal.ready():
+            yield GaugeMetricFamily(
+                "embedserve_load",
+                "The pod's load, 1.0 = its sustainable capacity: the larger of offered over measured "
+                "tokens per second and the admission fill",
+                value=max(offered / capacity if capacity else 0.0, fill),
+            )

@@ -55,14 +55,18 @@ def test_forgets_a_burst_within_a_minute() -> None:
     assert exported(signal)["embedserve_load"] < 3.0 / 2**3
 
 
-def test_nothing_made_up_before_the_capacity_is_measured() -> None:
+def test_nothing_made_up_before_an_engine_is_ready_or_the_capacity_measured() -> None:
     clock = Clock()
     capacity: list[float | None] = [None]
-    signal = LoadSignal(lambda: capacity[0], 1 << 20, clock=clock)
+    ready = [False]
+    signal = LoadSignal(lambda: capacity[0], 1000, lambda: ready[0], clock=clock)
+    signal.in_flight(300)
     offer(signal, clock, 500, 10)
     got = exported(signal)
     assert "embedserve_load" not in got and "embedserve_capacity_tokens_per_second" not in got
     assert got["embedserve_offered_tokens_per_second"] == pytest.approx(500, rel=0.05)
+    ready[0] = True  # ready, capacity unknown: the admission fill alone
+    assert exported(signal)["embedserve_load"] == pytest.approx(0.3, rel=0.01)
     capacity[0] = 1000.0
     assert exported(signal)["embedserve_load"] == pytest.approx(0.5, rel=0.05)
 
