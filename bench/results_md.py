@@ -4,6 +4,7 @@ no I/O, no GPU, so it is tested on any machine (bench/test_report.py)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Any
 
@@ -200,6 +201,7 @@ def render(res: dict[str, Any]) -> str:
                                                   ("two_conc", "in flight"), ("ratio", "ratio"),
                                                   ("errors", "errors")]), "", *every_run(scale_rows)]
     md += fp8_sections(st)
+    md += overlap_sections(st)
     md += drill_section(st.get("drill", {}).get("summary"))
     skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
     failed = [f"- {name}: `{s.get('error')}`" for name, s in st.items() if s.get("ok") is False]
@@ -290,3 +292,29 @@ def drill_section(s: dict[str, Any] | None) -> list[str]:
             "",
             f"Verdict: {'PASS' if s.get('passed') else 'FAIL'} (replaced before the limit, forecast median "
             "error within 20%, no failed request). Plots and the full report: `drill/README.md`.", ""]
+
+
+OVERLAP_COLS = [("case", "case"), ("side", "engines"), ("tok_s", "tok/s"), ("req_s", "req/s"),
+                ("p50_ms", "P50 ms"), ("p95_ms", "P95 ms"), ("gpu_busy_pct", "GPU busy %"),
+                ("stack_gpu_gb", "stack GPU GB"), ("prefix_cache_hit_rate", "cache hits"),
+                ("gateway_cpu_pct", "gateway CPU %"), ("errors", "errors")]
+
+
+def overlap_sections(st: dict[str, Any]) -> list[str]:
+    """Engines per GPU: each case's configurations next to each other, and the cross-check."""
+    md: list[str] = []
+    for group in ("0.6b", "4b", "4b-fp8"):
+        step = st.get(f"overlap-{group}", {})
+        if not step.get("rows"):
+            continue
+        md += [f"## Engines per GPU: {group}", "", *table(step["rows"], OVERLAP_COLS), ""]
+        if step.get("crosscheck"):
+            md += ["Cross-check of the headline row (same load, two clients):", "",
+                   *table(step["crosscheck"], RUN_COLS), ""]
+    for group in ("0.6b", "4b"):
+        prof = st.get(f"overlap-profile-{group}", {})
+        if prof.get("torch_trace") or prof.get("pyspy"):
+            md += [f"## Profile, one engine: {group}", "", "```json",
+                   json.dumps({k: prof.get(k) for k in ("row", "torch_trace", "pyspy", "torch_error")
+                               if prof.get(k)}, indent=1), "```", ""]
+    return md

@@ -31,6 +31,7 @@ from typing import Any
 
 import drill
 import fp8
+import overlap
 import peers
 import results_md
 import scaleout
@@ -40,7 +41,7 @@ from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
 SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-             "attention")
+             "attention", "engines-per-gpu", "engines-per-gpu-detail")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -89,7 +90,8 @@ def raw_vs_gateway(shape: str) -> list[Step]:
 
 
 def plan(selected: tuple[str, ...]) -> list[Step]:
-    shapes = ("4b", "0.6b") if {"raw-vs-gateway", "fp8"} & set(selected) else ("4b",)
+    shapes = ("4b", "0.6b") if {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"} & set(
+        selected) else ("4b",)
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
     up_for = ("soak-capacity", "scale")
     steps = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
@@ -121,6 +123,24 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("fp8-throughput", ("fp8",), fp8.step_fp8_throughput, 330),
         Step("attention", ("attention",), fp8.step_attention, 330),
         Step("fp8-stop", ("fp8", "attention"), fp8.step_fp8_stop, 30, always=True),
+        # several engines per GPU against one and raw SGLang; every stack starts at once
+        Step("overlap-start", ("engines-per-gpu",), overlap.step_start, 150,
+             holds=tuple(c.tag for g in ("0.6b", "4b", "4b-fp8") for c in overlap.CONFIGS[g])),
+        Step("overlap-profile-0.6b", ("engines-per-gpu",), overlap.step_profile, 40),
+        Step("overlap-0.6b", ("engines-per-gpu",), partial(overlap.step_measure, group="0.6b"), 390),
+        Step("overlap-profile-4b", ("engines-per-gpu",), partial(overlap.step_profile, group="4b"), 40),
+        Step("overlap-4b", ("engines-per-gpu",), partial(overlap.step_measure, group="4b"), 300),
+        Step("overlap-4b-fp8", ("engines-per-gpu",), partial(overlap.step_measure, group="4b-fp8"), 120),
+        Step("overlap-stop", ("engines-per-gpu",), overlap.step_stop, 30, always=True),
+        # per-engine memory, GPU-only profiles with py-spy, latency in three rounds, batch budget
+        Step("detail-start", ("engines-per-gpu-detail",), overlap.step_detail_start, 150,
+             holds=tuple(c.tag for g in overlap.DETAIL.values() for c in g)),
+        Step("detail-profile-0.6b", ("engines-per-gpu-detail",), overlap.step_detail_profile, 40),
+        Step("detail-profile-4b", ("engines-per-gpu-detail",),
+             partial(overlap.step_detail_profile, group="4b"), 40),
+        Step("detail-latency", ("engines-per-gpu-detail",), overlap.step_detail_latency, 150),
+        Step("detail-knobs", ("engines-per-gpu-detail",), overlap.step_detail_knobs, 140),
+        Step("detail-stop", ("engines-per-gpu-detail",), overlap.step_detail_stop, 30, always=True),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]

@@ -91,7 +91,7 @@ def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
-    assert len(set(everything)) == len(everything) == 28
+    assert len(set(everything)) == len(everything) == 41
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
 
 

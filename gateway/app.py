@@ -100,6 +100,7 @@ def create_app(
         client=engine_client,
         base64_vectors=eng.base64_vectors,
         capacity_call_tokens=settings.engine_call_tokens(engine_kind) // 4,
+        gpus=settings.engine_gpus() if engine_kind == "sglang" else None,
     )
     coalescer = Coalescer(
         pool.embed,

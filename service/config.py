@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -88,7 +88,13 @@ class EngineSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 30000
     replicas: int = Field(
-        1, ge=1, description="local engines to start, on port, port+1, ...; SGLang gets GPU i each"
+        1, ge=1, description="GPUs to use: SGLang engines are started on GPU 0 .. replicas-1"
+    )
+    engines_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="SGLang engines on each GPU (ports port, port+1, ...), so one engine's CPU "
+        "work overlaps another's forward passes. auto: by model size (docs/PERFORMANCE.md), "
+        "lowered to what fits the GPU's memory; a number that does not fit is refused at start",
     )
     batch_token_budget: int = Field(
         16384, ge=64, description="tokens per engine batch (prefill chunk, prefill budget)"
@@ -350,16 +356,34 @@ class Settings(BaseSettings):
     def hang_after_s(self) -> float:
         return self.health.hang_after_s or 4 * self.gateway.request_timeout_s
 
+    def engines_per_gpu(self) -> int:
+        """As resolved at start (``auto`` counts as one until then)."""
+        n = self.engine.engines_per_gpu
+        return n if isinstance(n, int) else 1
+
+    def local_engine_count(self) -> int:
+        return self.engine.replicas * self.engines_per_gpu()
+
+    def engine_gpu(self, index: int) -> int:
+        """The GPU (among the visible ones) of local engine ``index``."""
+        return index // self.engines_per_gpu()
+
     def engine_urls(self) -> list[str]:
         e = self.engine
-        return e.urls or [f"http://{e.host}:{e.port + i}" for i in range(e.replicas)]
+        return e.urls or [f"http://{e.host}:{e.port + i}" for i in range(self.local_engine_count())]
+
+    def engine_gpus(self) -> list[int | None]:
+        """The GPU of each engine in ``engine_urls``; None for engines this stack did not start."""
+        if self.engine.urls:
+            return [None] * len(self.engine.urls)
+        return [self.engine_gpu(i) for i in range(self.local_engine_count())]
 
     def with_engine(self, **changes: Any) -> Settings:
         return self.model_copy(update={"engine": self.engine.model_copy(update=changes)})
 
     def for_replica(self, index: int) -> Settings:
         """The same settings as seen by local engine ``index`` (its own port)."""
-        return self.with_engine(port=self.engine.port + index, replicas=1)
+        return self.with_engine(port=self.engine.port + index, replicas=1, engines_per_gpu=1)
 
     def child_env(self) -> dict[str, str]:
         """What an engine process needs to see exactly these settings (secrets stay hidden:

@@ -9,6 +9,7 @@ set -euo pipefail
 DEST=${1:?usage: make-bundles.sh DEST_DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$DEST"/{b1,b2,b3,b4}
+DEST=$(cd "$DEST" && pwd)  # the steps below change folders
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
@@ -53,8 +54,10 @@ rm -f "$DEST"/b2/embedserve-*.whl
 pip wheel -q --no-deps -w "$DEST/b2" "$ROOT"
 
 # b3: transformers pinned to what SGLang 0.5.17 expects (transformers 5.17 clashes on
-# 'qwen3_asr'), and the remaining modules SGLang imports at start-up
-dl "$DEST/b3" transformers==5.12.1 tokenizers==0.22.2 \
+# 'qwen3_asr'), the remaining modules SGLang imports at start-up, and py-spy
+# (bench/profile_engine.py). py-spy is a script, and `pip install --target --upgrade` replaces
+# the target's bin/ with each bundle's: it must come with the last bundle that has scripts.
+dl "$DEST/b3" transformers==5.12.1 tokenizers==0.22.2 py-spy \
   ipython traitlets decorator matplotlib-inline jedi parso prompt-toolkit wcwidth pexpect \
   ptyprocess stack-data asttokens executing pure-eval ipython-pygments-lexers \
   zstandard compressed-tensors gguf anthropic blobfile pycryptodomex easydict watchfiles \

@@ -98,6 +98,7 @@ class EngineStatus(_Doc):
     """One engine behind the gateway."""
 
     url: str
+    gpu: int | None = Field(None, description="the GPU a local engine runs on; several may share one")
     ready: bool
     outstanding_tokens: int = 0
     calls: int = 0

@@ -51,6 +51,7 @@ class EngineRejected(EngineError):
 @dataclass
 class EngineState:
     url: str
+    gpu: int | None = None  # which GPU a local engine runs on (several may share one)
     ready: bool = False
     retiring: bool = False  # being replaced: gets no new calls, finishes what it holds
     outstanding_tokens: int = 0
@@ -107,12 +108,15 @@ class EnginePool:
         client: EngineClient | None = None,
         base64_vectors: bool = True,
         capacity_call_tokens: int = 0,
+        gpus: list[int | None] | None = None,
     ) -> None:
         """``client`` replaces the network to the engines (tests use a fake engine);
-        calls of at least ``capacity_call_tokens`` measure the engines' capacity."""
+        calls of at least ``capacity_call_tokens`` measure the engines' capacity; ``gpus``:
+        each engine's GPU, where known."""
         self._capacity_call_tokens = capacity_call_tokens
         self.engines = [
-            EngineState(u.rstrip("/"), throughput=Throughput(min_tokens=capacity_call_tokens)) for u in urls
+            EngineState(u.rstrip("/"), gpu=g, throughput=Throughput(min_tokens=capacity_call_tokens))
+            for u, g in zip(urls, gpus or [None] * len(urls), strict=True)
         ]
         self._model = model
         self._timeout = request_timeout_s
@@ -158,6 +162,7 @@ class EnginePool:
         return [
             EngineStatus(
                 url=e.url,
+                gpu=e.gpu,
                 ready=e.ready,
                 outstanding_tokens=e.outstanding_tokens,
                 calls=e.calls,
@@ -184,9 +189,9 @@ class EnginePool:
     def by_url(self, url: str) -> EngineState:
         return next(e for e in self.engines if e.url == url.rstrip("/"))
 
-    def add(self, url: str, ready: bool = True) -> EngineState:
+    def add(self, url: str, ready: bool = True, gpu: int | None = None) -> EngineState:
         """A new engine (one that replaces another): takes calls at once when ``ready``."""
-        engine = EngineState(url.rstrip("/"), ready=ready, ever_ready=ready,
+        engine = EngineState(url.rstrip("/"), gpu=gpu, ready=ready, ever_ready=ready,
                              throughput=Throughput(min_tokens=self._capacity_call_tokens))
         self.engines.append(engine)
         return engine

@@ -38,6 +38,7 @@ _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "host": ("gateway", "host"),
     "port": ("gateway", "port"),
     "engine_port": ("engine", "port"),
+    "engines_per_gpu": ("engine", "engines_per_gpu"),
 }
 
 
@@ -51,6 +52,8 @@ def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--host", help="gateway address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, help="gateway port (default 8000)")
     ap.add_argument("--engine-port", type=int, help="engine port (default 30000)")
+    ap.add_argument("--engines-per-gpu", metavar="N|auto",
+                    help="SGLang engines on each GPU (default auto: by model size and GPU memory)")
     return ap
 
 

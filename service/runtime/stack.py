@@ -18,6 +18,7 @@ import uvicorn
 
 from embedserve.config import Settings
 from embedserve.engines.launch import engine_launch
+from embedserve.engines.sglang import LaunchConfigError, plan_engines
 from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
@@ -94,7 +95,7 @@ def check_ports(settings: Settings, local_engines: bool) -> None:
     g, e = settings.gateway, settings.engine
     check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
     if local_engines:
-        for index in range(e.replicas):
+        for index in range(settings.local_engine_count()):
             check_free(e.host, e.port + index, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
 
 
@@ -104,9 +105,30 @@ async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
     on purpose (a leak drill)."""
     try:
         return await _run_stack(settings, drill_leak)
-    except PortInUse as exc:  # one plain sentence, on a terminal or in a log collector
+    except (PortInUse, LaunchConfigError) as exc:  # one plain sentence, on a terminal or in a log collector
         print(f"embedserve: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def resolve_engines_per_gpu(settings: Settings, info: ModelInfo, kind: str) -> Settings:
+    """``engine.engines_per_gpu`` as a number: SGLang's from the model and the GPU (fewer than
+    asked for by ``auto`` when they would not fit, with the reason logged); one otherwise."""
+    if kind != "sglang":
+        if settings.engine.engines_per_gpu not in ("auto", 1):
+            log.warning("engines_per_gpu applies to SGLang engines only: starting one",
+                        extra={"engine_kind": kind})
+        return settings.with_engine(engines_per_gpu=1)
+    plan = plan_engines(settings, info)
+    for note in plan.notes:
+        log.warning(note)
+    memory = plan.engine
+    log.info("engines per GPU", extra={
+        "engines_per_gpu": plan.per_gpu,
+        "engine_gb": round(memory.total / 1e9, 1) if memory else None,
+        "all_engines_gb": round(plan.per_gpu * memory.total / 1e9, 1) if memory else None,
+        "usable_gb": round(plan.usable_bytes / 1e9, 1) if plan.usable_bytes else None,
+    })
+    return settings.with_engine(engines_per_gpu=plan.per_gpu)
 
 
 async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
@@ -115,6 +137,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     kind = resolve_engine_kind(settings)
     info = ModelInfo.load(settings.model)
     local = kind != "external"
+    settings = resolve_engines_per_gpu(settings, info, kind)
     check_ports(settings, local)
     private_stats = None
     if local and settings.engine.stats_dir is None:  # two stacks on one host never mix stats
