@@ -28,6 +28,30 @@ def gpu_used_gb() -> list[float] | None:
         pynvml.nvmlShutdown()
 
 
+def tree_used_gb(roots: dict[str, list[int]]) -> dict[str, float]:
+    """GPU memory of each named set of processes and all their descendants (a stack: `up`
+    starts each engine in a session of its own, so a process group misses them), over all
+    GPUs, from NVML's per-process figures; empty without NVML."""
+    import psutil
+
+    members: dict[str, set[int]] = {}
+    for name, pids in roots.items():
+        found = set(pids)
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                found.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        members[name] = found
+    reader = ProcessGpuReader()
+    try:
+        reading = reader.read()
+    finally:
+        reader.close()
+    if reading is None:
+        return {}
+    per_pid, _ = reading
+    return {name: round(sum(per_pid.get(p, 0) for p in pids) / GB, 2) for name, pids in members.items()}
+
+
 def group_used_gb(pgids: dict[str, int]) -> dict[str, float]:
     """GPU memory of each named process group (an engine and its scheduler children), over
     all GPUs, from NVML's per-process figures; empty without NVML."""

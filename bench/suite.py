@@ -32,6 +32,7 @@ from typing import Any
 
 import drill
 import fp8
+import overlap
 import peers
 import results_md
 import scaleout
@@ -42,7 +43,7 @@ from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
 SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-             "attention", "vllm")
+             "attention", "engines-per-gpu", "engines-per-gpu-detail", "vllm")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -72,7 +73,16 @@ def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = 
         output, _ = proc.communicate(timeout=max(30.0, min(budget_end - time.time(), 1800.0)))
         if proc.returncode:
             raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
-    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs)}
+    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs),
+            "tokenizer_tokens": {s: tokenizer_tokens(Path(host.model(s))) for s in shapes}}
+
+
+def tokenizer_tokens(model_dir: Path) -> int:
+    """Tokens in a checkpoint's tokenizer.json, added ones included (Qwen3's: 151,669): a
+    folder kept from an earlier run may hold another tokenizer, and the report says which."""
+    doc = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    return len(vocab) + sum(t["content"] not in vocab for t in doc.get("added_tokens", []))
 
 
 def step_finish(host: stacks.Host, budget_end: float) -> dict[str, Any]:
@@ -103,7 +113,8 @@ def vllm_steps(shape: str) -> list[Step]:
 
 
 def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b")) -> list[Step]:
-    shapes: tuple[str, ...] = ("4b", "0.6b") if {"raw-vs-gateway", "fp8"} & set(selected) else ("4b",)
+    both = {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"}
+    shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
@@ -136,6 +147,24 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b"
         Step("fp8-throughput", ("fp8",), fp8.step_fp8_throughput, 330),
         Step("attention", ("attention",), fp8.step_attention, 330),
         Step("fp8-stop", ("fp8", "attention"), fp8.step_fp8_stop, 30, always=True),
+        # several engines per GPU against one and raw SGLang; every stack starts at once
+        Step("overlap-start", ("engines-per-gpu",), overlap.step_start, 150,
+             holds=tuple(c.tag for g in ("0.6b", "4b", "4b-fp8") for c in overlap.CONFIGS[g])),
+        Step("overlap-profile-0.6b", ("engines-per-gpu",), overlap.step_profile, 40),
+        Step("overlap-0.6b", ("engines-per-gpu",), partial(overlap.step_measure, group="0.6b"), 390),
+        Step("overlap-profile-4b", ("engines-per-gpu",), partial(overlap.step_profile, group="4b"), 40),
+        Step("overlap-4b", ("engines-per-gpu",), partial(overlap.step_measure, group="4b"), 300),
+        Step("overlap-4b-fp8", ("engines-per-gpu",), partial(overlap.step_measure, group="4b-fp8"), 120),
+        Step("overlap-stop", ("engines-per-gpu",), overlap.step_stop, 30, always=True),
+        # per-engine memory, GPU-only profiles with py-spy, latency in three rounds, batch budget
+        Step("detail-start", ("engines-per-gpu-detail",), overlap.step_detail_start, 150,
+             holds=tuple(c.tag for g in overlap.DETAIL.values() for c in g)),
+        Step("detail-profile-0.6b", ("engines-per-gpu-detail",), overlap.step_detail_profile, 40),
+        Step("detail-profile-4b", ("engines-per-gpu-detail",),
+             partial(overlap.step_detail_profile, group="4b"), 40),
+        Step("detail-latency", ("engines-per-gpu-detail",), overlap.step_detail_latency, 150),
+        Step("detail-knobs", ("engines-per-gpu-detail",), overlap.step_detail_knobs, 140),
+        Step("detail-stop", ("engines-per-gpu-detail",), overlap.step_detail_stop, 30, always=True),
         # vLLM's pooling runner: servers of its own, the 0.6B first (the 4B where time is left)
         *(step for shape in vllm_shapes for step in vllm_steps(shape)),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
@@ -232,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
     ap.add_argument("--attention-backends", default="fa3,triton",
                     help="the attention scenario's backends, each against FlashInfer (of: fa3, triton)")
+    ap.add_argument("--quality-corpus", metavar="FILE",
+                    help="the quality gate's corpus (embedserve quality-corpus; default: built from "
+                         "python3-doc when the host has it)")
     ap.add_argument("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
     ap.add_argument("--vllm-cmd", help="command that replaces `python3 -m vllm.entrypoints.cli.main` "
                                        "(e.g. a stub: 'python3 bench/fake_vllm.py')")
@@ -252,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                        out=a.out, drill_rate=a.drill_leak,
                        attention_backends=tuple(a.attention_backends.split(",")),
                        vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
-                       engines_per_gpu=a.engines_per_gpu)
+                       engines_per_gpu=a.engines_per_gpu,
+                       quality_corpus=a.quality_corpus)
     vllm_shapes = tuple(a.vllm_shapes.split(","))
     if set(vllm_shapes) - set(vllm_peer.PORTS):
         ap.error(f"--vllm-shapes takes {', '.join(vllm_peer.PORTS)}")

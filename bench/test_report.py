@@ -92,7 +92,7 @@ def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
-    assert len(set(everything)) == len(everything) == 37
+    assert len(set(everything)) == len(everything) == 50
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
 
 
@@ -127,15 +127,36 @@ def test_the_recorded_dry_run_renders_every_table() -> None:
                                                        ("medium", "raw"), ("medium", "gateway")]
 
 
+def test_the_header_names_the_tokenizer_the_checkpoints_had(tmp_path: Path) -> None:
+    """Counted from the folders the models step used: a folder kept from an older run may hold
+    the small BPE synth-model trained before it wrote Qwen3's tokenizer."""
+    from embedserve.runtime.synth_model import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    qwen3 = suite.tokenizer_tokens(tmp_path)
+    assert qwen3 == results_md.QWEN3_TOKENS
+
+    def said(step: dict[str, Any]) -> str:
+        return results_md.header({"steps": {"models": {"ok": True, **step}}, "meta": {}})[2]
+
+    assert "shapes and Qwen3's own tokenizer (`embedserve synth-model`)" in said(
+        {"tokenizer_tokens": {"4b": qwen3, "0.6b": qwen3}})
+    assert "a 590-token byte-level BPE tokenizer trained on the fly, not Qwen3's" in said({})
+    assert "a tokenizer of 590 / 151,669 tokens, not Qwen3's" in said(
+        {"tokenizer_tokens": {"4b": qwen3, "0.6b": 590}})
+
+
 def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
     measured = {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93}
+    retrieval = {"baseline": {"recall_at_10": 0.71, "ndcg_at_10": 0.5},
+                 "candidate": {"recall_at_10": 0.69, "ndcg_at_10": 0.49}}
     st = {"fp8-quality": {"4b": {"texts": 1000, "cosine": {"median": 0.995, "p1": 0.97, "min": 0.9},
-                                 "measured": measured, "passed": False},
+                                 "measured": measured, "retrieval": retrieval, "passed": False},
                           "minilm": {"not_run": "an engine of the pair did not start"}},
           "attention": {"not_run": {"fa3": "sgl_kernel/flash_ops.abi3.so is not installed"}, "rows": []}}
     md = "\n".join(results_md.fp8_sections(st))
-    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | NO | - |" in md
-    assert "| minilm | - | - | - | - | - | - | an engine of the pair did not start |" in md
+    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | 0.71 | 0.69 | NO | - |" in md
+    assert "| minilm | - | - | - | - | - | - | - | - | an engine of the pair did not start |" in md
     assert "attention backend fa3 not run: sgl_kernel/flash_ops.abi3.so is not installed" in md
 
 
@@ -144,7 +165,7 @@ def test_attention_backends_get_a_quality_table() -> None:
             "measured": {"median_cosine": 0.9999, "p1_cosine": 0.9998, "top10_overlap": 0.98}, "passed": True}
     md = "\n".join(results_md.fp8_sections({"attention": {"rows": [], "quality": {"fa3": gate}}}))
     assert "Quality gate, each backend's vectors against FlashInfer's" in md
-    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | yes |" in md
+    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | - | - | yes |" in md  # a report of before the corpus
 
 
 def test_vllm_table_compares_the_best_side_of_each_server() -> None:

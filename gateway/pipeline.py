@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from embedserve.engines.pool import EngineError, EngineTimeout
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import APIError
+from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
@@ -77,9 +77,10 @@ class EmbeddingPipeline:
         admission: TokenAdmission,
         metrics: GatewayMetrics,
         executor: Executor,
-        capacity: Callable[[], float | None] = lambda: None,
+        load: LoadSignal,
     ) -> None:
-        """``capacity``: the engines' measured tokens per second (None while unknown)."""
+        """``load``: the load signal, whose capacity (the engines' measured tokens per
+        second) also bounds what one request may ask for."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
@@ -88,7 +89,7 @@ class EmbeddingPipeline:
         self.admission = admission
         self.metrics = metrics
         self.executor = executor
-        self.capacity = capacity
+        self.load = load
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -148,6 +149,22 @@ class EmbeddingPipeline:
                     code="invalid_token_id",
                 )
 
+    def _check_embeddable(self, inputs: list[TokenizedInput]) -> None:
+        """Texts that tokenise to an id past the model's embedding rows."""
+        if not self.tokenizer.exceeds_vocab:
+            return
+        vocab = self.tokenizer.vocab_size
+        for i, x in enumerate(inputs):
+            if max(x.ids) >= vocab:
+                bad = next(t for t in x.ids if t >= vocab)
+                raise APIError(
+                    400,
+                    f"input[{i}] contains {self.tokenizer.token_text(bad)!r}, a token (id {bad}) "
+                    f"the model has no embedding for (its vocabulary is [0, {vocab}))",
+                    param="input",
+                    code="invalid_token_id",
+                )
+
     def _apply_instruction(self, req: EmbeddingRequest, texts: list[str]) -> list[str]:
         if req.input_type != "query":
             if req.instruction is not None:
@@ -160,13 +177,9 @@ class EmbeddingPipeline:
             return texts
         template = self.info.query_template
         if template is None:
-            if req.instruction is not None:
-                raise APIError(
-                    400,
-                    f"the model '{self.info.name}' takes no instructions",
-                    param="instruction",
-                    code="invalid_value",
-                )
+            # A model without an instruction format embeds queries as they are; accepting
+            # input_type and instruction alike lets an application written for Qwen3 run
+            # unchanged on the CPU stack (the header x-embedserve-instruction says "none").
             return texts
         task = req.instruction or self.info.default_task
         return [template.format(task=task, text=t) for t in texts]
@@ -191,6 +204,7 @@ class EmbeddingPipeline:
             else:
                 loop = asyncio.get_running_loop()
                 inputs = await loop.run_in_executor(self.executor, self.tokenizer.encode_texts, texts)
+            self._check_embeddable(inputs)
         else:
             assert id_batch is not None
             if not self.settings.accept_token_ids:
@@ -215,6 +229,7 @@ class EmbeddingPipeline:
                 code="max_tokens_per_request",
             )
         self._check_capacity(total)
+        self.load.offered(total)
         if not self.admission.try_acquire(total):
             self.metrics.rejected.labels("tokens_in_flight").inc()
             raise APIError(
@@ -224,6 +239,7 @@ class EmbeddingPipeline:
                 headers={"Retry-After": "1"},
             )
         self.metrics.tokens_in_flight.set(self.admission.in_flight)
+        self.load.in_flight(self.admission.in_flight)
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 vectors, times = await self.coalescer.embed([x.ids for x in inputs])
@@ -240,13 +256,14 @@ class EmbeddingPipeline:
         finally:
             self.admission.release(total)
             self.metrics.tokens_in_flight.set(self.admission.in_flight)
+            self.load.in_flight(self.admission.in_flight)
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
 
     def _check_capacity(self, total: int) -> None:
         """Refuse at once what the engines could not embed before the deadline, rather
         than compute it and answer 504 after the work was done."""
-        rate = self.capacity()
+        rate = self.load.capacity()
         deadline = self.settings.request_timeout_s
         if rate is None or total <= rate * deadline:
             return
@@ -310,4 +327,6 @@ class EmbeddingPipeline:
             "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
             "x-embedserve-truncated-inputs": str(len(truncated)),
         }
+        if req.input_type == "query":
+            headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers)

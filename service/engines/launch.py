@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -31,8 +32,8 @@ def engine_launch(
     settings: Settings, kind: str, index: int, port: int | None = None, drill_leak: float | None = None
 ) -> LaunchSpec:
     """Local engine ``index`` listens on ``engine.port + index`` (or ``port``: a replacement);
-    SGLang replicas get a GPU each. ``drill_leak``: bytes/s the engine grows on purpose (host
-    memory for the CPU engine, GPU memory for SGLang)."""
+    SGLang engine ``index`` runs on GPU ``index // engines_per_gpu``. ``drill_leak``: bytes/s the
+    engine grows on purpose (host memory for the CPU engine, GPU memory for SGLang)."""
     own = settings.for_replica(index).with_engine(kind=kind)
     if port is not None:
         own = own.with_engine(port=port)
@@ -45,7 +46,14 @@ def engine_launch(
     spec = build_launch(own)
     env = dict(spec.env)
     if settings.engine.replicas > 1:
-        env["CUDA_VISIBLE_DEVICES"] = str(index)
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpu(settings.engine_gpu(index))
     if drill_leak:
         env[LEAK_ENV] = repr(drill_leak)
     return LaunchSpec(spec.argv, env, spec.notes)
+
+
+def visible_gpu(position: int) -> str:
+    """The device id of the ``position``-th GPU this process may use (``CUDA_VISIBLE_DEVICES``
+    is kept: a stack given GPUs 2,3 starts its engines on 2 and 3)."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[position] if position < len(visible) else str(position)

@@ -51,13 +51,18 @@ class EngineRejected(EngineError):
 @dataclass
 class EngineState:
     url: str
+    gpu: int | None = None  # which GPU a local engine runs on (several may share one)
     ready: bool = False
     retiring: bool = False  # being replaced: gets no new calls, finishes what it holds
     outstanding_tokens: int = 0
     outstanding_calls: int = 0
     consecutive_failures: int = 0
     last_success: float | None = None
+    down_reason: str = ""  # why it is not ready now; cleared once it is
+    # the last failure after the engine first became ready (a starting engine refusing
+    # connections is no error), with its wall-clock time: history, kept after recovery
     last_error: str = ""
+    last_error_at: float | None = None
     ever_ready: bool = False
     calls: int = 0
     inflight_since: dict[int, float] = field(default_factory=dict)
@@ -107,12 +112,15 @@ class EnginePool:
         client: EngineClient | None = None,
         base64_vectors: bool = True,
         capacity_call_tokens: int = 0,
+        gpus: list[int | None] | None = None,
     ) -> None:
         """``client`` replaces the network to the engines (tests use a fake engine);
-        calls of at least ``capacity_call_tokens`` measure the engines' capacity."""
+        calls of at least ``capacity_call_tokens`` measure the engines' capacity; ``gpus``:
+        each engine's GPU, where known."""
         self._capacity_call_tokens = capacity_call_tokens
         self.engines = [
-            EngineState(u.rstrip("/"), throughput=Throughput(min_tokens=capacity_call_tokens)) for u in urls
+            EngineState(u.rstrip("/"), gpu=g, throughput=Throughput(min_tokens=capacity_call_tokens))
+            for u, g in zip(urls, gpus or [None] * len(urls), strict=True)
         ]
         self._model = model
         self._timeout = request_timeout_s
@@ -158,10 +166,12 @@ class EnginePool:
         return [
             EngineStatus(
                 url=e.url,
+                gpu=e.gpu,
                 ready=e.ready,
                 outstanding_tokens=e.outstanding_tokens,
                 calls=e.calls,
                 last_error=e.last_error,
+                last_error_at=e.last_error_at,
             )
             for e in self.engines
         ]
@@ -172,7 +182,7 @@ class EnginePool:
         return sum(rates) if rates else None
 
     def detail(self) -> str:
-        states = (f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}" for e in self.engines)
+        states = (f"{e.url}: {'ready' if e.ready else e.down_reason or 'starting'}" for e in self.engines)
         return "; ".join(states)
 
     def forget_stuck(self, url: str) -> None:
@@ -184,9 +194,9 @@ class EnginePool:
     def by_url(self, url: str) -> EngineState:
         return next(e for e in self.engines if e.url == url.rstrip("/"))
 
-    def add(self, url: str, ready: bool = True) -> EngineState:
+    def add(self, url: str, ready: bool = True, gpu: int | None = None) -> EngineState:
         """A new engine (one that replaces another): takes calls at once when ``ready``."""
-        engine = EngineState(url.rstrip("/"), ready=ready, ever_ready=ready,
+        engine = EngineState(url.rstrip("/"), gpu=gpu, ready=ready, ever_ready=ready,
                              throughput=Throughput(min_tokens=self._capacity_call_tokens))
         self.engines.append(engine)
         return engine
@@ -214,7 +224,9 @@ class EnginePool:
             log.warning("engine down", extra={"engine": engine.url, "reason": why})
         engine.ready = False
         engine.consecutive_failures += 1
-        engine.last_error = why
+        engine.down_reason = why
+        if engine.ever_ready:
+            engine.last_error, engine.last_error_at = why, time.time()
 
     # -- health ------------------------------------------------------------------------
     async def check_once(self) -> None:
@@ -243,6 +255,7 @@ class EnginePool:
                 log.info("engine ready", extra={"engine": engine.url})
             engine.ready = engine.ever_ready = True
             engine.consecutive_failures = 0
+            engine.down_reason = ""
         else:
             self._mark_down(engine, why)
 

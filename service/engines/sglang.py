@@ -8,8 +8,8 @@
   length, so the longest input the gateway sends must be one shorter);
 * ``--chunked-prefill-size`` and ``--max-prefill-tokens`` = the batch token budget, raised
   to the cap so that one capped input always fits one prefill;
-* ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens`` or 4 x budget, at least
-  2 x cap, instead of SGLang's default of ~0.8 of the GPU.
+* ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens``, else the budget and at
+  least 2 x cap, instead of SGLang's default of ~0.8 of the GPU.
 
 Every flag used here exists in SGLang 0.5.17's parser: tests check the argv against the
 list extracted from it (``tests/fixtures/sglang_0.5.17_flags.json``). See docs/SGLANG.md.
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from embedserve.config import Settings, load_settings
 from embedserve.engines.launch import LaunchSpec
+from embedserve.engines.sizing import EnginesPlan, ModelShape, SizingError, plan_engines_per_gpu
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_compute_capability, gpu_total_bytes
 
@@ -42,6 +43,31 @@ def default_kv_pool_tokens(cap: int, budget: int) -> int:
     sequence's KV right after its forward pass, so a larger pool only holds memory (for the
     4B: about 14 GB in use with 16,384 tokens, against 21 GB with 65,536)."""
     return max(budget, 2 * cap)
+
+
+def kv_pool_tokens(settings: Settings, cap: int) -> int:
+    eng = settings.engine
+    budget = max(eng.batch_token_budget, cap)
+    return eng.kv_pool_tokens if eng.kv_pool_tokens is not None else default_kv_pool_tokens(cap, budget)
+
+
+def plan_engines(settings: Settings, info: ModelInfo, gpu_bytes: int | None = None) -> EnginesPlan:
+    """``engine.engines_per_gpu`` resolved for this model and GPU (``gpu_bytes`` overrides
+    the NVML lookup). Raises ``LaunchConfigError`` when an explicit number cannot fit."""
+    eng = settings.engine
+    cap = info.max_seq_len
+    try:
+        return plan_engines_per_gpu(
+            None if eng.engines_per_gpu == "auto" else eng.engines_per_gpu,
+            ModelShape.read(info.path),
+            kv_pool_tokens=kv_pool_tokens(settings, cap),
+            batch_tokens=max(eng.batch_token_budget, cap),
+            quantization=eng.quantization,
+            gpu_total_bytes=gpu_bytes if gpu_bytes is not None else gpu_total_bytes(),
+            mem_fraction_static=eng.mem_fraction_static,
+        )
+    except SizingError as exc:
+        raise LaunchConfigError(str(exc)) from exc
 
 
 def mem_fraction(settings: Settings, total_bytes: int | None, notes: list[str]) -> float:
@@ -129,7 +155,7 @@ def build_launch(
     budget = max(eng.batch_token_budget, cap)
     if budget != eng.batch_token_budget:
         notes.append(f"batch_token_budget {eng.batch_token_budget} < max_seq_len {cap}: using {cap}")
-    kv = eng.kv_pool_tokens if eng.kv_pool_tokens is not None else default_kv_pool_tokens(cap, budget)
+    kv = kv_pool_tokens(settings, cap)
     if kv < budget:
         raise LaunchConfigError(
             f"engine.kv_pool_tokens={kv} cannot hold one prefill batch of {budget} tokens "
@@ -166,6 +192,9 @@ def build_launch(
         # sglang#22518: under the overlap scheduler an embedding batch that fills
         # --max-running-requests leaves batch_is_full set forever (deadlock)
         "--disable-overlap-schedule",
+        # an idle scheduler otherwise spins a CPU core at 100%: with several engines per GPU
+        # that is CPU taken from the busy engines, and under a CPU limit from the gateway
+        "--sleep-on-idle",
         "--log-level", settings.log_level.lower(),
     ]
     if not eng.prefix_cache:

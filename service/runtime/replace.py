@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from embedserve.config import Settings
-from embedserve.contracts.memory import MACHINE_RAM, MemoryReport, ProcessMemory
+from embedserve.contracts.memory import MACHINE_RAM, GpuDevice, MemoryReport, ProcessMemory
 from embedserve.engines.pool import EnginePool
 from embedserve.health.sources.nvml import NvmlSource
 from embedserve.health.sources.processes import read_processes
@@ -45,8 +45,11 @@ def due(
     engine_rss: list[int],
     ages_s: list[float],
     since_last_s: float,
+    engine_gpu_bytes: list[int] | None = None,
 ) -> Due | None:
-    """Which engine to replace now, if any (pure: the tests drive it with reports)."""
+    """Which engine to replace now, if any (pure: the tests drive it with reports). On a
+    GPU that runs out, the engine there that holds the most of it (``engine_gpu_bytes``:
+    NVML's figure for each engine's processes on its own GPU)."""
     h = settings.health
     below = h.replace_below_hours or h.warning_hours
     hours = report.estimated_hours_until_oom if report else None
@@ -56,8 +59,11 @@ def due(
     binding = report.resource(resource)
     if binding is not None and binding.limit_source == MACHINE_RAM:
         return None  # the whole machine's memory, not ours: a new engine would not help
-    if resource.startswith("gpu:") and len(ages_s) > 1:  # replicas run on GPU i each
-        index = min(int(resource.split(":")[1]), len(ages_s) - 1)
+    if resource.startswith("gpu:"):
+        gpu = int(resource.split(":")[1])
+        on_gpu = [i for i in range(len(ages_s)) if settings.engine_gpu(i) == gpu] or [len(ages_s) - 1]
+        held = engine_gpu_bytes or [0] * len(ages_s)
+        index = max(on_gpu, key=lambda i: held[i])
     else:  # host memory: the engine that holds the most
         index = max(range(len(engine_rss)), key=lambda i: engine_rss[i]) if engine_rss else 0
     if ages_s[index] < h.replace_min_age_s:
@@ -95,7 +101,13 @@ class EngineReplacer:
     def check(self, report: MemoryReport | None) -> Due | None:
         now = self.clock()
         rss = [self._rss(s) for s in self.supervisors]
-        return due(report, self.settings, rss, [now - t for t in self.started_at], now - self.last)
+        ages = [now - t for t in self.started_at]
+        gpu_held = None
+        if report is not None and (report.binding_resource or "").startswith("gpu:"):
+            devices = NvmlSource().read().devices
+            gpu_held = [self._gpu_held(s, devices, self.settings.engine_gpu(i))
+                        for i, s in enumerate(self.supervisors)]
+        return due(report, self.settings, rss, ages, now - self.last, gpu_held)
 
     @staticmethod
     def _family(sup: ProcessSupervisor) -> ProcessMemory | None:
@@ -109,22 +121,31 @@ class EngineReplacer:
         return proc.rss_bytes if proc else 0
 
     @classmethod
+    def _gpu_held(cls, sup: ProcessSupervisor, devices: list[GpuDevice], index: int) -> int:
+        """What the engine's processes hold on GPU ``index`` (NVML)."""
+        proc = cls._family(sup)
+        device = next((d for d in devices if d.index == index), None)
+        if device is None or proc is None:
+            return 0
+        return sum(b for pid, b in device.processes.items() if pid in proc.pids)
+
+    @classmethod
     def _room(cls, old: ProcessSupervisor, resource: str) -> bool:
         """Whether a replacement fits beside ``old`` on the resource that runs out: a fresh
-        engine needs at most what the old one holds now (its leak included)."""
-        proc = cls._family(old)
+        engine needs at most what the old one holds now (its leak included). Other engines
+        on the same GPU are in the device's used memory already."""
         if not resource.startswith("gpu:"):
+            proc = cls._family(old)
             return psutil.virtual_memory().available > 1.5 * (proc.rss_bytes if proc else 0)
         index = int(resource.split(":")[1])
-        device = next((d for d in NvmlSource().read().devices if d.index == index), None)
-        if device is None or proc is None:
-            return False
-        held = sum(b for pid, b in device.processes.items() if pid in proc.pids)
-        return device.free_bytes > held
+        devices = NvmlSource().read().devices
+        device = next((d for d in devices if d.index == index), None)
+        held = cls._gpu_held(old, devices, index)
+        return device is not None and held > 0 and device.free_bytes > held
 
     def _spare_port(self) -> int:
         e = self.settings.engine
-        port = e.port + e.replicas + self.count
+        port = e.port + self.settings.local_engine_count() + self.count
         check_free(e.host, port, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
         return port
 
@@ -132,6 +153,7 @@ class EngineReplacer:
         old = self.supervisors[d.index]
         old_url = old.ready_url.removesuffix("/health")
         room = self._room(old, d.resource)
+        gpu = self.pool.by_url(old_url).gpu
         log.warning("replacing an engine before it runs out of memory",
                     extra={"engine": old.name, "reason": d.reason, "beside": room})
         self.last = self.clock()
@@ -147,7 +169,7 @@ class EngineReplacer:
             await new.wait_ready()
             assert new.pid is not None
             check_owner(port, new.pid, new.name)
-            engine = self.pool.add(new_url, ready=False)
+            engine = self.pool.add(new_url, ready=False, gpu=gpu)
             tokens, seconds = await self.warm_up(new_url)
         except BaseException:
             await new.stop(2.0)  # no orphan; beside the old one, the old one keeps serving

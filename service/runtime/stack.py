@@ -18,6 +18,7 @@ import uvicorn
 
 from embedserve.config import Settings
 from embedserve.engines.launch import engine_launch
+from embedserve.engines.sglang import LaunchConfigError, plan_engines
 from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
@@ -71,18 +72,14 @@ def _banner(settings: Settings) -> str:
 
 
 class _StackServer(QuietServer):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill this
-    process before it stops the engines it started (they would be orphaned). Here the
-    signal only starts the shutdown; ``run_stack`` then stops the engines and returns."""
+    """uvicorn takes SIGINT and SIGTERM while it serves and re-raises them after its graceful
+    shutdown, which would kill this process before it stops the engines it started (they
+    would be orphaned). Here ``run_stack`` owns the signals from its first line to its last
+    and hands them to ``handle_exit``; it then stops the engines and returns."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+        yield
 
 
 #: Engines that never became ready have nothing to drain: stop them at once.
@@ -94,7 +91,7 @@ def check_ports(settings: Settings, local_engines: bool) -> None:
     g, e = settings.gateway, settings.engine
     check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
     if local_engines:
-        for index in range(e.replicas):
+        for index in range(settings.local_engine_count()):
             check_free(e.host, e.port + index, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
 
 
@@ -104,17 +101,52 @@ async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
     on purpose (a leak drill)."""
     try:
         return await _run_stack(settings, drill_leak)
-    except PortInUse as exc:  # one plain sentence, on a terminal or in a log collector
+    except (PortInUse, LaunchConfigError) as exc:  # one plain sentence, on a terminal or in a log collector
         print(f"embedserve: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def resolve_engines_per_gpu(settings: Settings, info: ModelInfo, kind: str) -> Settings:
+    """``engine.engines_per_gpu`` as a number: SGLang's from the model and the GPU (fewer than
+    asked for by ``auto`` when they would not fit, with the reason logged); one otherwise."""
+    if kind != "sglang":
+        if settings.engine.engines_per_gpu not in ("auto", 1):
+            log.warning("engines_per_gpu applies to SGLang engines only: starting one",
+                        extra={"engine_kind": kind})
+        return settings.with_engine(engines_per_gpu=1)
+    plan = plan_engines(settings, info)
+    for note in plan.notes:
+        log.warning(note)
+    memory = plan.engine
+    log.info("engines per GPU", extra={
+        "engines_per_gpu": plan.per_gpu,
+        "engine_gb": round(memory.total / 1e9, 1) if memory else None,
+        "all_engines_gb": round(plan.per_gpu * memory.total / 1e9, 1) if memory else None,
+        "usable_gb": round(plan.usable_bytes / 1e9, 1) if plan.usable_bytes else None,
+    })
+    return settings.with_engine(engines_per_gpu=plan.per_gpu)
 
 
 async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     from embedserve.gateway.app import SupervisorView, create_app
 
+    # A Ctrl-C or SIGTERM during set-up (engines starting, the app being built) stops the stack
+    # before it serves, the engines stopped like any; once it serves, the server shuts down.
+    loop = asyncio.get_running_loop()
+    early_stop = asyncio.Event()
+    servers: list[_StackServer] = []
+
+    def on_signal(sig: int) -> None:
+        early_stop.set()
+        for srv in servers:
+            srv.handle_exit(sig, None)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     kind = resolve_engine_kind(settings)
     info = ModelInfo.load(settings.model)
     local = kind != "external"
+    settings = resolve_engines_per_gpu(settings, info, kind)
     check_ports(settings, local)
     private_stats = None
     if local and settings.engine.stats_dir is None:  # two stacks on one host never mix stats
@@ -136,8 +168,19 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         supervisor(index, settings.engine.port + index, f"{kind}-{index}")
         for index in range(len(settings.engine_urls()) if local else 0)
     ]
+    async def stop_engines() -> None:
+        grace = settings.gateway.graceful_shutdown_s
+        await asyncio.gather(
+            *(s.stop(grace if s.ready_once else STARTING_ENGINE_GRACE_S) for s in supervisors)
+        )
+        if private_stats:
+            shutil.rmtree(private_stats, ignore_errors=True)
+
     for sup in supervisors:
         await sup.start()
+    if early_stop.is_set():  # stopped while the engines started: no app to build
+        await stop_engines()
+        return 0
 
     def view() -> SupervisorView:
         dead = [s for s in supervisors if not s.alive]
@@ -163,7 +206,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
             timeout_keep_alive=int(g.keep_alive_s),
-            http=bounded_httptools(g.max_head_bytes),
+            http=bounded_httptools(g.max_head_bytes, g.header_timeout_s, g.body_idle_timeout_s),
         )
     )
     failure: list[BaseException] = []
@@ -234,19 +277,17 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     replacing = (
         asyncio.create_task(replace_when_due()) if supervisors and settings.health.replace_engines else None
     )
+    servers.append(server)
     try:
-        await server.serve()
+        if not early_stop.is_set():
+            await server.serve()
     finally:
         for task in (announcer, watchdog, replacing):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await asyncio.gather(
-            *(s.stop(g.graceful_shutdown_s if s.ready_once else STARTING_ENGINE_GRACE_S) for s in supervisors)
-        )
-        if private_stats:
-            shutil.rmtree(private_stats, ignore_errors=True)
+        await stop_engines()
     if any(isinstance(f, PortInUse) for f in failure):
         raise failure[0]
     return 1 if failure or any(s.failed for s in supervisors) else 0
