@@ -40,8 +40,9 @@ from stacks import Host
 HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count
-# per shape: (up default, up xN, vllm, vllm tuned) ports; `up` engines from port + 22000
-PORTS = {"0.6b": (8600, 8601, 8700, 8701), "4b": (8620, 8621, 8720, 8721)}
+# per shape: (up default, up xN, vllm, vllm tuned) ports; `up` engines on port + 22000, + 22001, ...
+# (engines per GPU "auto" may start more than one: ten ports apart)
+PORTS = {"0.6b": (8600, 8610, 8700, 8701), "4b": (8620, 8630, 8720, 8721)}
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",  # admission control off
             "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300"}
 VLLM_CASES = [
