@@ -104,7 +104,11 @@ def row_from(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def find_hit_rate(doc: dict[str, Any]) -> float | None:
-    """``prefix_cache_hit_rate`` wherever the loadtest report puts it (top level or a section)."""
+    """The loadtest report's hit rate: its ``prefix_cache`` section (read from the target's
+    /metrics: SGLang's, the gateway's or vLLM's counters), else ``prefix_cache_hit_rate`` at
+    the top level or in a section."""
+    if isinstance((doc.get("prefix_cache") or {}).get("hit_rate"), int | float):
+        return float(doc["prefix_cache"]["hit_rate"])
     if isinstance(doc.get("prefix_cache_hit_rate"), int | float):
         return float(doc["prefix_cache_hit_rate"])
     for value in doc.values():

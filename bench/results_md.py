@@ -327,7 +327,8 @@ def vllm_sections(st: dict[str, Any]) -> list[str]:
             facts = (start.get("vllm_facts") or {}).get(side, {})
             extra = (f"; attention backend {facts.get('attention_backend') or '?'}, CUDA graphs "
                      f"{facts.get('cudagraph_mode') or '?'}") if facts else ""
-            md.append(f"- {side}: `{' '.join(str(a) for a in argv[-24:])}`, ready after "
+            env = [f"{k}={v}" for k, v in (start.get("settings") or {}).get(side, {}).items()]
+            md.append(f"- {side}: `{' '.join([*env, *(str(a) for a in argv[-24:])])}`, ready after "
                       f"{fmt((start.get('ready_s') or {}).get(side))} s{extra}")
         md += [f"- {side} not run: {why[-400:]}" for side, why in (start.get("not_run") or {}).items()]
         md.append("")

@@ -65,6 +65,8 @@ def test_hit_rate_from_the_loadtest_report_wins_wherever_it_sits() -> None:
     assert loadgen.find_hit_rate({"prefix_cache_hit_rate": 0.25}) == 0.25
     assert loadgen.find_hit_rate({"target": {"prefix_cache_hit_rate": 0}}) == 0.0
     assert loadgen.find_hit_rate({"measured": {}}) is None
+    assert loadgen.find_hit_rate({"prefix_cache": {"status": "measured", "hit_rate": 0.003}}) == 0.003
+    assert loadgen.find_hit_rate({"prefix_cache": {"status": "not exposed", "hit_rate": None}}) is None
 
 
 def test_raw_runs_send_capped_ids_and_optional_flags_only_when_supported(monkeypatch: Any) -> None:

@@ -27,6 +27,7 @@ import random
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,9 @@ from stacks import Host
 HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count
-# per shape: (up default, up xN, vllm, vllm tuned) ports; `up` engines from port + 22000
-PORTS = {"0.6b": (8600, 8601, 8700, 8701), "4b": (8620, 8621, 8720, 8721)}
+# per shape: (up default, up xN, vllm, vllm tuned) ports; `up` engines on port + 22000, + 22001, ...
+# (engines per GPU "auto" may start more than one: ten ports apart)
+PORTS = {"0.6b": (8600, 8610, 8700, 8701), "4b": (8620, 8630, 8720, 8721)}
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",  # admission control off
             "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300"}
 VLLM_CASES = [
@@ -177,24 +179,30 @@ def step_start(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, 
                 if port == up_n else dict(UP_EXTRA)
             stacks.start_up(host, name, shape, port, engine_port=port + 22000,
                             extra=extra | ({} if host.cpu else {"CUDA_VISIBLE_DEVICES": "0"}))
+            out.setdefault("settings", {})[side] = extra  # beyond the model, its cap and ports
         else:
             start_vllm(host, name, shape, port, tuned=port == vl_tuned)
-    for side, port in zip(names, PORTS[shape], strict=True):
+
+    def ready(side: str, port: int) -> float:  # each side waited on at once, so its own time
+        up_side = port in (up, up_n)
+        return stacks.wait_ready(host, tag(side, shape), "/health/ready" if up_side else "/health", port,
+                                 budget_end, banner="embedserve is up" if up_side else None)
+
+    started = [(s, p) for s, p in zip(names, PORTS[shape], strict=True) if s not in out["not_run"]]
+    with ThreadPoolExecutor(len(started) or 1) as pool:
+        waits = {side: pool.submit(ready, side, port) for side, port in started}
+    for side, port in started:
         name = tag(side, shape)
-        if side in out["not_run"]:
-            continue
         out["argv"][side] = host.work.state["procs"][name]["argv"]
         try:
-            if port in (up, up_n):
-                out["ready_s"][side] = stacks.wait_ready(host, name, "/health/ready", port, budget_end,
-                                                         banner="embedserve is up")
-            else:
-                out["ready_s"][side] = stacks.wait_ready(host, name, "/health", port, budget_end)
-                out.setdefault("vllm_facts", {})[side] = vllm_log_facts(
-                    Path(host.work.state["procs"][name]["log"]))
+            out["ready_s"][side] = waits[side].result()  # TimeoutError: the next slice goes on
         except RuntimeError as exc:  # a side that cannot start is a finding; the others go on
             out["not_run"][side] = str(exc)[-1500:]
             host.work.stop(name, 30)
+            continue
+        if port not in (up, up_n):
+            log = Path(host.work.state["procs"][name]["log"])
+            out.setdefault("vllm_facts", {})[side] = vllm_log_facts(log)
     out["gpu_gb_idle"] = engine_memory(host, [tag(s, shape) for s in names])
     out["fi_cache_tgz_mb"] = stacks.pack_fi_cache(host)
     return out
