@@ -84,6 +84,12 @@ def qwen3() -> Any:
     return build_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_qwen_dir: Path) -> Any:
+    """What sentence-transformers loads: AutoTokenizer on the folder synth-model wrote."""
+    return AutoTokenizer.from_pretrained(str(tiny_qwen_dir))
+
+
 def test_ids_match_tiktoken_on_qwens_ranks(qwen3: Any) -> None:
     """The reference: tiktoken with the ranks, split pattern and added tokens, on NFC text as
     Qwen's own tokenizer normalises it."""
@@ -112,10 +118,9 @@ def test_special_tokens_and_eos_are_qwen3_embeddings(qwen3: Any) -> None:
     assert ids[-1] == EOS_ID and qwen3.decode(ids[:-1]) == "Hello world"
 
 
-def test_hugging_face_loads_the_folder_with_the_same_ids(tok_dir: Path, qwen3: Any) -> None:
+def test_hugging_face_loads_the_folder_with_the_same_ids(hf: Any, qwen3: Any) -> None:
     """sentence-transformers (the CPU engine's reference) loads the folder through
     AutoTokenizer: it must frame and count as the gateway's `tokenizers` does."""
-    hf = AutoTokenizer.from_pretrained(str(tok_dir))
     assert (hf.eos_token, hf.eos_token_id, hf.pad_token_id) == (EOS, EOS_ID, EOS_ID)
     assert hf.padding_side == "left" and hf.bos_token is None
     texts = varied_texts(300, seed=1)
@@ -149,11 +154,6 @@ def gateway(tiny_qwen_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
     engine = FakeEngine(dim=64)
     with _gateway_over(tiny_qwen_dir, engine) as c:
         yield c, engine
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_qwen_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(str(tiny_qwen_dir))
 
 
 def _embed(gateway: tuple[TestClient, FakeEngine], **body: object) -> tuple[dict[str, Any], list[list[int]]]:
