@@ -2,8 +2,9 @@
 
 - ``fp8``: the 4B and the 0.6B (random weights) and, when given (``--model minilm=DIR``), the
   bundled all-MiniLM-L6-v2 (real weights), each as a bf16 and an FP8 engine
-  (``engine.quantization=fp8``). The quality gate (bench/quality.py) compares their vectors
-  on the same texts; then the 4B pair is measured side by side through its gateways:
+  (``engine.quantization=fp8``). The quality gate (``embedserve quality``) compares their
+  vectors and retrieval on the real-text corpus (``--quality-corpus``, or one built from
+  python3-doc when the host has it); then the 4B pair is measured side by side through its gateways:
   throughput at 64 in flight, latency at 1 in flight, GPU memory of each engine.
 - ``attention``: the 4B on FlashInfer (the default) against the other prefill backends
   SGLang 0.5.17 has for it on this GPU: FA3 (needs sgl_kernel's ``flash_ops``: the offline
@@ -15,19 +16,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import stacks
 from loadgen import Load, Target
-from procs import child_env, http_get
+from procs import child_env, embedserve_cmd, http_get
 from scenarios import MAIN_KV_POOL, Case, alternate, engine_memory, ready_engine
 from stacks import Host
 
 from embedserve.engines.sglang import fa3_installed
+from embedserve.quality.corpus import DEFAULT_HTML
 
-HERE = Path(__file__).resolve().parent
 # shape -> (bf16 engine port, fp8 engine port); gateways listen on engine port - 22000
 FP8_PORTS = {"4b": (30400, 30401), "0.6b": (30402, 30403), "minilm": (30404, 30405)}
 FP8_CASES = [
@@ -98,30 +98,47 @@ def step_fp8_engines(host: Host, budget_end: float) -> dict[str, Any]:
     return out
 
 
-def gate(host: Host, shape: str, base_port: int, cand_port: int) -> dict[str, Any]:
-    """bench/quality.py between two gateways serving ``shape``: its JSON, or the error."""
-    n = (200, 100, 1000) if host.cpu else (1000, 500, 5000)
-    argv = [sys.executable, str(HERE / "quality.py"), "--baseline", f"http://127.0.0.1:{base_port}",
-            "--candidate", f"http://127.0.0.1:{cand_port}", "--tokenizer", host.model(shape),
-            "--cap", str(_max_seq_length(host, shape)),
-            "--texts", str(n[0]), "--queries", str(n[1]), "--passages", str(n[2])]
-    done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=900, check=False)
-    try:
-        return dict(json.loads(done.stdout))
-    except json.JSONDecodeError:
-        return {"error": (done.stderr or done.stdout)[-1500:]}
+def quality_corpus(host: Host) -> Path | None:
+    """The gate's corpus: ``--quality-corpus``, else one built once from python3-doc into the
+    work folder (300 passages on ``--device cpu``), else None."""
+    if host.quality_corpus:
+        return Path(host.quality_corpus)
+    built = host.work.root / "quality-corpus.json"
+    if not built.exists() and DEFAULT_HTML.is_dir():
+        small = ["--max-passages", "300"] if host.cpu else []
+        subprocess.run([*embedserve_cmd(), "quality-corpus", "--out", str(built), *small],
+                       env=child_env(), capture_output=True, timeout=600, check=True)
+    return built if built.exists() else None
+
+
+def gate(host: Host, name: str, base_port: int, cand_port: int) -> dict[str, Any]:
+    """``embedserve quality`` between two gateways: its report (also in --out's quality/NAME,
+    with its summary.md), or why it did not run."""
+    corpus = quality_corpus(host)
+    if corpus is None:
+        return {"not_run": f"no corpus: pass --quality-corpus FILE (embedserve quality-corpus) or "
+                           f"install python3-doc ({DEFAULT_HTML})"}
+    out = (host.out or host.work.root) / "quality" / name
+    argv = [*embedserve_cmd(), "quality", "--baseline", f"http://127.0.0.1:{base_port}",
+            "--candidate", f"http://127.0.0.1:{cand_port}", "--corpus", str(corpus), "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=1800, check=False)
+    report = out / "quality.json"
+    if done.returncode in (0, 1) and report.exists():
+        return dict(json.loads(report.read_text()))
+    return {"error": (done.stderr or done.stdout)[-1500:]}
 
 
 def step_fp8_quality(host: Host, budget_end: float) -> dict[str, Any]:
-    """bench/quality.py per shape: per-input cosine (1,000 seed-mix texts) and top-10 overlap
-    (500 queries over 5,000 passages), FP8 against bf16."""
+    """``embedserve quality`` per shape, FP8 against bf16: per-input cosine, top-10 overlap and
+    recall@10 / nDCG@10 on the real-text corpus."""
     out: dict[str, Any] = {}
     for shape in fp8_shapes(host):
         bf16, fp8 = _tags(shape)
         if not (host.work.running(f"gateway-{bf16}") and host.work.running(f"gateway-{fp8}")):
             out[shape] = {"not_run": "an engine of the pair did not start (see fp8-engines)"}
             continue
-        out[shape] = gate(host, shape, gateway_port(FP8_PORTS[shape][0]), gateway_port(FP8_PORTS[shape][1]))
+        out[shape] = gate(host, f"fp8-{shape}", gateway_port(FP8_PORTS[shape][0]),
+                          gateway_port(FP8_PORTS[shape][1]))
     return out
 
 
@@ -196,7 +213,7 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
             for i, case in enumerate(ATTENTION_CASES):
                 out["rows"] += alternate(host, [base, side], case, f"attn-{name}",
                                          600 + 10 * i, tags={"shape": "4b", "backend_pair": name})
-            quality = gate(host, "4b", gateway_port(base_port), gateway_port(port))
+            quality = gate(host, f"attention-{name}", gateway_port(base_port), gateway_port(port))
             out.setdefault("quality", {})[name] = quality
     finally:
         for name in backends:

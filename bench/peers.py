@@ -1,10 +1,8 @@
 """Other embedding servers on the same GPU, sent the same texts as embedserve's gateway:
-Infinity 0.0.78 (torch engine, bf16). vLLM is recorded as not run unless it can be imported:
-the releases that pin the host's torch 2.11 (0.25.0, 0.26.0) ship a wheel over 300 MB."""
+Infinity 0.0.78 (torch engine, bf16). vLLM has a scenario of its own (bench/vllm_peer.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -71,12 +69,3 @@ def step_infinity(host: Host, budget_end: float, shape: str = "4b", part: int = 
         if last:
             host.work.stop("infinity", 60)
     return out
-
-
-def step_vllm(host: Host, budget_end: float) -> dict[str, Any]:
-    """Recorded, not run, unless vLLM imports: 0.26.0 / 0.25.0 pin torch 2.11.0 but need their
-    own folder (flashinfer-python 0.6.14 / 0.6.13, not SGLang's 0.6.15) and a >300 MB wheel."""
-    if importlib.util.find_spec("vllm") is None:
-        return {"skipped": "vLLM is not installed here (0.26.0 and 0.25.0 match torch 2.11; their wheel "
-                           "is over 300 MB and wants its own FlashInfer)"}
-    return {"skipped": "vLLM is installed, but this suite has no vLLM runner yet"}

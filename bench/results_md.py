@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 CROSSCHECK_TOLERANCE = 0.05  # the second client must agree within 5% on tok/s
+QWEN3_TOKENS = 151669  # Qwen3-Embedding's tokenizer: 151,643 BPE ranks and 26 added tokens
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -128,11 +129,22 @@ def first_of(steps: dict[str, Any], prefix: str, key: str) -> Any:
     return next((s[key] for name, s in steps.items() if name.startswith(prefix) and s.get(key)), None)
 
 
+def tokenizer_words(steps: dict[str, Any]) -> str:
+    """What the checkpoints tokenised with, from the token counts the models step recorded."""
+    sizes = sorted(set((first_of(steps, "models", "tokenizer_tokens") or {}).values()))
+    if sizes == [QWEN3_TOKENS]:
+        return "Qwen3's own tokenizer"
+    if not sizes:  # runs from before the step recorded it, when synth-model trained its own
+        return "a 590-token byte-level BPE tokenizer trained on the fly, not Qwen3's"
+    return f"a tokenizer of {' / '.join(f'{n:,}' for n in sizes)} tokens, not Qwen3's"
+
+
 def header(res: dict[str, Any]) -> list[str]:
     meta = res.get("meta", {})
     md = [f"# embedserve GPU benchmark ({meta.get('hardware', 'unknown hardware')})", "",
           "How it was produced: `python bench/suite.py` (bench/README.md). Checkpoints have random "
-          "weights and the exact Qwen3-Embedding shapes and tokenizer (`embedserve synth-model`): "
+          "weights, the exact Qwen3-Embedding shapes and "
+          f"{tokenizer_words(res.get('steps', {}))} (`embedserve synth-model`): "
           "speed and memory depend on shapes, not weight values. Every input is unique unless a "
           "row says repeated content; `cache hits` is SGLang's prefix-cache hit rate over the run. "
           "GPU GB is the memory in use on the GPUs (NVML), peak over the run.", ""]
@@ -202,6 +214,7 @@ def render(res: dict[str, Any]) -> str:
                                                   ("errors", "errors")]), "", *every_run(scale_rows)]
     md += fp8_sections(st)
     md += overlap_sections(st)
+    md += vllm_sections(st)
     md += drill_section(st.get("drill", {}).get("summary"))
     skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
     failed = [f"- {name}: `{s.get('error')}`" for name, s in st.items() if s.get("ok") is False]
@@ -217,13 +230,16 @@ def fmt_dict(d: dict[str, Any]) -> str:
 
 
 def quality_rows(quality: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per model: the gate's figures against its targets, or why it did not run."""
+    """One row per model: the gate's figures against its thresholds, or why it did not run.
+    Reports from before the real-text corpus have no retrieval figures ("-")."""
     out = []
     for model, q in quality.items():
         m = q.get("measured") or {}
+        recall = {side: r.get("recall_at_10") for side, r in (q.get("retrieval") or {}).items()}
         out.append({"model": model, "texts": q.get("texts"), "median": m.get("median_cosine"),
                     "p1": m.get("p1_cosine"), "min": (q.get("cosine") or {}).get("min"),
-                    "overlap": m.get("top10_overlap"),
+                    "overlap": m.get("top10_overlap"), "recall_base": recall.get("baseline"),
+                    "recall_cand": recall.get("candidate"),
                     "passed": q.get("passed") if "passed" in q else None,
                     "note": q.get("not_run") or (q.get("error") or "")[-200:] or None})
     return out
@@ -239,12 +255,14 @@ def fp8_sections(st: dict[str, Any]) -> list[str]:
         md += [""] if engines.get("failed") else []
     if quality := st.get("fp8-quality"):
         rows = quality_rows({k: v for k, v in quality.items() if isinstance(v, dict)})
-        md += ["## FP8 quality gate: FP8 against bf16, same texts (bench/quality.py)", "",
-               "Targets: median cosine >= 0.99, 1st percentile >= 0.98, top-10 overlap >= 0.9 "
-               "(500 queries over 5,000 passages).", "",
+        md += ["## FP8 quality gate: FP8 against bf16, same texts (embedserve quality)", "",
+               "Thresholds: median cosine >= 0.99, 1st percentile >= 0.98, top-10 overlap >= 0.9, "
+               "recall@10 and nDCG@10 at most 0.01 below bf16's, on the real-text corpus.", "",
                *table(rows, [("model", "model"), ("texts", "texts"), ("median", "median cosine"),
                              ("p1", "1st pct cosine"), ("min", "min cosine"),
-                             ("overlap", "top-10 overlap"), ("passed", "passed"), ("note", "note")]), ""]
+                             ("overlap", "top-10 overlap"), ("recall_base", "recall@10 bf16"),
+                             ("recall_cand", "recall@10 FP8"), ("passed", "passed"),
+                             ("note", "note")]), ""]
     thr = st.get("fp8-throughput", {})
     if thr.get("rows"):
         md += comparison_section("FP8 vs bf16 (4B, through the gateway)", thr["rows"], *thr["sides"])
@@ -258,10 +276,92 @@ def fp8_sections(st: dict[str, Any]) -> list[str]:
         md += ["Quality gate, each backend's vectors against FlashInfer's (4B, bf16):", "",
                *table(quality_rows(att["quality"]),
                       [("model", "backend"), ("median", "median cosine"), ("p1", "1st pct cosine"),
-                       ("min", "min cosine"), ("overlap", "top-10 overlap"), ("passed", "passed")]), ""]
+                       ("min", "min cosine"), ("overlap", "top-10 overlap"),
+                       ("recall_base", "recall@10 FlashInfer"), ("recall_cand", "recall@10 backend"),
+                       ("passed", "passed")]), ""]
     md += [f"- attention backend {name} not run: {why[-300:]}"
            for name, why in att.get("not_run", {}).items()]
     return md + ([""] if att.get("not_run") else [])
+
+
+def multi_side(rows: list[dict[str, Any]], sides: list[str]) -> list[dict[str, Any]]:
+    """Per case, each side's medians (tok/s, P50, P95), its worst cache hit rate and peak GPU
+    memory; ``ratio``: the best embedserve side's tok/s over the best vLLM side's, and
+    ``p50_ratio``: the best vLLM P50 over the best embedserve P50 (above 1: embedserve answers
+    sooner)."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case]
+        d: dict[str, Any] = {"case": case, "errors": sum(int(r.get("errors") or 0) for r in mine)}
+        for side in sides:
+            runs = [r for r in mine if r["side"] == side]
+            d[f"{side}|runs"] = len(runs)
+            for key in ("tok_s", "p50_ms", "p95_ms"):
+                d[f"{side}|{key}"] = _median(runs, key)
+            d[f"{side}|hits"] = _max(runs, "prefix_cache_hit_rate")
+        ours = [d[f"{s}|tok_s"] for s in sides if s.startswith("embedserve") and d[f"{s}|tok_s"]]
+        theirs = [d[f"{s}|tok_s"] for s in sides if s.startswith("vllm") and d[f"{s}|tok_s"]]
+        d["ratio"] = round(max(ours) / max(theirs), 3) if ours and theirs else None
+        our_p50 = [d[f"{s}|p50_ms"] for s in sides if s.startswith("embedserve") and d[f"{s}|p50_ms"]]
+        their_p50 = [d[f"{s}|p50_ms"] for s in sides if s.startswith("vllm") and d[f"{s}|p50_ms"]]
+        d["p50_ratio"] = round(min(their_p50) / min(our_p50), 3) if our_p50 and their_p50 else None
+        out.append(d)
+    return out
+
+
+def vllm_sections(st: dict[str, Any]) -> list[str]:
+    """The vLLM peer, per shape: how each side was started, the side-by-side table, memory,
+    vectors against SGLang's and a transformers forward pass, the cross-check."""
+    md: list[str] = []
+    for name, start in st.items():
+        if not name.startswith("vllm-start-"):
+            continue
+        shape = start.get("shape") or name.removeprefix("vllm-start-")
+        rows = rows_of(st, f"vllm-load-{shape}-")
+        sides = list(dict.fromkeys(r["side"] for r in rows)) or list(start.get("argv", {}))
+        md += [f"## vLLM 0.26.0 (pooling runner) vs embedserve, {shape}, same texts", "",
+               "Four servers on one GPU, each measured alone in turn, sides alternating; vLLM is sent "
+               "texts (it tokenises itself). `ratio`: the best embedserve side's tok/s over the best "
+               "vLLM side's; `P50 ratio`: the best vLLM P50 over the best embedserve P50.", ""]
+        for side, argv in start.get("argv", {}).items():
+            facts = (start.get("vllm_facts") or {}).get(side, {})
+            extra = (f"; attention backend {facts.get('attention_backend') or '?'}, CUDA graphs "
+                     f"{facts.get('cudagraph_mode') or '?'}") if facts else ""
+            md.append(f"- {side}: `{' '.join(str(a) for a in argv[-24:])}`, ready after "
+                      f"{fmt((start.get('ready_s') or {}).get(side))} s{extra}")
+        md += [f"- {side} not run: {why[-400:]}" for side, why in (start.get("not_run") or {}).items()]
+        md.append("")
+        if rows:
+            cmp = multi_side(rows, sides)
+            cols = [("case", "case"), *[(f"{s}|tok_s", f"{s} tok/s") for s in sides], ("ratio", "ratio"),
+                    *[(f"{s}|p50_ms", f"{s} P50 ms") for s in sides], ("p50_ratio", "P50 ratio"),
+                    *[(f"{s}|p95_ms", f"{s} P95 ms") for s in sides],
+                    *[(f"{s}|hits", f"{s} cache hits") for s in sides], ("errors", "errors")]
+            md += [*table(cmp, cols), ""]
+        idle = start.get("gpu_gb_idle") or {}
+        after = first_of(st, f"vllm-load-{shape}-", "gpu_gb_after") or {}
+        if idle or after:
+            md += [f"GPU memory of each server's processes (NVML): idle {fmt_dict(idle)}; after the runs "
+                   f"{fmt_dict(after)}.", ""]
+        vec = st.get(f"vllm-vectors-{shape}", {})
+        if vec.get("pairs") or vec.get("errors"):
+            pairs = [{**p, "same_tokens": p.get("tokens_a") == p.get("tokens_b")} for p in vec["pairs"]]
+            md += [f"Vectors, {vec.get('texts')} texts each sent alone (cosine per text):", "",
+                   *table(pairs,
+                          [("pair", "pair"), ("min", "min cosine"), ("cosines", "cosines"),
+                           ("same_tokens", "same token counts")]), ""]
+            md += [f"- {k}: no vectors: `{v[-300:]}`" for k, v in vec.get("errors", {}).items()]
+        if cross := rows_of(st, f"vllm-load-{shape}-", "crosscheck_rows"):
+            md += [f"Cross-check with bench/crosscheck.py, {shape}:", "",
+                   *table(crosscheck_agreement(rows, cross),
+                          [("case", "case"), ("side", "side"), ("loadtest_tok_s", "loadtest tok/s"),
+                           ("crosscheck_tok_s", "crosscheck tok/s"), ("deviation", "deviation"),
+                           ("errors", "errors"), ("agree", "within 5%")]), ""]
+        if rows:
+            md += every_run(rows)
+    return md
+
+
 def drill_section(s: dict[str, Any] | None) -> list[str]:
     """The leak drill's summary (bench/drill_report.py has the arithmetic, the plots and the
     full report, next to drill.json)."""

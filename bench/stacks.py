@@ -33,6 +33,10 @@ class Host:
     out: Path | None = None  # where results go (and the packed FlashInfer JIT cache)
     drill_rate: str | None = None  # the leak drill's `--drill-leak` (default per device: bench/drill.py)
     attention_backends: tuple[str, ...] = ("fa3", "triton")  # measured against FlashInfer
+    quality_corpus: str | None = None  # the quality gate's corpus (embedserve quality-corpus)
+    vllm_site: str = "/tmp/site-vllm"  # vLLM 0.26.0's own folder (bundle vllm/pNN)
+    vllm_cmd: tuple[str, ...] = ()  # replaces `python3 -m vllm.entrypoints.cli.main` (a stub)
+    engines_per_gpu: int = 2  # the vllm scenario's second embedserve side
 
     @property
     def cpu(self) -> bool:

@@ -6,7 +6,7 @@
     python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
 
 Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale, drill, fp8,
-attention. Each is a list of named steps; state (finished steps, processes started with setsid
+attention, vllm. Each is a list of named steps; state (finished steps, processes started with setsid
 and their pids) lives in the work dir, so a run cut by --budget-s resumes where it stopped.
 Writes results.json and results.md to --out after every step. bench/README.md says what each
 scenario measures.
@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -37,11 +38,12 @@ import results_md
 import scaleout
 import scenarios
 import stacks
+import vllm_peer
 from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
 SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-             "attention", "engines-per-gpu", "engines-per-gpu-detail")
+             "attention", "engines-per-gpu", "engines-per-gpu-detail", "vllm")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -71,7 +73,16 @@ def step_models(host: stacks.Host, budget_end: float, shapes: tuple[str, ...] = 
         output, _ = proc.communicate(timeout=max(30.0, min(budget_end - time.time(), 1800.0)))
         if proc.returncode:
             raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
-    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs)}
+    return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs),
+            "tokenizer_tokens": {s: tokenizer_tokens(Path(host.model(s))) for s in shapes}}
+
+
+def tokenizer_tokens(model_dir: Path) -> int:
+    """Tokens in a checkpoint's tokenizer.json, added ones included (Qwen3's: 151,669): a
+    folder kept from an earlier run may hold another tokenizer, and the report says which."""
+    doc = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    return len(vocab) + sum(t["content"] not in vocab for t in doc.get("added_tokens", []))
 
 
 def step_finish(host: stacks.Host, budget_end: float) -> dict[str, Any]:
@@ -89,9 +100,23 @@ def raw_vs_gateway(shape: str) -> list[Step]:
     ]
 
 
-def plan(selected: tuple[str, ...]) -> list[Step]:
-    shapes = ("4b", "0.6b") if {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"} & set(
-        selected) else ("4b",)
+def vllm_steps(shape: str) -> list[Step]:
+    """The vLLM peer for one shape: four servers started together, vectors, two load parts."""
+    sides = tuple(vllm_peer.tag(s, shape) for s in ("embedserve", "vllm", "vllm tuned"))
+    return [
+        Step(f"vllm-start-{shape}", ("vllm",), partial(vllm_peer.step_start, shape=shape), 150, holds=sides),
+        Step(f"vllm-vectors-{shape}", ("vllm",), partial(vllm_peer.step_vectors, shape=shape), 40),
+        Step(f"vllm-load-{shape}-1", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=1), 330),
+        Step(f"vllm-load-{shape}-2", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=2), 380),
+        Step(f"vllm-stop-{shape}", ("vllm",), partial(vllm_peer.step_stop, shape=shape), 20, always=True),
+    ]
+
+
+def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b")) -> list[Step]:
+    both = {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"}
+    shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
+    if "vllm" in selected:
+        shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
     up_for = ("soak-capacity", "scale")
     steps = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
@@ -111,7 +136,6 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         *raw_vs_gateway("4b"),
         Step("peers-infinity-1", ("peers",), peers.step_infinity, 300),
         Step("peers-infinity-2", ("peers",), partial(peers.step_infinity, part=2), 230),
-        Step("peers-vllm", ("peers",), peers.step_vllm, 1),
         Step("kv-pool", ("kv-pool",), scenarios.step_kv_pool, 380),
         Step("radix", ("radix",), scenarios.step_radix, 300),
         *(step for shape in shapes if shape != "4b" for step in raw_vs_gateway(shape)),
@@ -141,6 +165,8 @@ def plan(selected: tuple[str, ...]) -> list[Step]:
         Step("detail-latency", ("engines-per-gpu-detail",), overlap.step_detail_latency, 150),
         Step("detail-knobs", ("engines-per-gpu-detail",), overlap.step_detail_knobs, 140),
         Step("detail-stop", ("engines-per-gpu-detail",), overlap.step_detail_stop, 30, always=True),
+        # vLLM's pooling runner: servers of its own, the 0.6B first (the 4B where time is left)
+        *(step for shape in vllm_shapes for step in vllm_steps(shape)),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]
@@ -235,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="the drill scenario's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
     ap.add_argument("--attention-backends", default="fa3,triton",
                     help="the attention scenario's backends, each against FlashInfer (of: fa3, triton)")
+    ap.add_argument("--quality-corpus", metavar="FILE",
+                    help="the quality gate's corpus (embedserve quality-corpus; default: built from "
+                         "python3-doc when the host has it)")
+    ap.add_argument("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
+    ap.add_argument("--vllm-cmd", help="command that replaces `python3 -m vllm.entrypoints.cli.main` "
+                                       "(e.g. a stub: 'python3 bench/fake_vllm.py')")
+    ap.add_argument("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
+    ap.add_argument("--engines-per-gpu", type=int, default=2,
+                    help="the vllm scenario's second embedserve side (ENGINE__ENGINES_PER_GPU; 1: none)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)
@@ -247,8 +282,14 @@ def main(argv: list[str] | None = None) -> int:
                        infinity_site=a.infinity_site,
                        models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
                        out=a.out, drill_rate=a.drill_leak,
-                       attention_backends=tuple(a.attention_backends.split(",")))
-    return run(host, plan(selected), a.out, a.budget_s, a.redo)
+                       attention_backends=tuple(a.attention_backends.split(",")),
+                       vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
+                       engines_per_gpu=a.engines_per_gpu,
+                       quality_corpus=a.quality_corpus)
+    vllm_shapes = tuple(a.vllm_shapes.split(","))
+    if set(vllm_shapes) - set(vllm_peer.PORTS):
+        ap.error(f"--vllm-shapes takes {', '.join(vllm_peer.PORTS)}")
+    return run(host, plan(selected, vllm_shapes), a.out, a.budget_s, a.redo)
 
 
 if __name__ == "__main__":

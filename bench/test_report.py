@@ -84,15 +84,23 @@ def test_raw_runs_send_capped_ids_and_optional_flags_only_when_supported(monkeyp
 
 def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
     names = [s.name for s in suite.plan(("peers",))]
-    assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "peers-vllm",
-                     "stop-engines", "finish"]
+    assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "stop-engines", "finish"]
     scale = [s.name for s in suite.plan(("scale",))]
     assert "engines" not in scale and scale[-4:] == ["up-2", "scale-load-2", "down-2", "finish"]
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
-    assert len(set(everything)) == len(everything) == 41
+    assert len(set(everything)) == len(everything) == 50
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
+
+
+def test_the_vllm_scenario_runs_the_small_model_first_and_stops_its_servers() -> None:
+    names = [s.name for s in suite.plan(("vllm",))]
+    assert names[0] == "models" and names[-1] == "finish"
+    assert names.index("vllm-stop-0.6b") < names.index("vllm-start-4b")
+    only_small = [s.name for s in suite.plan(("vllm",), ("0.6b",))]
+    assert not any(n.endswith("4b") or "-4b-" in n for n in only_small)
+    assert "engines" not in names  # its servers are its own
 
 
 def test_the_recorded_dry_run_renders_every_table() -> None:
@@ -117,15 +125,36 @@ def test_the_recorded_dry_run_renders_every_table() -> None:
                                                        ("medium", "raw"), ("medium", "gateway")]
 
 
+def test_the_header_names_the_tokenizer_the_checkpoints_had(tmp_path: Path) -> None:
+    """Counted from the folders the models step used: a folder kept from an older run may hold
+    the small BPE synth-model trained before it wrote Qwen3's tokenizer."""
+    from embedserve.runtime.synth_model import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    qwen3 = suite.tokenizer_tokens(tmp_path)
+    assert qwen3 == results_md.QWEN3_TOKENS
+
+    def said(step: dict[str, Any]) -> str:
+        return results_md.header({"steps": {"models": {"ok": True, **step}}, "meta": {}})[2]
+
+    assert "shapes and Qwen3's own tokenizer (`embedserve synth-model`)" in said(
+        {"tokenizer_tokens": {"4b": qwen3, "0.6b": qwen3}})
+    assert "a 590-token byte-level BPE tokenizer trained on the fly, not Qwen3's" in said({})
+    assert "a tokenizer of 590 / 151,669 tokens, not Qwen3's" in said(
+        {"tokenizer_tokens": {"4b": qwen3, "0.6b": 590}})
+
+
 def test_fp8_sections_show_the_gate_and_why_a_backend_did_not_run() -> None:
     measured = {"median_cosine": 0.995, "p1_cosine": 0.97, "top10_overlap": 0.93}
+    retrieval = {"baseline": {"recall_at_10": 0.71, "ndcg_at_10": 0.5},
+                 "candidate": {"recall_at_10": 0.69, "ndcg_at_10": 0.49}}
     st = {"fp8-quality": {"4b": {"texts": 1000, "cosine": {"median": 0.995, "p1": 0.97, "min": 0.9},
-                                 "measured": measured, "passed": False},
+                                 "measured": measured, "retrieval": retrieval, "passed": False},
                           "minilm": {"not_run": "an engine of the pair did not start"}},
           "attention": {"not_run": {"fa3": "sgl_kernel/flash_ops.abi3.so is not installed"}, "rows": []}}
     md = "\n".join(results_md.fp8_sections(st))
-    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | NO | - |" in md
-    assert "| minilm | - | - | - | - | - | - | an engine of the pair did not start |" in md
+    assert "| 4b | 1,000 | 0.995 | 0.97 | 0.9 | 0.93 | 0.71 | 0.69 | NO | - |" in md
+    assert "| minilm | - | - | - | - | - | - | - | - | an engine of the pair did not start |" in md
     assert "attention backend fa3 not run: sgl_kernel/flash_ops.abi3.so is not installed" in md
 
 
@@ -134,4 +163,42 @@ def test_attention_backends_get_a_quality_table() -> None:
             "measured": {"median_cosine": 0.9999, "p1_cosine": 0.9998, "top10_overlap": 0.98}, "passed": True}
     md = "\n".join(results_md.fp8_sections({"attention": {"rows": [], "quality": {"fa3": gate}}}))
     assert "Quality gate, each backend's vectors against FlashInfer's" in md
-    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | yes |" in md
+    assert "| fa3 | 0.9999 | 0.9998 | 0.999 | 0.98 | - | - | yes |" in md  # a report of before the corpus
+
+
+def test_vllm_table_compares_the_best_side_of_each_server() -> None:
+    sides = ["embedserve", "embedserve x2", "vllm", "vllm tuned"]
+    rows = [row("short", "embedserve", 60_000, 100, prefix_cache_hit_rate=0.0),
+            row("short", "embedserve x2", 66_000, 90), row("short", "vllm", 30_000, 200),
+            row("short", "vllm tuned", 44_000, 180, prefix_cache_hit_rate=0.02),
+            row("one in flight", "embedserve", 900, 12.0), row("one in flight", "embedserve", 1_100, 10.0),
+            row("one in flight", "vllm tuned", 800, 15.0)]
+    short, one = results_md.multi_side(rows, sides)
+    assert short["ratio"] == 1.5 and short["p50_ratio"] == 2.0  # 66k / 44k; 180 ms / 90 ms
+    assert short["vllm tuned|hits"] == 0.02 and short["embedserve|runs"] == 1
+    assert one["embedserve|p50_ms"] == 11.0 and one["vllm|tok_s"] is None and one["p50_ratio"] == 1.364
+
+
+def test_vllm_section_shows_how_each_side_ran_and_what_did_not() -> None:
+    argv = ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m/0.6b", "--runner", "pooling"]
+    st = {"vllm-start-0.6b": {"shape": "0.6b", "argv": {"embedserve": ["embedserve", "up"], "vllm": argv},
+                              "ready_s": {"embedserve": 80.5, "vllm": 95.0},
+                              "vllm_facts": {"vllm": {"attention_backend": "FLASH_ATTN",
+                                                      "cudagraph_mode": "PIECEWISE"}},
+                              "not_run": {"embedserve x2": "no engines_per_gpu setting"},
+                              "gpu_gb_idle": {"embedserve-0.6b": 5.5, "vllm-0.6b": 7.25}},
+          "vllm-vectors-0.6b": {"texts": 2, "errors": {}, "pairs": [
+              {"pair": "vllm vs sglang", "cosines": [0.9999, 0.9991], "min": 0.9991,
+               "tokens_a": [3, 40], "tokens_b": [3, 40]}]},
+          "vllm-load-0.6b-1": {"rows": [row("short", "embedserve", 60_000, 100, name="a"),
+                                        row("short", "vllm", 40_000, 150, name="b")]},
+          "vllm-load-0.6b-2": {"rows": [], "crosscheck_rows": [row("short", "vllm", 41_000, 150)],
+                               "gpu_gb_after": {"vllm-0.6b": 7.5}}}
+    md = "\n".join(results_md.vllm_sections(st))
+    assert "## vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b, same texts" in md
+    assert "attention backend FLASH_ATTN, CUDA graphs PIECEWISE" in md and "ready after 95 s" in md
+    assert "- embedserve x2 not run: no engines_per_gpu setting" in md
+    assert "| short | 60,000 | 40,000 | 1.5 | 100 | 150 | 1.5 |" in md
+    assert "| vllm vs sglang | 0.9991 | 0.9999, 0.9991 | yes |" in md
+    assert "idle embedserve-0.6b 5.5 GB, vllm-0.6b 7.25 GB; after the runs vllm-0.6b 7.5 GB" in md
+    assert "| short | vllm | 40,000 | 41,000 | 0.025 | 0 | yes |" in md

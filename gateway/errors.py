@@ -57,15 +57,76 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) if parts else None
 
 
-def validation_error(exc: RequestValidationError | Any) -> APIError:
+INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _what(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "a number"
+    return {str: "a string", float: "a decimal number", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def input_problem(value: Any) -> str | None:
+    """Which element of a list ``input`` breaks its shape, e.g. ``input[1] is a number, but
+    input[0] is a string``; None when the shape is not the problem."""
+    if not isinstance(value, list) or not value:
+        return None
+    first = value[0]
+    if not (isinstance(first, str) or _is_id(first) or isinstance(first, list)):
+        return f"input[0] is {_what(first)}; input must be {INPUT_SHAPES}"
+    for i, item in enumerate(value):
+        if isinstance(first, list) and isinstance(item, list):
+            bad = next((j for j, x in enumerate(item) if not _is_id(x)), None)
+            if bad is not None:
+                return f"input[{i}][{bad}] is {_what(item[bad])}; a token-id list holds whole numbers only"
+            continue
+        same = isinstance(item, str) if isinstance(first, str) else _is_id(item)
+        if not same:
+            return (
+                f"input[{i}] is {_what(item)}, but input[0] is {_what(first)}: a list input holds "
+                "only strings, only token ids, or only token-id lists"
+            )
+    return None
+
+
+def validation_error(exc: RequestValidationError | Any, body: Any = None) -> APIError:
+    """400 naming the field (and, for ``input``, the element) that is wrong."""
     errors = exc.errors() if hasattr(exc, "errors") else []
     first = errors[0] if errors else {}
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid request")
     if param == "input" and first.get("type") != "missing":  # pydantic reports one union branch
-        msg = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        value = body.get("input") if isinstance(body, dict) else None
+        problem = input_problem(value)
+        if problem:
+            return APIError(400, f"Invalid request: {problem}", param=param, code="invalid_value")
+        msg = f"must be {INPUT_SHAPES}"
     where = f"'{param}': " if param else ""
     return APIError(400, f"Invalid request: {where}{msg}", param=param, code="invalid_value")
+
+
+#: OpenAI's paths that clients reach when their base URL lacks the ``/v1``.
+_OPENAI_PATHS = ("/embeddings", "/models")
+
+
+def not_found_message(path: str) -> str:
+    """404's text; for OpenAI's paths without ``/v1``, the URL the client meant."""
+    if path.rstrip("/") in _OPENAI_PATHS or path.startswith("/models/"):
+        return (
+            f"Not found: {path}. The API lives under /v1 (/v1{path.rstrip('/')}): give clients "
+            "a base URL that ends in /v1, e.g. http://HOST:8000/v1"
+        )
+    return f"Not found: {path}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -76,10 +137,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_validation(_: Request, exc: Exception) -> Response:
         return error_response(validation_error(exc))
 
-    async def on_http(_: Request, exc: Exception) -> Response:
+    async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code
-        message = {404: "Not found", 405: "Method not allowed"}.get(status, str(exc.detail))
+        message = {404: not_found_message(request.url.path), 405: "Method not allowed"}.get(
+            status, str(exc.detail)
+        )
         headers = dict(exc.headers or {})
         return error_response(APIError(status, message, headers=headers))
 

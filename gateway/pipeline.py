@@ -149,6 +149,22 @@ class EmbeddingPipeline:
                     code="invalid_token_id",
                 )
 
+    def _check_embeddable(self, inputs: list[TokenizedInput]) -> None:
+        """Texts that tokenise to an id past the model's embedding rows."""
+        if not self.tokenizer.exceeds_vocab:
+            return
+        vocab = self.tokenizer.vocab_size
+        for i, x in enumerate(inputs):
+            if max(x.ids) >= vocab:
+                bad = next(t for t in x.ids if t >= vocab)
+                raise APIError(
+                    400,
+                    f"input[{i}] contains {self.tokenizer.token_text(bad)!r}, a token (id {bad}) "
+                    f"the model has no embedding for (its vocabulary is [0, {vocab}))",
+                    param="input",
+                    code="invalid_token_id",
+                )
+
     def _apply_instruction(self, req: EmbeddingRequest, texts: list[str]) -> list[str]:
         if req.input_type != "query":
             if req.instruction is not None:
@@ -161,13 +177,9 @@ class EmbeddingPipeline:
             return texts
         template = self.info.query_template
         if template is None:
-            if req.instruction is not None:
-                raise APIError(
-                    400,
-                    f"the model '{self.info.name}' takes no instructions",
-                    param="instruction",
-                    code="invalid_value",
-                )
+            # A model without an instruction format embeds queries as they are; accepting
+            # input_type and instruction alike lets an application written for Qwen3 run
+            # unchanged on the CPU stack (the header x-embedserve-instruction says "none").
             return texts
         task = req.instruction or self.info.default_task
         return [template.format(task=task, text=t) for t in texts]
@@ -192,6 +204,7 @@ class EmbeddingPipeline:
             else:
                 loop = asyncio.get_running_loop()
                 inputs = await loop.run_in_executor(self.executor, self.tokenizer.encode_texts, texts)
+            self._check_embeddable(inputs)
         else:
             assert id_batch is not None
             if not self.settings.accept_token_ids:
@@ -314,4 +327,6 @@ class EmbeddingPipeline:
             "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
             "x-embedserve-truncated-inputs": str(len(truncated)),
         }
+        if req.input_type == "query":
+            headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers)

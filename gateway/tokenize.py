@@ -42,6 +42,9 @@ class ModelTokenizer:
         self.max_seq_len = max_seq_len
         model_vocab = _read_json(model_dir / "config.json").get("vocab_size")
         self.vocab_size = model_vocab if isinstance(model_vocab, int) else self._tok.get_vocab_size(True)
+        # Qwen3-Embedding-4B has 151,665 embedding rows and a tokenizer of 151,669 tokens: a
+        # text that spells one of the last four cannot be embedded.
+        self.exceeds_vocab = self._tok.get_vocab_size(True) > self.vocab_size
         self.prefix, self.suffix = self._special_frame()
         if not self.suffix and self._pools_last_token(model_dir):
             eos = self._eos_id(model_dir)
@@ -68,6 +71,9 @@ class ModelTokenizer:
         if isinstance(eos, dict):
             eos = eos.get("content")
         return self._tok.token_to_id(eos) if isinstance(eos, str) else None
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or str(token_id)
 
     @property
     def content_budget(self) -> int:

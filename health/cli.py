@@ -12,7 +12,7 @@ import time
 import httpx
 from pydantic import ValidationError
 
-from embedserve.contracts.memory import MemoryReport
+from embedserve.contracts.memory import MemoryReport, ProcessMemory
 
 
 def _gib(x: float | None) -> str:
@@ -67,8 +67,20 @@ def render(doc: MemoryReport, url: str) -> str:
     else:
         lines.append(f"allocator: none ({doc.allocator_reason})")
     for name, p in doc.processes.items():
-        lines.append(f"process {name} (pid {p.pid}): RSS {_gib(p.rss_bytes)} GiB")
+        lines.append(process_line(name, p))
     return "\n".join(lines)
+
+
+def process_line(name: str, p: ProcessMemory) -> str:
+    """The process alone, then with its children: under ``up`` the gateway's children are
+    the engines, which have lines of their own."""
+    children = len(p.pids) - 1
+    if children <= 0:
+        return f"process {name} (pid {p.pid}): RSS {_gib(p.rss_bytes)} GiB"
+    tree = f"{_gib(p.rss_bytes)} GiB with its {children} child process{'es' if children > 1 else ''}"
+    if p.own_rss_bytes is None:
+        return f"process {name} (pid {p.pid}): RSS {tree}"
+    return f"process {name} (pid {p.pid}): RSS {_gib(p.own_rss_bytes)} GiB itself, {tree}"
 
 
 def fetch(url: str, api_key: str | None, timeout: float) -> MemoryReport:
@@ -79,7 +91,11 @@ def fetch(url: str, api_key: str | None, timeout: float) -> MemoryReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="embedserve health", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="embedserve health",
+        description="Print the memory forecast of a running gateway (its /health/memory). Exit "
+        "status, single shot: 0 no restart advised, 2 restart advised, 1 unreachable.",
+    )
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway")
     ap.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
     ap.add_argument("--json", action="store_true", help="print the raw answer")

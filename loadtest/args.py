@@ -69,8 +69,26 @@ def same_origin_url(target: str, path_or_url: str) -> str:
     return path_or_url
 
 
+DESCRIPTION = """\
+Drive an OpenAI-compatible /v1/embeddings endpoint with generated (or a file's) inputs, then
+write results.json, summary.md and plots. Every generated input is unique in the run, so no
+prefix cache can serve it, unless --repeat-rate, --shared-prefix or --query-prefix asks for
+repeated content, which the report labels as such. Lengths are exact in the target model's
+tokens with --tokenizer. Exit status: 0 when the verdict passes, 1 when it fails, 2 on bad
+arguments."""
+
+EPILOG = """\
+examples:
+  embedserve loadtest http://127.0.0.1:8000 --tokenizer MODEL_DIR --rate 20 --duration 10m \\
+      --warmup 60 --max-error-rate 0.001 --max-p95-drift 0.2 --max-memory-growth-mib 256
+  embedserve loadtest http://127.0.0.1:30000/v1/embeddings --input ids --tokenizer MODEL_DIR \\
+      --concurrency 8 --requests 2000 --mix uniform:128-512
+  embedserve loadtest http://127.0.0.1:8000 --tokenizer MODEL_DIR --requests 2000 \\
+      --repeat-rate 0.3 --query-prefix      # the labelled repeated-content scenario"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="embedserve loadtest", description=__doc__,
+    ap = argparse.ArgumentParser(prog="embedserve loadtest", description=DESCRIPTION, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", help="base URL or full /v1/embeddings URL (the only host used, "
                                    "but for --metrics-url pages named on other hosts)")

@@ -47,15 +47,16 @@ from embedserve.loadtest.args import (
     same_origin_url,
     targets_from,
 )
-from embedserve.loadtest.mixes import FileMix, parse_count, parse_mix
+from embedserve.loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
 from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
 from embedserve.loadtest.sampling import GaugeSampler, MemorySampler, ProcessSampler
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from embedserve.loadtest.traffic import RequestFactory
 
 
-async def discover_model(url: str, headers: dict[str, str]) -> str | None:
-    """First model id of GET /v1/models on the target, or None."""
+async def discover_model(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
+    """The first entry of GET /v1/models on the target (``id``, and ``max_seq_len`` from
+    embedserve), or None."""
     models_url = url.rsplit("/embeddings", 1)[0] + "/models"
     with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
                              IndexError, TypeError):
@@ -63,8 +64,31 @@ async def discover_model(url: str, headers: dict[str, str]) -> str | None:
             models_url, allow_redirects=False, timeout=aiohttp.ClientTimeout(total=10)
         ) as r:
             if r.status == 200:
-                return str((await r.json(content_type=None))["data"][0]["id"])
+                entry = (await r.json(content_type=None))["data"][0]
+                return entry if isinstance(entry, dict) and "id" in entry else None
     return None
+
+
+def truncation_warning(longest: int | None, max_seq_len: object) -> str | None:
+    """When the mix sends inputs longer than the server embeds: tokens sent then overstate
+    the work done (the server cuts the rest off), so say so before the run."""
+    if longest is None or not isinstance(max_seq_len, int) or longest <= max_seq_len:
+        return None
+    return (f"WARNING: the mix sends inputs of up to {longest:,} tokens, but the server embeds at "
+            f"most {max_seq_len:,} (max_seq_len in /v1/models): it truncates longer inputs, so "
+            f"tokens sent overstate the work; --max-tokens {max_seq_len} sends only what it embeds")
+
+
+def headline(m: dict[str, Any]) -> str:
+    """Throughput as the server counted it (usage), then what was sent, and the share cut off."""
+    sent, embedded = m["tokens_per_s"], m["embedded_tokens_per_s"]
+    if not m.get("usage_reported"):
+        return f"{sent:.0f} tokens/s sent (the server reported no usage)"
+    line = f"{embedded:.0f} tokens/s embedded ({sent:.0f} sent"
+    if m["tokens_ok"] and m["usage_prompt_tokens"] < 0.99 * m["tokens_ok"]:
+        cut = 1 - m["usage_prompt_tokens"] / m["tokens_ok"]
+        line += f"; {cut:.0%} of the tokens sent were cut off by the server's truncation"
+    return line + ")"
 
 
 class Progress:
@@ -180,9 +204,16 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
                     info: dict[str, Any]) -> int:
     """Run, then write results.json, summary.md and the plots; 0 on PASS, 1 on FAIL."""
     url, health_url = cfg.url, info["health_url"]
+    card = await discover_model(url, cfg.headers) or {}
     if not factory.model:
-        factory.model = await discover_model(url, cfg.headers) or "default"
+        factory.model = str(card.get("id") or "default")
     model = factory.model
+    longest = factory.mix.max_len if isinstance(factory.mix, BucketMix) else None
+    if a.max_tokens is not None and longest is not None:
+        longest = min(longest, a.max_tokens)
+    warning = truncation_warning(longest, card.get("max_seq_len"))
+    if warning:
+        print(warning, file=sys.stderr)
     runner = Runner(cfg)
     progress = Progress(runner, not a.no_progress)
     runner.on_tick = progress
@@ -219,6 +250,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         meta = {"url": url, "model": model, "traffic": traffic, "mix": info["mix"],
                 "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
                 "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
+                "server_max_seq_len": card.get("max_seq_len"), "truncation_warning": warning,
                 "content": content, "started_at": t0_wall, "argv": sys.argv[1:]}
         cache = cachehits.hit_rate(before, after, urls,
                                    content["scenario"] == "repeated content")
@@ -257,7 +289,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
     m, pc = res["measured"], res["prefix_cache"]
     label = "repeated content: " if res["meta"]["content"]["scenario"] != "unique inputs" else ""
     print(f"{label}{'PASS' if res['verdict']['passed'] else 'FAIL'}: {m['ok']}/{m['attempts']} ok, "
-          f"{m['requests_per_s']:.2f} req/s, {m['tokens_per_s']:.0f} tokens/s, "
+          f"{m['requests_per_s']:.2f} req/s, {headline(m)}, "
           f"p95 {m['latency_ms']['p95']} ms, errors {m['errors']}, 429 {m['throttled_429']}; "
           f"{cachehits.describe(pc)}{' (WARNING: above 1%)' if pc['flagged'] else ''}"
           f"\nreport: {mp}\nresults: {jp}", file=sys.stderr)

@@ -64,6 +64,7 @@ class FakeConfig:
     redirect_to: str | None = None  # answer every POST with a 307 to this URL
     metrics: bool = True  # GET /metrics: SGLang's prompt/cached token counters
     prefix_cache_tokens: int = 65_536  # the simulated prefix cache's size (0: no cache)
+    max_seq_len: int | None = None  # advertised in /v1/models; longer inputs are truncated
 
 
 class PrefixCache:
@@ -164,16 +165,20 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
         rng = random.Random(n)
         data = [{"object": "embedding", "index": i,
                  "embedding": [rng.random() for _ in range(cfg.dim)]} for i in range(len(items))]
+        embedded = sum(min(count(x), cfg.max_seq_len or count(x)) for x in items)
         with counters.lock:
             counters.ok += 1
             counters.tokens_ok += tokens
-            counters.prompt_tokens += tokens
+            counters.prompt_tokens += embedded
             counters.cached_tokens += sum(cache.serve(tokens_of(x)) for x in items)
         return JSONResponse({"object": "list", "data": data, "model": body.get("model"),
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                             "usage": {"prompt_tokens": embedded, "total_tokens": embedded}})
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "fake-embed", "object": "model"}]})
+        card: dict[str, Any] = {"id": "fake-embed", "object": "model"}
+        if cfg.max_seq_len:
+            card["max_seq_len"] = cfg.max_seq_len
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def health_memory(request: Request) -> Response:
         if not cfg.health_memory:

@@ -116,6 +116,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         f"seed {meta['seed']}",
         f"Lengths measured with: {meta['tokenizer']}. Stopped: {meta['stop_reason']}.",
         "",
+        *([f"**{meta['truncation_warning']}**", ""] if meta.get("truncation_warning") else []),
         *_content_lines(res),
         "| measured (after warm-up) | value |",
         "|---|---|",

@@ -6,4 +6,15 @@ The request path, layer by layer (lower layers never import higher ones):
 ``gateway`` API -> ``runtime`` (CLI, stack, supervision). See docs/ARCHITECTURE.md.
 """
 
-__version__ = "0.2.0"
+
+def __getattr__(name: str) -> str:
+    """``__version__``: pyproject.toml's version as installed, the one source. Read on first
+    use, so importing the package stays light (a Ctrl-C during start-up meets less of it)."""
+    if name != "__version__":
+        raise AttributeError(name)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("embedserve")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "0+unknown"

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
+from embedserve.settings_errors import ConfigError, bad_json, describe
 
 #: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
 CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
@@ -86,7 +88,7 @@ class EngineSettings(BaseModel):
         default_factory=list, description="engines to use instead of starting one (external)"
     )
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int = Field(30000, ge=1, le=65535)
     replicas: int = Field(
         1, ge=1, description="GPUs to use: SGLang engines are started on GPU 0 .. replicas-1"
     )
@@ -110,14 +112,15 @@ class EngineSettings(BaseModel):
     attention_backend: str = Field(
         "auto",
         description="SGLang's prefill attention. auto: FA3 on Hopper when sgl-kernel carries "
-        "its FA3 kernels, else FlashInfer (on one H200 FA3 gave the 4B identical vectors and "
-        "was 0-3% faster: docs/PERFORMANCE.md); or any --attention-backend value of SGLang",
+        "its FA3 kernels, else FlashInfer (on one H200 FA3 gave the 4B identical vectors at "
+        "0.99-1.02x FlashInfer's throughput: docs/PERFORMANCE.md); or any --attention-backend value "
+        "of SGLang",
     )
     quantization: Literal["none", "fp8"] = Field(
         "none",
         description="fp8: SGLang quantizes the bf16 checkpoint's linear layers to FP8 at load "
         "(weights and activations, dynamic scales): half the weight memory and Hopper's FP8 "
-        "tensor cores. Check what it costs in quality with bench/quality.py first",
+        "tensor cores. Check what it costs in quality with `embedserve quality` first",
     )
     prefix_cache: bool = Field(
         False,
@@ -154,14 +157,35 @@ class EngineSettings(BaseModel):
         description="ask engines for base64 float32 vectors (no float text on either side); "
         "turn off for an engine that rejects encoding_format",
     )
-    cpu_threads: int | None = None
+    # The CPU engine (kind cpu).
+    cpu_backend: Literal["torch", "onnx"] = Field(
+        "onnx",
+        description="onnx: the model exported once to ONNX (cached in cpu_export_dir) and run on "
+        "ONNX Runtime, 2.3-2.9x torch's throughput on two cores (docs/PERFORMANCE.md); torch: "
+        "sentence-transformers on torch",
+    )
+    cpu_quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: ONNX Runtime's dynamic int8 quantisation of the exported model (onnx "
+        "backend only): faster, vectors a little further from the model's; check it with the "
+        "quality gate on your own data first",
+    )
+    cpu_export_dir: str | None = Field(
+        None,
+        description="where the onnx backend caches its exports, one folder per model, exporter and "
+        "library versions; default: $XDG_CACHE_HOME/embedserve/onnx, else ~/.cache/embedserve/onnx",
+    )
+    cpu_threads: int | None = Field(
+        None, ge=1, description="compute threads; default: the cores this process may use "
+        "(its CPU affinity, capped by its cgroup's CPU quota)",
+    )
 
 
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible front door."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=1, le=65535)
     max_inputs: int = 2048
     max_tokens_per_request: int = 300_000
     max_body_bytes: int = 16 << 20
@@ -214,6 +238,19 @@ class GatewaySettings(BaseModel):
     protect_metrics: bool = False
     cors_origins: list[str] = Field(default_factory=list)
     graceful_shutdown_s: float = 30.0
+    header_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="a request head (request line and headers) must arrive within this many "
+        "seconds of its first byte (of the connection, for its first request): 408 and closed "
+        "beyond, so a client trickling its head cannot hold a connection",
+    )
+    body_idle_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="a request body may stall at most this long, and must average 500 bytes/s "
+        "beyond this allowance: 408 and closed beyond",
+    )
     keep_alive_s: float = Field(
         75.0,
         gt=0,
@@ -266,7 +303,7 @@ class ControllerSettings(BaseModel):
         None, description="namespace of the pods; default: the service account's own"
     )
     label_selector: str = Field("app.kubernetes.io/name=embedserve", description="selects the serving pods")
-    health_port: int = Field(8000, description="the gateway port that serves /health/memory")
+    health_port: int = Field(8000, ge=1, le=65535, description="the gateway port that serves /health/memory")
     health_path: str = "/health/memory"
     health_scheme: Literal["http", "https"] = "http"
     health_timeout_s: float = Field(2.0, gt=0)
@@ -335,7 +372,15 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.health.critical_hours >= self.health.warning_hours:
-            raise ValueError("health.critical_hours must be below health.warning_hours")
+            raise ValueError(
+                f"EMBEDSERVE_HEALTH__CRITICAL_HOURS ({self.health.critical_hours:g}) must be below "
+                f"EMBEDSERVE_HEALTH__WARNING_HOURS ({self.health.warning_hours:g})"
+            )
+        if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
+            raise ValueError(
+                f"EMBEDSERVE_ENGINE__CPU_QUANTIZATION={self.engine.cpu_quantization} (--cpu-quantization) "
+                "needs EMBEDSERVE_ENGINE__CPU_BACKEND=onnx (--cpu-backend)"
+            )
         return self
 
     def tokens_in_flight_limit(self, engine_kind: str) -> int:
@@ -395,20 +440,20 @@ class Settings(BaseSettings):
         return json.loads(self.model_dump_json())
 
 
-def settings_error(exc: ValidationError) -> str:
-    """A bad setting as one sentence: the variable that holds it and what it accepts."""
-    err = exc.errors()[0]
-    loc = "__".join(str(part) for part in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    if not loc:
-        return f"The settings are not accepted: {msg}."
-    return f"EMBEDSERVE_{loc.upper()}={err.get('input')!s} is not accepted: {msg[:1].lower()}{msg[1:]}."
-
-
-def load_settings(overrides: dict[str, Any] | None = None) -> Settings:
+def load_settings(
+    overrides: dict[str, Any] | None = None, flags: Mapping[str, str] | None = None
+) -> Settings:
     """The settings of this process: a parent's, when it started this one (see
-    ``Settings.child_env``), else the environment and ``.env`` with ``overrides`` on top."""
+    ``Settings.child_env``), else the environment and ``.env`` with ``overrides`` on top.
+    A mistake raises ``ConfigError``, one sentence naming the variable and, from ``flags``
+    (``"gateway.port": "--port"``), the flag."""
     inherited = os.environ.get(CHILD_SETTINGS_ENV)
-    if inherited:
-        return Settings.model_validate_json(inherited)
-    return Settings(**(overrides or {}))
+    try:
+        if inherited:
+            return Settings.model_validate_json(inherited)
+        return Settings(**(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, Settings, flags)) from None
+    except SettingsError as exc:  # a list or object variable that is not JSON
+        section = str(exc).split('"')[1] if str(exc).count('"') >= 2 else ""
+        raise ConfigError(bad_json(section, Settings, os.environ)) from None

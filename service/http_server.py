@@ -1,26 +1,62 @@
-"""uvicorn's httptools protocol with a cap on the request head.
+"""uvicorn's httptools protocol with bounded reads: a cap on the request head, and clocks on
+how long a client may take to send its head and its body.
 
 httptools (llhttp) parses HTTP in C: about 13% less gateway CPU per short request than h11
 (measured with ``python -m bench.cpu.gateway_cpu``), and one gateway's event loop is its
-throughput limit. But it has no head-size limit (a 100 MB header was buffered whole), so
-this counts the bytes fed while a head is unfinished and answers 431 in the OpenAI envelope
-once they pass the cap: at most the cap plus one read (64-256 KiB) is ever buffered.
-``gateway.max_head_bytes`` (checked exactly by HeadLimitMiddleware) stays the precise limit;
-this is the parser's backstop.
+throughput limit. But neither httptools nor uvicorn bounds a request while it arrives:
+
+* no head-size limit (a 100 MB header was buffered whole), so this counts the bytes fed
+  while a head is unfinished and answers 431 in the OpenAI envelope once they pass the cap:
+  at most the cap plus one read (64-256 KiB) is ever buffered. ``gateway.max_head_bytes``
+  (checked exactly by HeadLimitMiddleware) stays the precise limit; this is the backstop;
+* no time limit: uvicorn's only timer is the keep-alive between requests, so a client that
+  trickles its head or body a byte at a time holds a connection for as long as it likes.
+  Here a head must be complete within ``header_timeout_s`` of its first byte (of the
+  connection, for the first request), and a body may stall at most ``body_idle_timeout_s``
+  and must average at least ``MIN_BODY_BYTES_PER_S`` beyond that allowance (Apache's
+  mod_reqtimeout rule), so a one-byte-a-second trickle is cut too. Expiry answers 408 in
+  the envelope and closes the connection. While uvicorn has paused reading (the app has not
+  taken the body yet), the client is not the slow one and the body clocks wait.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import uvicorn
 from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from embedserve.contracts.errors import HEAD_TOO_LARGE, error_body, head_too_large_message
+from embedserve.contracts.errors import (
+    HEAD_TOO_LARGE,
+    REQUEST_TIMEOUT,
+    error_body,
+    head_too_large_message,
+    request_timeout_message,
+)
+
+log = logging.getLogger(__name__)
+
+#: A body slower than this on average (beyond its first body_idle_timeout_s) is cut off:
+#: Apache's mod_reqtimeout default MinRate.
+MIN_BODY_BYTES_PER_S = 500.0
 
 
-def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
+def _close_with(transport: asyncio.BaseTransport, status: bytes, body: bytes) -> None:
+    head = (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    )
+    assert isinstance(transport, asyncio.WriteTransport)
+    transport.write(head + body)
+    transport.close()
+
+
+def bounded_httptools(
+    max_head_bytes: int, header_timeout_s: float = 20.0, body_idle_timeout_s: float = 20.0
+) -> type[HttpToolsProtocol]:
     """The protocol class for ``uvicorn.Config(http=...)``."""
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -28,14 +64,89 @@ def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
             super().__init__(*args, **kwargs)
             self._head_bytes = 0
             self._in_head = True
+            self._phase: str | None = None  # "head", "body" or None (nothing owed by the client)
+            self._deadline = 0.0  # head: its end; body: the rate allowance's end
+            self._idle_until = 0.0  # body: the end of the current stall allowance
+            self._timer: asyncio.TimerHandle | None = None
+
+        # -- the clocks --------------------------------------------------------------
+        def _arm(self, at: float) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(at, self._expire)
+
+        def _disarm(self) -> None:
+            self._phase = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _start_head(self) -> None:
+            self._phase = "head"
+            self._deadline = self.loop.time() + header_timeout_s
+            self._arm(self._deadline)
+
+        def _expire(self) -> None:
+            self._timer = None
+            now = self.loop.time()
+            if self.transport is None or self.transport.is_closing() or self._phase is None:
+                return
+            cycle = self.cycle
+            if self._phase == "head":
+                if cycle is not None and not cycle.response_complete:
+                    self._arm(now + header_timeout_s)  # a pipelined head waits for the answer before it
+                    return
+                self._cut("head", header_timeout_s)
+                return
+            if self.flow.read_paused:  # uvicorn holds the client back, not the other way round
+                self._idle_until = now + body_idle_timeout_s
+                self._deadline += body_idle_timeout_s
+            due = min(self._idle_until, self._deadline)
+            if now < due:
+                self._arm(due)
+                return
+            if cycle is not None and not cycle.response_started:
+                cycle.disconnected = True  # the app sees a client that left (a counted disconnect)
+                cycle.message_event.set()
+            self._cut("body", body_idle_timeout_s)
+
+        def _cut(self, part: str, seconds: float) -> None:
+            log.info("slow client cut off", extra={"part": part, "limit_s": seconds})
+            body = error_body(408, request_timeout_message(part, seconds), code=REQUEST_TIMEOUT)
+            _close_with(self.transport, b"408 Request Timeout", body)
+            self._disarm()
+
+        # -- uvicorn's protocol, with the clocks and the head cap ---------------------
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._start_head()  # a new connection owes its first request head
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._phase is None:  # the first byte of the next request on this connection
+                self._start_head()
 
         def on_headers_complete(self) -> None:
             self._in_head = False
             super().on_headers_complete()
+            now = self.loop.time()
+            self._phase = "body"
+            self._idle_until = self._deadline = now + body_idle_timeout_s
+            self._arm(self._deadline)
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            self._idle_until = self.loop.time() + body_idle_timeout_s
+            self._deadline += len(body) / MIN_BODY_BYTES_PER_S
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._in_head, self._head_bytes = True, 0
+            self._disarm()  # until the next request's first byte (uvicorn's keep-alive meanwhile)
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
@@ -47,14 +158,9 @@ def bounded_httptools(max_head_bytes: int) -> type[HttpToolsProtocol]:
                 self._refuse()
 
         def _refuse(self) -> None:
-            message = head_too_large_message(max_head_bytes)
-            body = error_body(431, message, code=HEAD_TOO_LARGE)
-            head = (
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-            )
-            self.transport.write(head + body)
-            self.transport.close()
+            body = error_body(431, head_too_large_message(max_head_bytes), code=HEAD_TOO_LARGE)
+            _close_with(self.transport, b"431 Request Header Fields Too Large", body)
+            self._disarm()
 
     return BoundedHttpToolsProtocol
 

@@ -12,7 +12,9 @@ import time
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
-_STD = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime", "taskName"}
+# Record attributes that are not fields of a line; uvicorn's ``color_message`` is its message
+# again with ANSI colour escapes, which belong in no log collector.
+_STD = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime", "taskName", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,7 +44,6 @@ class TextFormatter(JsonFormatter):
         head = time.strftime("%H:%M:%S", time.localtime(fields.pop("ts")))
         level, name, msg = fields.pop("level"), fields.pop("logger"), fields.pop("msg")
         exc = fields.pop("exc", None)
-        fields.pop("color_message", None)
         extra = " ".join(f"{k}={v}" for k, v in fields.items())
         line = f"{head} {level:<7} {name}: {msg}" + (f"  {extra}" if extra else "")
         return line + (f"\n{exc}" if exc else "")

@@ -10,18 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from embedserve.config import ModelSettings
+from embedserve.settings_errors import ConfigError
+
+#: How a model-folder mistake names the setting (``up``, ``gateway`` and ``config`` take the flag).
+MODEL_SETTING = "EMBEDSERVE_MODEL__PATH (--model)"
+MODEL_ACCEPTS = "a sentence-transformers or Hugging Face model folder, or bundled:all-MiniLM-L6-v2"
 
 #: The longest context we default to: Qwen3-Embedding accepts 32k, but 8192 keeps the
 #: activation memory of one sequence bounded; raise ``model.max_seq_len`` to go further.
 DEFAULT_MAX_SEQ_LEN_CAP = 8192
 QWEN3_QUERY_TEMPLATE = "Instruct: {task}\nQuery:{text}"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -42,13 +40,16 @@ class ModelInfo:
 
     @classmethod
     def load(cls, m: ModelSettings) -> ModelInfo:
-        folder = m.resolved_path
+        folder = model_folder(m)
         config = _read_json(folder / "config.json")
         dim = _read_json(folder / "1_Pooling" / "config.json").get("word_embedding_dimension")
         if not isinstance(dim, int):
             dim = config.get("hidden_size")
         if not isinstance(dim, int):
-            raise ValueError(f"cannot tell the embedding size of {folder}: no 1_Pooling or config.json")
+            raise ConfigError(
+                f"{MODEL_SETTING} must be {MODEL_ACCEPTS}, but {folder} holds no model (no "
+                "config.json with hidden_size, nor 1_Pooling/config.json)"
+            )
         is_qwen3 = str(config.get("model_type", "")).startswith("qwen3")
         if m.query_template is not None:
             template = m.query_template or None
@@ -66,6 +67,30 @@ class ModelInfo:
             is_qwen3=is_qwen3,
             created=int(time.time()),
         )
+
+
+def model_folder(m: ModelSettings) -> Path:
+    """The folder ``model.path`` names; ``ConfigError`` when there is none."""
+    try:
+        folder = m.resolved_path
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{MODEL_SETTING}: {exc}") from None
+    if not folder.exists():
+        raise ConfigError(f"{MODEL_SETTING} must be {MODEL_ACCEPTS}, but {folder} does not exist")
+    if not folder.is_dir():
+        raise ConfigError(f"{MODEL_SETTING} must be {MODEL_ACCEPTS}, but {folder} is not a folder")
+    return folder
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; ``{}`` when absent; ``ConfigError`` when it is not JSON."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{MODEL_SETTING}: {path} cannot be read as JSON ({exc})") from None
+    return data if isinstance(data, dict) else {}
 
 
 def _default_max_seq_len(folder: Path, config: dict[str, Any]) -> int:

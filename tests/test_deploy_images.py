@@ -274,6 +274,36 @@ def test_healthcheck_script_exit_codes():
     assert closed.returncode == 1
 
 
+class _Verdict(BaseHTTPRequestHandler):
+    status = 200  # what the gateway's /health/live answers
+
+    def do_GET(self):
+        self.send_response(self.status if self.path == "/health/live" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_engine_verdict_fails_only_on_the_gateways_answer():
+    """The engine container's liveness: the gateway's failure answer restarts the engine;
+    a gateway that does not answer (down, restarting) never does."""
+    server = HTTPServer(("127.0.0.1", 0), _Verdict)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "EMBEDSERVE_GATEWAY__PORT": str(server.server_port)}
+    probe = [sys.executable, str(DOCKER / "healthcheck.py"), "engine-verdict", "1"]
+    try:
+        assert subprocess.run(probe, env=env, timeout=30).returncode == 0
+        _Verdict.status = 503
+        assert subprocess.run(probe, env=env, timeout=30, capture_output=True).returncode == 1
+    finally:
+        _Verdict.status = 200
+        server.shutdown()
+        server.server_close()
+    gone = subprocess.run(probe, env=env, timeout=30, capture_output=True, text=True)  # nobody listens
+    assert gone.returncode == 0 and "no verdict" in gone.stderr and "/health/live" in gone.stderr
+
+
 def test_healthcheck_follows_the_configured_port():
     """The images' HEALTHCHECK names a role; the port is the one the server reads."""
     server = HTTPServer(("127.0.0.1", 0), _Handler)

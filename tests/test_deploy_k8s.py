@@ -148,8 +148,11 @@ def test_probes_hit_our_health_endpoints_with_fitting_timeouts():
     c = _containers()
     engine, gateway = c["engine"], c["gateway"]
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": 8000}
-    # Liveness restarts the container that holds the memory: the engine.
-    assert engine["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": 8000}
+    # Liveness restarts the container that holds the memory, the engine, on the gateway's
+    # verdict; a gateway that does not answer passes it (tests/test_docs.py runs the script).
+    assert engine["livenessProbe"]["exec"]["command"] == [
+        "python3", "/usr/local/lib/embedserve/healthcheck.py", "engine-verdict", "2"]
+    assert engine["livenessProbe"]["timeoutSeconds"] > 2  # the script's own timeout fits inside
     for probe in (gateway["readinessProbe"], engine["livenessProbe"]):
         # Our probes answer from memory in < 50 ms; 2 s tolerates a busy node, and is
         # still far from SGLang's ~1 s forward-pass /health that made pods flap.

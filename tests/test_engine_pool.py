@@ -80,3 +80,47 @@ def test_small_calls_avoid_the_engine_busy_with_a_long_one() -> None:
         return client.sent
 
     assert asyncio.run(run()) == [(A, 1000), (B, 10), (B, 10), (B, 10)]
+
+
+class FlakyHealthClient(GatedClient):
+    """Health checks that fail while ``down`` is set (connection refused, as at start-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        from embedserve.engines.client import CallFailed
+
+        if self.down:
+            raise CallFailed("ClientConnectorError")
+        return 200, b""
+
+
+def test_a_starting_engine_leaves_no_error_and_a_later_failure_is_dated() -> None:
+    """A ready engine must not report the connection refused of its start-up forever; a
+    failure after it served is kept, with its time, after it recovers."""
+    import time
+
+    client = FlakyHealthClient()
+    pool = EnginePool([A], "m", request_timeout_s=10, client=client)
+
+    async def check() -> None:
+        await pool.check_once()
+
+    asyncio.run(check())  # still starting: refused
+    (status,) = pool.statuses()
+    assert not status.ready and status.last_error == "" and status.last_error_at is None
+    assert "unreachable" in pool.detail()
+    client.down = False
+    asyncio.run(check())
+    (status,) = pool.statuses()
+    assert status.ready and status.last_error == "" and pool.detail() == f"{A}: ready"
+    client.down = True
+    before = time.time()
+    asyncio.run(check())  # a real failure, after it served
+    client.down = False
+    asyncio.run(check())
+    (status,) = pool.statuses()
+    assert status.ready and "unreachable" in status.last_error
+    assert status.last_error_at is not None and before <= status.last_error_at <= time.time()

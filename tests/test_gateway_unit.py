@@ -326,3 +326,41 @@ def test_engine_prefix_cache_counters_are_re_exported(engine: FakeEngine) -> Non
         (cached,) = families["embedserve_engine_cached_tokens"].samples
         assert prompt.value == 1000 and cached.value == 71  # summed over cache sources
         assert prompt.labels == {"engine": "http://fake-engine"}
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["ok", 3, None], "input[1] is a number, but input[0] is a string"),
+        (["ok", "fine", None], "input[2] is null, but input[0] is a string"),
+        ([[1, 2], "a"], "input[1] is a string, but input[0] is a list"),
+        ([[1, 2], [3, "x"]], "input[1][1] is a string"),
+        ([None, "a"], "input[0] is null"),
+    ],
+)
+def test_a_mixed_input_list_names_the_element(client: TestClient, given: object, named: str) -> None:
+    err = assert_error(post(client, {"model": MODEL, "input": given}), 400, "input")
+    assert named in str(err["message"])
+
+
+@pytest.mark.parametrize("path", ["/embeddings", "/models"])
+def test_openai_paths_without_v1_say_where_the_api_is(client: TestClient, path: str) -> None:
+    r = client.post(path, json={"model": MODEL, "input": "x"}) if path == "/embeddings" else client.get(path)
+    err = assert_error(r, 404)
+    assert f"/v1{path}" in str(err["message"]) and "base URL" in str(err["message"])
+    assert assert_error(client.get("/nothing-here"), 404)["message"] == "Not found: /nothing-here"
+
+
+def test_query_options_on_a_model_without_instructions_change_nothing(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    """One behaviour for input_type and instruction: accepted, the text embedded as it is,
+    and the response says no instruction was applied."""
+    plain = post(client, {"model": MODEL, "input": "a question"})
+    for extra in ({"input_type": "query"}, {"input_type": "query", "instruction": "find answers"}):
+        r = post(client, {"model": MODEL, "input": "a question", **extra})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-embedserve-instruction"] == "none"
+        assert r.json()["data"][0]["embedding"] == plain.json()["data"][0]["embedding"]
+    assert engine.calls[-1] == engine.calls[0]  # the same ids reached the engine
+    assert "x-embedserve-instruction" not in plain.headers

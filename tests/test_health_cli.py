@@ -43,3 +43,33 @@ def test_cli_prints_the_forecast(
 def test_cli_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--url", "http://127.0.0.1:9", "--timeout", "0.5"]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_process_with_children_is_shown_alone_and_with_them() -> None:
+    """Under ``up`` the gateway's tree holds the engines: its own figure must not be the tree's."""
+    from embedserve.contracts.memory import ProcessMemory
+
+    gib = 2**30
+    gateway = ProcessMemory(name="gateway", pid=10, rss_bytes=gib * 61 // 100, own_rss_bytes=gib // 10,
+                            pids=[10, 11, 12])
+    line = cli.process_line("gateway", gateway)
+    assert line == "process gateway (pid 10): RSS 0.10 GiB itself, 0.61 GiB with its 2 child processes"
+    alone = ProcessMemory(name="engine", pid=11, rss_bytes=gib // 2, own_rss_bytes=gib // 2, pids=[11])
+    assert cli.process_line("engine", alone) == "process engine (pid 11): RSS 0.50 GiB"
+
+
+def test_the_process_reader_reports_the_process_alone() -> None:
+    import subprocess
+    import sys
+
+    from embedserve.health.sources.processes import read_processes
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        found, _ = read_processes({"me": os.getpid()})
+        me = found["me"]
+        assert child.pid in me.pids
+        assert me.own_rss_bytes is not None and 0 < me.own_rss_bytes < me.rss_bytes
+    finally:
+        child.kill()
+        child.wait()

@@ -14,8 +14,8 @@ from tests.__main__ import installed_layout
 # lowest first; a module may import its own layer and any layer before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", ("embedserve.contracts",)),
-    ("config", ("embedserve.config", "embedserve.model_info", "embedserve.logs", "embedserve.nvml",
-                "embedserve.http_server")),
+    ("config", ("embedserve.config", "embedserve.settings_errors", "embedserve.model_info", "embedserve.logs",
+                "embedserve.nvml", "embedserve.http_server")),
     ("core", ("embedserve.gateway.tokenize", "embedserve.gateway.admission", "embedserve.gateway.coalesce",
               "embedserve.gateway.vectors")),
     ("engines", ("embedserve.engines",)),
@@ -23,9 +23,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("embedserve.gateway",)),
     ("runtime", ("embedserve.runtime", "embedserve.__main__")),
 ]
-# The load generator is a client: it speaks the contracts and nothing else of the server.
-CLIENT = ("embedserve.loadtest",)
-CLIENT_MAY_IMPORT = ("embedserve.contracts", "embedserve.loadtest")
+# The load generator and the quality gate are clients: they speak the contracts and nothing
+# else of the server.
+CLIENT = ("embedserve.loadtest", "embedserve.quality")
+CLIENT_MAY_IMPORT = ("embedserve.contracts", "embedserve.loadtest", "embedserve.quality")
 
 
 def _matches(module: str, prefixes: tuple[str, ...]) -> bool:

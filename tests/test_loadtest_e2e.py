@@ -166,6 +166,25 @@ def test_closed_loop_rate_excludes_the_drain(tok_dir: Path, tmp_path: Path) -> N
     assert meas["requests_per_s"] == pytest.approx(meas["ok"] / meas["duration_s"], rel=0.01)
 
 
+def test_inputs_longer_than_the_server_embeds_are_flagged(
+    tok_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The headline is what the server embedded (its usage), not what was sent: with the seed
+    mix (up to 32,768 tokens) against a 256-token model most tokens sent are cut off."""
+    with FakeServer(FakeConfig(max_seq_len=256), load_tokenizer(tok_dir)) as srv:
+        rc, res = _run([srv.url, "--tokenizer", str(tok_dir), "--concurrency", "4",
+                        "--requests", "60", "--mix", "buckets:1:200-4000"], tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "WARNING: the mix sends inputs of up to 4,000 tokens" in err and "--max-tokens 256" in err
+    m = res["measured"]
+    assert m["usage_prompt_tokens"] < m["tokens_ok"] / 2
+    assert f"{m['embedded_tokens_per_s']:.0f} tokens/s embedded ({m['tokens_per_s']:.0f} sent;" in err
+    assert "cut off by the server's truncation" in err
+    assert res["meta"]["server_max_seq_len"] == 256
+    assert "WARNING" in (tmp_path / "summary.md").read_text()
+
+
 def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
     """--gauge follows a gauge of the target's /metrics through the run (the autoscaling
     signal in a ramp): here the fake's count of requests answered, which only grows."""

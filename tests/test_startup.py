@@ -152,3 +152,23 @@ def _answers(url: str, path: str = "/health/live") -> bool:
     except httpx.HTTPError:
         return False
     return True
+
+
+def test_an_engine_loading_its_model_stops_at_once_on_sigterm() -> None:
+    """``up`` stops a starting engine with SIGTERM; an engine that only noted the signal
+    until its model had loaded made Ctrl-C wait for the load (or for up's 2 s grace)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDSERVE_")}
+    env.update({"HF_HUB_OFFLINE": "1", "EMBEDSERVE_LOG_FORMAT": "json",
+                "EMBEDSERVE_ENGINE__PORT": str(free_port())})
+    proc = subprocess.Popen([sys.executable, "-m", "embedserve.engines.cpu"], stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # bounded: the engine logs "loading" first, then exits or is ready
+        lines.append(line)
+        if "cpu engine loading" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=NO_HANG_S)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, rest[-2000:])
+    assert "cpu engine ready" not in "".join(lines) + rest  # it never finished loading

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from embedserve.config import ControllerSettings, Settings
 from embedserve.contracts.surge import SURGE_ANNOTATION, Surge
-from embedserve.runtime import restart_controller
+from embedserve.runtime import cli
 from embedserve.runtime import surge as surging
 from embedserve.runtime.kube import KubeApi
 from embedserve.runtime.restart_controller import (
@@ -489,12 +489,11 @@ def test_bad_settings_are_one_sentence_and_exit_2(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # no .env
     monkeypatch.setenv("EMBEDSERVE_CONTROLLER__" + var, value)
-    assert restart_controller.main(["--once"]) == 2
+    assert cli.main(["restart-controller", "--once"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(
-        f"embedserve restart-controller: EMBEDSERVE_CONTROLLER__{var}={value} is not accepted: "
-    )
+    assert lines[0].startswith(f"embedserve: EMBEDSERVE_CONTROLLER__{var} must be ")
+    assert lines[0].endswith(f", got '{value}'")
 
 
 def test_a_bad_setting_exits_2_through_the_command(tmp_path: Path) -> None:
@@ -509,9 +508,7 @@ def test_a_bad_setting_exits_2_through_the_command(tmp_path: Path) -> None:
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (
-        "embedserve restart-controller: EMBEDSERVE_CONTROLLER__SURGE_TIMEOUT_S=0 is not accepted: "
-        "input should be greater than 0."
-    )
+        "embedserve: EMBEDSERVE_CONTROLLER__SURGE_TIMEOUT_S must be a number above 0, got '0'")
 
 
 def test_target_load_bounds() -> None:

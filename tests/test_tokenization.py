@@ -47,7 +47,7 @@ def test_eos_is_appended_when_tokenizer_forgets(tiny_qwen_dir: Path, tmp_path: P
     import json
     import shutil
 
-    shutil.copytree(tiny_qwen_dir, tmp_path / "m")
+    shutil.copytree(tiny_qwen_dir, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
     tj = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
     tj["post_processor"] = None
     (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(tj))

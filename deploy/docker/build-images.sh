@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build the gateway and CPU-engine images from this checkout, as compose.yaml names them:
 #
-#   deploy/docker/build-images.sh          # embedserve/gateway:0.1.0, embedserve/engine-cpu:0.1.0
+#   deploy/docker/build-images.sh          # embedserve/gateway:VERSION, embedserve/engine-cpu:VERSION
 #
 # Environment, all optional:
-#   EMBEDSERVE_REGISTRY, EMBEDSERVE_TAG  image names (as in compose.yaml: embedserve, 0.1.0)
+#   EMBEDSERVE_REGISTRY, EMBEDSERVE_TAG  image names (as in compose.yaml: embedserve, and the
+#                  package version in pyproject.toml)
 #   PYTHON_IMAGE   the base image. Unset: the Dockerfiles' default (python:3.11.13-slim-bookworm)
 #                  when it is present or can be pulled; otherwise a Debian bookworm base with
 #                  Debian's Python 3.11, built here with debootstrap once and kept as
@@ -23,7 +24,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 REGISTRY=${EMBEDSERVE_REGISTRY:-embedserve}
-TAG=${EMBEDSERVE_TAG:-0.1.0}
+# the package's version, the one source of image tags (tests/test_docs.py checks the rest)
+TAG=${EMBEDSERVE_TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)}
 OFFICIAL=$(sed -n 's/^ARG PYTHON_IMAGE=//p' deploy/docker/Dockerfile.gateway)
 LOCAL_BASE=embedserve-base/python:3.11-bookworm
 

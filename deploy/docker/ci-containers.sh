@@ -23,7 +23,8 @@ PY=${PYTHON:-.venv/bin/python}
 ENGINE_PORT=${EMBEDSERVE_CI_ENGINE_PORT:-30500}
 GATEWAY_PORT=${EMBEDSERVE_CI_GATEWAY_PORT:-8500}
 REGISTRY=${EMBEDSERVE_REGISTRY:-embedserve}
-TAG=${EMBEDSERVE_TAG:-0.1.0}
+# the package's version, the one source of image tags (tests/test_docs.py checks the rest)
+TAG=${EMBEDSERVE_TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)}
 ENGINE=embedserve-ci-engine
 GATEWAY=embedserve-ci-gateway
 STATS=embedserve-ci-stats

@@ -8,7 +8,7 @@ the buildx component) reads only a ``.dockerignore`` at the context's root and w
 builders the same context:
 
     python3 deploy/docker/context.py deploy/docker/Dockerfile.gateway \\
-      | docker build -f deploy/docker/Dockerfile.gateway -t embedserve/gateway:0.1.0 -
+      | docker build -f deploy/docker/Dockerfile.gateway -t embedserve/gateway:0.2.0 -
 
 Patterns follow Docker's rules: relative to the context root, ``*`` and ``?`` stay within one
 path element, ``**`` spans any number of them, a match on a folder excludes what is under it,

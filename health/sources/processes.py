@@ -23,17 +23,21 @@ def read_processes(named: dict[str, int]) -> tuple[dict[str, ProcessMemory], dic
             missing[name] = f"pid {pid}: {type(exc).__name__}"
             continue
         total = 0
+        own: int | None = None
         pids: list[int] = []
         for member in family:
             try:
-                total += member.memory_info().rss
-                pids.append(member.pid)
+                rss = member.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
+            total += rss
+            pids.append(member.pid)
+            if member.pid == pid:
+                own = rss
         if not pids:
             missing[name] = f"pid {pid}: gone"
             continue
-        found[name] = ProcessMemory(name=name, pid=pid, rss_bytes=total, pids=pids)
+        found[name] = ProcessMemory(name=name, pid=pid, rss_bytes=total, own_rss_bytes=own, pids=pids)
     return found, missing
 
 

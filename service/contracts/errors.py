@@ -39,3 +39,11 @@ HEAD_TOO_LARGE = "request_header_fields_too_large"  # the 431's code
 def head_too_large_message(max_bytes: int) -> str:
     """The 431 text: one for the exact middleware check and the HTTP parser's backstop."""
     return f"Request headers and URL exceed the limit of {max_bytes} bytes"
+
+
+REQUEST_TIMEOUT = "request_timeout"  # the 408's code: a request head or body that stalled
+
+
+def request_timeout_message(part: str, seconds: float) -> str:
+    """The 408 text for a client too slow to send its request ``part`` (head or body)."""
+    return f"The request {part} did not arrive in time (limit {seconds:g} s); the connection is closed"

@@ -73,11 +73,15 @@ class GpuDevice(_Doc):
 
 
 class ProcessMemory(_Doc):
-    """Resident memory of a named process (engine, gateway) and its descendants."""
+    """Resident memory of a named process (engine, gateway) and its descendants.
+
+    ``rss_bytes`` is the whole tree: for ``gateway`` under ``embedserve up`` that includes the
+    engines it started. ``own_rss_bytes`` is the named process alone."""
 
     name: str
     pid: int
-    rss_bytes: int
+    rss_bytes: int = Field(description="the process and all its descendants")
+    own_rss_bytes: int | None = Field(None, description="the process alone")
     pids: list[int] = Field(default_factory=list)
 
 
@@ -102,7 +106,10 @@ class EngineStatus(_Doc):
     ready: bool
     outstanding_tokens: int = 0
     calls: int = 0
-    last_error: str = ""
+    last_error: str = Field(
+        "", description="the last failure since the engine first became ready (kept after it recovers)"
+    )
+    last_error_at: float | None = Field(None, description="when last_error happened, unix time")
 
 
 class Thresholds(_Doc):

@@ -1,9 +1,10 @@
-"""The CPU engine: sentence-transformers behind SGLang's token-id ``/v1/embeddings``.
+"""The CPU engine: the model on ONNX Runtime (or torch) behind SGLang's token-id ``/v1/embeddings``.
 
 It speaks exactly what SGLang speaks when launched with ``--is-embedding
 --skip-tokenizer-init`` (docs/ARCHITECTURE.md), so the gateway cannot tell the two apart.
 Pooling and normalisation come from the model folder's sentence-transformers modules
-(mean for MiniLM, last token for Qwen3-Embedding). Torch is imported here only.
+(mean for MiniLM, last token for Qwen3-Embedding), whichever backend runs them
+(``cpu_backends``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,7 @@ from starlette.responses import Response
 from embedserve.config import Settings, load_settings
 from embedserve.contracts import wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
+from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
@@ -44,34 +47,20 @@ class CallCancelled(Exception):
 
 
 class CpuEmbedder:
-    """Runs batches one at a time on a dedicated thread (torch uses the cores itself)."""
+    """Runs batches one at a time on a dedicated thread (the backend uses the cores itself)."""
 
     def __init__(self, settings: Settings) -> None:
-        import torch
-        from sentence_transformers import SentenceTransformer
-
-        if settings.engine.cpu_threads:
-            torch.set_num_threads(settings.engine.cpu_threads)
-        self._torch = torch
-        path = str(settings.model.resolved_path)
-        self.model = SentenceTransformer(path, device="cpu", local_files_only=True)
-        self.model.eval()
+        self.forward = load_forward(settings)
         self.max_seq_len = ModelInfo.load(settings.model).max_seq_len
         self.token_budget = settings.engine.batch_token_budget
-        self.path = path
-        dim_of = (
-            getattr(self.model, "get_embedding_dimension", None)
-            or self.model.get_sentence_embedding_dimension
-        )
-        self.dimension = int(dim_of() or 0)
-        transformer: Any = self.model[0].auto_model
-        self.vocab_size = int(transformer.get_input_embeddings().num_embeddings)
+        self.path = str(settings.model.resolved_path)
+        self.dimension = self.forward.dimension
+        self.vocab_size = self.forward.vocab_size
         self.lock = threading.Lock()
 
     def embed(self, batch: list[list[int]], cancelled: threading.Event | None = None) -> np.ndarray:
         """Length-sorted micro-batches keep padding small; rows return in input order.
         ``cancelled`` is checked before each micro-batch: a call whose caller left stops."""
-        torch = self._torch
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
         out: np.ndarray | None = None
         start = 0
@@ -83,24 +72,38 @@ class CpuEmbedder:
                 end += 1
             group = order[start:end]
             width = len(batch[group[-1]])
-            ids = torch.zeros((len(group), width), dtype=torch.long)
-            mask = torch.zeros((len(group), width), dtype=torch.long)
+            ids = np.zeros((len(group), width), dtype=np.int64)
+            mask = np.zeros((len(group), width), dtype=np.int64)
             for row, i in enumerate(group):
-                ids[row, : len(batch[i])] = torch.tensor(batch[i])
+                ids[row, : len(batch[i])] = batch[i]
                 mask[row, : len(batch[i])] = 1
-            with self.lock, torch.inference_mode():
-                emb = self.model.forward({"input_ids": ids, "attention_mask": mask})
-                vectors = torch.nn.functional.normalize(emb["sentence_embedding"].float(), dim=-1)
+            with self.lock:
+                vectors = self.forward(ids, mask)
             if out is None:  # the width is what the model produced
                 out = np.empty((len(batch), vectors.shape[1]), dtype=np.float32)
-            out[group] = vectors.numpy()
+            out[group] = vectors
             start = end
         assert out is not None, "an empty batch never reaches the model"
         return out
 
 
-def create_engine_app(settings: Settings, drill_leak_bytes_per_s: float | None = None) -> FastAPI:
-    """``drill_leak_bytes_per_s``: grow on purpose (``embedserve up --drill-leak``)."""
+def load_embedder(settings: Settings) -> CpuEmbedder:
+    """Load the model before the server takes over SIGINT and SIGTERM: uvicorn only notes a
+    signal during its start-up and acts once that is over, so a Ctrl-C (or ``up`` stopping a
+    starting engine) would wait for the model to load. Here either signal ends it at once."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)  # no KeyboardInterrupt traceback
+    try:
+        log.info("cpu engine loading", extra={"model": str(settings.model.resolved_path)})
+        return CpuEmbedder(settings)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def create_engine_app(
+    settings: Settings, drill_leak_bytes_per_s: float | None = None, embedder: CpuEmbedder | None = None
+) -> FastAPI:
+    """``drill_leak_bytes_per_s``: grow on purpose (``embedserve up --drill-leak``);
+    ``embedder``: the model loaded already (else the app loads it as it starts)."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine")
     state: dict[str, Any] = {}
     stats = EngineStats(source="cpu")
@@ -118,14 +121,15 @@ def create_engine_app(settings: Settings, drill_leak_bytes_per_s: float | None =
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        state["embedder"] = await loop.run_in_executor(executor, CpuEmbedder, settings)
+        state["embedder"] = embedder or await loop.run_in_executor(executor, CpuEmbedder, settings)
         stats_dir = settings.engine.stats_dir
         publisher = asyncio.create_task(publish_stats(stats_dir)) if stats_dir else None
         leak = None
         if drill_leak_bytes_per_s:
             log.warning("leak drill: growing on purpose", extra={"bytes_per_s": drill_leak_bytes_per_s})
             leak = asyncio.create_task(Leak(drill_leak_bytes_per_s).run())
-        log.info("cpu engine ready", extra={"model": state["embedder"].path})
+        log.info("cpu engine ready", extra={"model": state["embedder"].path,
+                                            "backend": state["embedder"].forward.description})
         try:
             yield
         finally:
@@ -205,14 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    embedder = load_embedder(settings)
+    g = settings.gateway
     config = uvicorn.Config(
-        create_engine_app(settings, drill_leak_bytes_per_s=args.drill_leak),
+        create_engine_app(settings, drill_leak_bytes_per_s=args.drill_leak, embedder=embedder),
         host=args.host or settings.engine.host,
         port=args.port or settings.engine.port,
         log_config=None,
         timeout_graceful_shutdown=int(settings.gateway.graceful_shutdown_s),
         # httptools is installed, so uvicorn's default would be its unbounded parser
-        http=bounded_httptools(settings.gateway.max_head_bytes),
+        http=bounded_httptools(g.max_head_bytes, g.header_timeout_s, g.body_idle_timeout_s),
     )
     QuietServer(config).run()
     return 0

@@ -58,7 +58,11 @@ class EngineState:
     outstanding_calls: int = 0
     consecutive_failures: int = 0
     last_success: float | None = None
+    down_reason: str = ""  # why it is not ready now; cleared once it is
+    # the last failure after the engine first became ready (a starting engine refusing
+    # connections is no error), with its wall-clock time: history, kept after recovery
     last_error: str = ""
+    last_error_at: float | None = None
     ever_ready: bool = False
     calls: int = 0
     inflight_since: dict[int, float] = field(default_factory=dict)
@@ -167,6 +171,7 @@ class EnginePool:
                 outstanding_tokens=e.outstanding_tokens,
                 calls=e.calls,
                 last_error=e.last_error,
+                last_error_at=e.last_error_at,
             )
             for e in self.engines
         ]
@@ -177,7 +182,7 @@ class EnginePool:
         return sum(rates) if rates else None
 
     def detail(self) -> str:
-        states = (f"{e.url}: {'ready' if e.ready else e.last_error or 'starting'}" for e in self.engines)
+        states = (f"{e.url}: {'ready' if e.ready else e.down_reason or 'starting'}" for e in self.engines)
         return "; ".join(states)
 
     def forget_stuck(self, url: str) -> None:
@@ -219,7 +224,9 @@ class EnginePool:
             log.warning("engine down", extra={"engine": engine.url, "reason": why})
         engine.ready = False
         engine.consecutive_failures += 1
-        engine.last_error = why
+        engine.down_reason = why
+        if engine.ever_ready:
+            engine.last_error, engine.last_error_at = why, time.time()
 
     # -- health ------------------------------------------------------------------------
     async def check_once(self) -> None:
@@ -248,6 +255,7 @@ class EnginePool:
                 log.info("engine ready", extra={"engine": engine.url})
             engine.ready = engine.ever_ready = True
             engine.consecutive_failures = 0
+            engine.down_reason = ""
         else:
             self._mark_down(engine, why)
 

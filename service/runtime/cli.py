@@ -4,11 +4,11 @@ environment for this process; engines that ``up`` starts get the resolved settin
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib
-import json
 import sys
 from typing import Any
+
+# Everything else is imported inside ``main``: a Ctrl-C while it loads is then an exit
+# status, not a KeyboardInterrupt traceback.
 
 # Commands served by another module's ``main(argv)``: name -> (module, one-line help).
 _DELEGATED = {
@@ -16,9 +16,17 @@ _DELEGATED = {
     "cpu-engine": ("embedserve.engines.cpu", "the CPU engine alone"),
     "health": ("embedserve.health.cli", "print the memory forecast of a running gateway"),
     "loadtest": ("embedserve.loadtest.cli", "drive an embeddings endpoint and write a report"),
+    "quality": (
+        "embedserve.quality.cli",
+        "compare a candidate endpoint's vectors and retrieval with a baseline's (exit 1: worse)",
+    ),
+    "quality-corpus": (
+        "embedserve.quality.corpus",
+        "build the quality gate's retrieval corpus from the Python documentation (python3-doc)",
+    ),
     "synth-model": (
         "embedserve.runtime.synth_model",
-        "build a random-weight Qwen3-Embedding-shaped checkpoint",
+        "build a random-weight Qwen3-Embedding checkpoint with Qwen3's tokenizer",
     ),
     "restart-controller": (
         "embedserve.runtime.restart_controller",
@@ -27,7 +35,7 @@ _DELEGATED = {
 }
 
 # The extra that brings what a command imports beyond the base install.
-_EXTRAS = {"loadtest": "loadtest", "cpu-engine": "cpu", "synth-model": "cpu", "engine": "gpu"}
+_EXTRAS = {"loadtest": "loadtest", "cpu-engine": "cpu", "synth-model": "synth", "engine": "gpu"}
 
 _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "model": ("model", "path"),
@@ -39,21 +47,33 @@ _FLAGS = {  # flag -> (section, field) of the settings it overrides
     "port": ("gateway", "port"),
     "engine_port": ("engine", "port"),
     "engines_per_gpu": ("engine", "engines_per_gpu"),
+    "cpu_backend": ("engine", "cpu_backend"),
+    "cpu_quantization": ("engine", "cpu_quantization"),
 }
 
 
+#: For configuration mistakes: the flag that sets a field, by its dotted name.
+FLAG_OF = {f"{section}.{field}": "--" + flag.replace("_", "-") for flag, (section, field) in _FLAGS.items()}
+
+
 def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    # Values are checked by the settings (one sentence naming the variable and the flag).
     ap = argparse.ArgumentParser(prog=prog, description=doc)
-    ap.add_argument("--model", help="model folder (default: the bundled all-MiniLM-L6-v2)")
-    ap.add_argument("--model-name", help="model id clients send")
-    ap.add_argument("--max-seq-len", type=int, help="the one sequence-length cap")
-    ap.add_argument("--engine-kind", choices=["auto", "cpu", "sglang", "external"])
+    ap.add_argument("--model", help="model folder (default: the bundled all-MiniLM-L6-v2; "
+                    "`embedserve config` prints where it lies)")
+    ap.add_argument("--model-name", help="model id clients send (default: the folder's name)")
+    ap.add_argument("--max-seq-len", metavar="TOKENS", help="the one sequence-length cap")
+    ap.add_argument("--engine-kind", metavar="{auto,cpu,sglang,external}",
+                    help="auto (default): SGLang when a GPU and the gpu extra are present, else the "
+                    "CPU engine; external: no local engine, use --engine-url")
     ap.add_argument("--engine-url", action="append", help="use these engines (repeatable)")
     ap.add_argument("--host", help="gateway address (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, help="gateway port (default 8000)")
-    ap.add_argument("--engine-port", type=int, help="engine port (default 30000)")
+    ap.add_argument("--port", help="gateway port (default 8000)")
+    ap.add_argument("--engine-port", help="engine port (default 30000)")
     ap.add_argument("--engines-per-gpu", metavar="N|auto",
                     help="SGLang engines on each GPU (default auto: by model size and GPU memory)")
+    ap.add_argument("--cpu-backend", help="the CPU engine's backend: onnx (default) or torch")
+    ap.add_argument("--cpu-quantization", help="none (default) or int8 (onnx backend)")
     return ap
 
 
@@ -89,12 +109,14 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
 
-    settings = load_settings(_overrides(args))
+    settings = load_settings(_overrides(args), FLAG_OF)
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
         parser.error("--drill-leak needs engines that up starts (not --engine-url)")
+    import asyncio
+
     return asyncio.run(run_stack(settings, drill_leak=leak))
 
 
@@ -109,8 +131,20 @@ def _gateway(argv: list[str]) -> int:
 def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
     from embedserve.config import load_settings
+    from embedserve.model_info import model_folder
+    from embedserve.settings_errors import ConfigError
 
-    print(json.dumps(load_settings(_overrides(args)).redacted(), indent=2))
+    settings = load_settings(_overrides(args), FLAG_OF)
+    shown = settings.redacted()
+    model = shown["model"]
+    assert isinstance(model, dict)
+    try:  # where `bundled:...` (or a relative path) resolves to
+        model["folder"] = str(model_folder(settings.model).resolve())
+    except ConfigError as exc:
+        model["folder"] = f"none: {exc}"
+    import json
+
+    print(json.dumps(shown, indent=2))
     return 0
 
 
@@ -127,20 +161,45 @@ def usage() -> str:
     helps = {name: text for name, (_, text) in (_LOCAL | _DELEGATED).items()}
     width = max(map(len, helps)) + 2
     lines = [f"  {name:<{width}}{text}" for name, text in helps.items()]
-    return "usage: embedserve {" + ",".join(sorted(helps)) + "} [options]\n\n" + "\n".join(lines)
+    return (
+        "usage: embedserve {" + ",".join(sorted(helps)) + "} [options]\n"
+        "       embedserve --version\n\n" + "\n".join(lines)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every command; a configuration mistake anywhere is one sentence on stderr, exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the servers took over the signal
+        return 130
+    except Exception as exc:
+        from embedserve.settings_errors import ConfigError
+
+        if not isinstance(exc, ConfigError):
+            raise
+        print(f"embedserve: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     commands = sorted([*_LOCAL, *_DELEGATED])
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from embedserve import __version__
+
+        print(f"embedserve {__version__}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in _LOCAL:
         return _LOCAL[cmd][0](rest)
     if cmd in _DELEGATED:
         try:
+            import importlib
+
             module = importlib.import_module(_DELEGATED[cmd][0])
         except ModuleNotFoundError as exc:
             extra = _EXTRAS.get(cmd)

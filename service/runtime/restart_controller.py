@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import logging
 import math
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from embedserve.config import ControllerSettings, Settings, settings_error
+from embedserve.config import ControllerSettings, Settings, load_settings
 from embedserve.contracts.memory import MemoryReport
 from embedserve.contracts.surge import SURGE_ANNOTATION, Surge
 from embedserve.logs import setup_logging
@@ -607,11 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="one round, then exit (CronJob)")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
     args = p.parse_args(argv)
-    try:
-        settings = Settings()
-    except ValidationError as exc:
-        print(f"embedserve restart-controller: {settings_error(exc)}", file=sys.stderr)
-        return 2
+    settings = load_settings()  # a mistake: one sentence and exit 2, from embedserve's main
     setup_logging(settings.log_level, settings.log_format)
     return asyncio.run(_amain(settings, args.once, args.interval))
 

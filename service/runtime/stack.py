@@ -72,18 +72,14 @@ def _banner(settings: Settings) -> str:
 
 
 class _StackServer(QuietServer):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill this
-    process before it stops the engines it started (they would be orphaned). Here the
-    signal only starts the shutdown; ``run_stack`` then stops the engines and returns."""
+    """uvicorn takes SIGINT and SIGTERM while it serves and re-raises them after its graceful
+    shutdown, which would kill this process before it stops the engines it started (they
+    would be orphaned). Here ``run_stack`` owns the signals from its first line to its last
+    and hands them to ``handle_exit``; it then stops the engines and returns."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+        yield
 
 
 #: Engines that never became ready have nothing to drain: stop them at once.
@@ -134,6 +130,19 @@ def resolve_engines_per_gpu(settings: Settings, info: ModelInfo, kind: str) -> S
 async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     from embedserve.gateway.app import SupervisorView, create_app
 
+    # A Ctrl-C or SIGTERM during set-up (engines starting, the app being built) stops the stack
+    # before it serves, the engines stopped like any; once it serves, the server shuts down.
+    loop = asyncio.get_running_loop()
+    early_stop = asyncio.Event()
+    servers: list[_StackServer] = []
+
+    def on_signal(sig: int) -> None:
+        early_stop.set()
+        for srv in servers:
+            srv.handle_exit(sig, None)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     kind = resolve_engine_kind(settings)
     info = ModelInfo.load(settings.model)
     local = kind != "external"
@@ -159,8 +168,19 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         supervisor(index, settings.engine.port + index, f"{kind}-{index}")
         for index in range(len(settings.engine_urls()) if local else 0)
     ]
+    async def stop_engines() -> None:
+        grace = settings.gateway.graceful_shutdown_s
+        await asyncio.gather(
+            *(s.stop(grace if s.ready_once else STARTING_ENGINE_GRACE_S) for s in supervisors)
+        )
+        if private_stats:
+            shutil.rmtree(private_stats, ignore_errors=True)
+
     for sup in supervisors:
         await sup.start()
+    if early_stop.is_set():  # stopped while the engines started: no app to build
+        await stop_engines()
+        return 0
 
     def view() -> SupervisorView:
         dead = [s for s in supervisors if not s.alive]
@@ -186,7 +206,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
             access_log=False,
             timeout_graceful_shutdown=int(g.graceful_shutdown_s),
             timeout_keep_alive=int(g.keep_alive_s),
-            http=bounded_httptools(g.max_head_bytes),
+            http=bounded_httptools(g.max_head_bytes, g.header_timeout_s, g.body_idle_timeout_s),
         )
     )
     failure: list[BaseException] = []
@@ -257,19 +277,17 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     replacing = (
         asyncio.create_task(replace_when_due()) if supervisors and settings.health.replace_engines else None
     )
+    servers.append(server)
     try:
-        await server.serve()
+        if not early_stop.is_set():
+            await server.serve()
     finally:
         for task in (announcer, watchdog, replacing):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await asyncio.gather(
-            *(s.stop(g.graceful_shutdown_s if s.ready_once else STARTING_ENGINE_GRACE_S) for s in supervisors)
-        )
-        if private_stats:
-            shutil.rmtree(private_stats, ignore_errors=True)
+        await stop_engines()
     if any(isinstance(f, PortInUse) for f in failure):
         raise failure[0]
     return 1 if failure or any(s.failed for s in supervisors) else 0

