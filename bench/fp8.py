@@ -26,7 +26,7 @@ from scenarios import MAIN_KV_POOL, Case, alternate, engine_memory, ready_engine
 from stacks import Host
 
 from embedserve.engines.sglang import fa3_installed
-from embedserve.quality.corpus import DEFAULT_HTML
+from embedserve.loadtest.quality.corpus import DEFAULT_HTML
 
 # shape -> (bf16 engine port, fp8 engine port); gateways listen on engine port - 22000
 FP8_PORTS = {"4b": (30400, 30401), "0.6b": (30402, 30403), "minilm": (30404, 30405)}

@@ -23,6 +23,7 @@ from embedserve.engines.pool import EnginePool
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import install_error_handlers
+from embedserve.gateway.load import LoadCollector, LoadSignal
 from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics
 from embedserve.gateway.middleware import (
     ApiKeyMiddleware,
@@ -109,15 +110,17 @@ def create_app(
         max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
+    admission = TokenAdmission(settings.tokens_in_flight_limit(engine_kind))
+    load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
     pipeline = EmbeddingPipeline(
         gw,
         info,
         ModelTokenizer(info.path, info.max_seq_len),
         coalescer,
-        TokenAdmission(settings.tokens_in_flight_limit(engine_kind)),
+        admission,
         metrics,
         executor,
-        pool.tokens_per_s,
+        load,
     )
 
     if starting:
@@ -127,6 +130,7 @@ def create_app(
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
 
     registry.register(EngineCacheCollector(pool))
+    registry.register(LoadCollector(load))
     health = create_health(
         settings, registry, lambda: engine_view(pool, pipeline.gate, supervisor), process_pids
     )
@@ -148,6 +152,7 @@ def create_app(
     app.state.pool = pool
     app.state.coalescer = coalescer
     app.state.metrics = metrics
+    app.state.load = load
     app.state.info = info
     app.state.gate = pipeline.gate
     app.state.health = health

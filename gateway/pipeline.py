@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from embedserve.engines.pool import EngineError, EngineTimeout
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import APIError
+from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
@@ -77,9 +77,10 @@ class EmbeddingPipeline:
         admission: TokenAdmission,
         metrics: GatewayMetrics,
         executor: Executor,
-        capacity: Callable[[], float | None] = lambda: None,
+        load: LoadSignal,
     ) -> None:
-        """``capacity``: the engines' measured tokens per second (None while unknown)."""
+        """``load``: the load signal, whose capacity (the engines' measured tokens per
+        second) also bounds what one request may ask for."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
@@ -88,7 +89,7 @@ class EmbeddingPipeline:
         self.admission = admission
         self.metrics = metrics
         self.executor = executor
-        self.capacity = capacity
+        self.load = load
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -228,6 +229,7 @@ class EmbeddingPipeline:
                 code="max_tokens_per_request",
             )
         self._check_capacity(total)
+        self.load.offered(total)
         if not self.admission.try_acquire(total):
             self.metrics.rejected.labels("tokens_in_flight").inc()
             raise APIError(
@@ -237,6 +239,7 @@ class EmbeddingPipeline:
                 headers={"Retry-After": "1"},
             )
         self.metrics.tokens_in_flight.set(self.admission.in_flight)
+        self.load.in_flight(self.admission.in_flight)
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 vectors, times = await self.coalescer.embed([x.ids for x in inputs])
@@ -253,13 +256,14 @@ class EmbeddingPipeline:
         finally:
             self.admission.release(total)
             self.metrics.tokens_in_flight.set(self.admission.in_flight)
+            self.load.in_flight(self.admission.in_flight)
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
 
     def _check_capacity(self, total: int) -> None:
         """Refuse at once what the engines could not embed before the deadline, rather
         than compute it and answer 504 after the work was done."""
-        rate = self.capacity()
+        rate = self.load.capacity()
         deadline = self.settings.request_timeout_s
         if rate is None or total <= rate * deadline:
             return

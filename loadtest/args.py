@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus page read before and after the run for the prefix cache "
                         "hit rate; repeatable (engines behind a gateway); a path is taken on "
                         "the target; default /metrics on the target; 'none' skips it")
+    m.add_argument("--gauge", action="append", default=[], metavar="NAME",
+                   help="read this gauge from the target's /metrics every --sample-interval "
+                        "(e.g. embedserve_load, the autoscaling signal); the report gives its "
+                        "median and range over the measured time; repeatable")
     m.add_argument("--watch-pid", type=int, action="append", default=[],
                    help="also sample this local process's RSS (and its children's)")
     o = ap.add_argument_group("output and verdict")

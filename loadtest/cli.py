@@ -49,7 +49,7 @@ from embedserve.loadtest.args import (
 )
 from embedserve.loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
 from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
-from embedserve.loadtest.sampling import MemorySampler, ProcessSampler
+from embedserve.loadtest.sampling import GaugeSampler, MemorySampler, ProcessSampler
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from embedserve.loadtest.traffic import RequestFactory
 
@@ -221,15 +221,20 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
     out = a.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
     mem: MemorySampler | None = None
     procs: ProcessSampler | None = None
+    gauges: GaugeSampler | None = None
 
     def side(session: aiohttp.ClientSession, stop: asyncio.Event) -> list[Any]:
-        nonlocal mem, procs
+        nonlocal mem, procs, gauges
         tasks: list[Any] = []
         procs = ProcessSampler(a.sample_interval, runner.t0, a.watch_pid)
         tasks.append(procs.run(stop))
         if health_url:
             mem = MemorySampler(health_url, a.sample_interval, runner.t0)
             tasks.append(mem.run(session, stop))
+        if a.gauge:
+            gauges = GaugeSampler(same_origin_url(url, "/metrics"), a.gauge, a.sample_interval,
+                                  runner.t0)
+            tasks.append(gauges.run(session, stop))
         if a.checkpoint_every:
             tasks.append(checkpoints(stop))
         return tasks
@@ -252,8 +257,11 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         if after is None and urls:
             cache["status"] = "read when the run ends"
         targets = targets_from(a)
-        return report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
-                                    procs.to_json() if procs else {}, a.window, cache)
+        res = report.build_results(outcome, meta, targets, mem.to_json() if mem else None,
+                                   procs.to_json() if procs else {}, a.window, cache)
+        if gauges:
+            res["gauges"] = gauges.to_json(outcome.measured_start, outcome.measured_end)
+        return res
 
     async def checkpoints(stop: asyncio.Event) -> None:
         while not stop.is_set():

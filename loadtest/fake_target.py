@@ -194,8 +194,12 @@ def create_app(cfg: FakeConfig, counters: Counters, tokenizer: Any = None) -> St
             return Response("not found", status_code=404)
         with counters.lock:
             prompt, cached = counters.prompt_tokens, counters.cached_tokens
+            seen = counters.requests
         model = 'model_name="fake-embed"'
         text = (
+            "# HELP fake_requests_seen Requests answered so far (a gauge for --gauge).\n"
+            "# TYPE fake_requests_seen gauge\n"
+            f"fake_requests_seen {float(seen)}\n"
             "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
             "# TYPE sglang:prompt_tokens_total counter\n"
             f'sglang:prompt_tokens_total{{{model},is_streaming="false"}} {float(prompt)}\n'

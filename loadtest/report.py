@@ -169,6 +169,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
             lines += [f"{kind.upper()} worst case (steepest slope in its interval) in "
                       f"{len(worst)} samples: min {_fmt(min(worst))} h, last {_fmt(worst[-1])} h.",
                       ""]
+    for name, g in (res.get("gauges") or {}).get("measured", {}).items():
+        lines += [f"Gauge `{name}` on the target's /metrics over the measured time: median "
+                  f"{_fmt(g['median'])}, min {_fmt(g['min'])}, max {_fmt(g['max'])} "
+                  f"({g['samples']} samples).", ""]
     wins = res["windows"]
     if wins:
         lines += [f"## Windows ({meta['window_s']:g} s)", "",

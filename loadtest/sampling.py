@@ -1,4 +1,5 @@
-"""Background samplers: the target's ``/health/memory`` and local process resources."""
+"""Background samplers: the target's ``/health/memory``, gauges of its ``/metrics``, and local
+process resources."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from embedserve.contracts.memory import MemoryReport
@@ -72,6 +75,58 @@ class MemorySampler:
         return {"url": self.url, "status": self.status, "failures": self.failures,
                 "fields": SOURCES, "samples": self.samples,
                 "first_answer": self.first_answer, "last_answer": self.last_answer}
+
+
+def gauge_values(text: str, names: list[str]) -> dict[str, float | None]:
+    """The named samples of a Prometheus page, summed over label sets; None when absent."""
+    out: dict[str, float | None] = dict.fromkeys(names)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in out:
+                out[s.name] = (out[s.name] or 0.0) + float(s.value)
+    return out
+
+
+@dataclass
+class GaugeSampler:
+    """Polls the target's ``/metrics`` for a few gauges (``--gauge``): how the server's own
+    view of its load moved while the run drove it."""
+
+    url: str
+    names: list[str]
+    interval_s: float
+    t0: float
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    failures: int = 0
+
+    async def sample_once(self, session: aiohttp.ClientSession) -> None:
+        try:
+            async with session.get(self.url, allow_redirects=False,
+                                   timeout=aiohttp.ClientTimeout(total=10)) as r:
+                text = await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            text = None
+        if text is None:
+            self.failures += 1
+            return
+        values = gauge_values(text, self.names)
+        self.samples.append({"t": round(time.perf_counter() - self.t0, 3), **values})
+
+    async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.sample_once(session)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    def to_json(self, start_s: float, end_s: float) -> dict[str, Any]:
+        """Every sample, and each gauge's median, min and max over the measured time."""
+        measured: dict[str, Any] = {}
+        for name in self.names:
+            vs = [s[name] for s in self.samples if start_s <= s["t"] <= end_s and s[name] is not None]
+            measured[name] = {"samples": len(vs), "median": float(np.median(vs)) if vs else None,
+                              "min": min(vs, default=None), "max": max(vs, default=None)}
+        return {"url": self.url, "failures": self.failures, "measured": measured,
+                "samples": self.samples}
 
 
 def _tree_rss(proc: psutil.Process) -> int:

@@ -324,6 +324,32 @@ class ControllerSettings(BaseModel):
     api_url: str | None = Field(None, description="API server; default: in-cluster")
     api_timeout_s: float = Field(10.0, gt=0)
     dry_run: bool = False
+    # Surge before evict: a replacement first, so a restart never costs serving capacity.
+    deployment: str = Field("embedserve", description="the Deployment that runs the serving pods")
+    surge: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="ask for one more pod and wait until it is ready before evicting: auto when "
+        "the Deployment's rollingUpdate.maxSurge allows one (the operator's word that the cluster "
+        "has a spare GPU), always, or never (evict first)",
+    )
+    surge_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="seconds a surge pod may take to become ready (a cold start takes up to 290 s); "
+        "past it the count is restored and the pod evicted without a replacement",
+    )
+    surge_poll_s: float = Field(10.0, gt=0, description="seconds between checks while a surge starts")
+    metrics_port: int | None = Field(
+        None, description="serve the controller's own /metrics (its steps) on this port; none: no endpoint"
+    )
+    target_load: float = Field(
+        0.8,
+        gt=0,
+        le=2,
+        description="the embedserve_load the autoscaler holds each pod at (the autoscaling "
+        "manifests' target); no surge when the other ready pods stay at or under it without the "
+        "pod being restarted",
+    )
 
 
 class Settings(BaseSettings):
@@ -349,6 +375,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"EMBEDSERVE_HEALTH__CRITICAL_HOURS ({self.health.critical_hours:g}) must be below "
                 f"EMBEDSERVE_HEALTH__WARNING_HOURS ({self.health.warning_hours:g})"
+            )
+        if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
+            raise ValueError(
+                f"EMBEDSERVE_ENGINE__CPU_QUANTIZATION={self.engine.cpu_quantization} (--cpu-quantization) "
+                "needs EMBEDSERVE_ENGINE__CPU_BACKEND=onnx (--cpu-backend)"
             )
         return self
 

@@ -243,7 +243,7 @@ HOWTO_RULES = {"max_passages": 200, "max_passage_words": 64}
 
 def python3_doc_howto() -> Path:
     """python3-doc's HOWTO pages (.ci/run installs the package)."""
-    from embedserve.quality.corpus import DEFAULT_HTML
+    from embedserve.loadtest.quality.corpus import DEFAULT_HTML
 
     howto = DEFAULT_HTML / "howto"
     if not howto.is_dir():
@@ -254,7 +254,7 @@ def python3_doc_howto() -> Path:
 @pytest.fixture(scope="session")
 def howto_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CI's small real-text corpus, built by the command as a user would."""
-    from embedserve.quality.corpus import main
+    from embedserve.loadtest.quality.corpus import main
 
     out = tmp_path_factory.mktemp("corpus") / "howto.json"
     flags = [x for name, value in HOWTO_RULES.items() for x in (f"--{name.replace('_', '-')}", str(value))]

@@ -374,6 +374,8 @@ def _exported_names(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     with make_client(FakeEngine()) as c:
         wait_ready(c)
+        # the engines' capacity, as `up`'s warm-up measures it: the load signal needs it
+        c.app.state.pool.engines[0].throughput.record(16384, 0.5)  # type: ignore[attr-defined]
 
         def scrape() -> list[Metric]:
             return list(text_string_to_metric_families(c.get("/metrics").text))
@@ -391,7 +393,8 @@ def _exported_names(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 def test_the_exported_names_come_from_the_registry(monkeypatch):
     names = _exported_names(monkeypatch)
     # one of each kind: gateway counter and histogram, health gauge
-    kinds = {"embedserve_requests_total", "embedserve_request_seconds_bucket", "embedserve_hours_until_oom"}
+    kinds = {"embedserve_requests_total", "embedserve_request_seconds_bucket", "embedserve_hours_until_oom",
+             "embedserve_load"}
     assert kinds <= names
     assert "embedserve_not_a_metric" not in names
 

@@ -1,13 +1,15 @@
 """deploy/k8s: schema-valid manifests whose probes, timings and alerts fit together.
 
 Schemas: kubernetes-validate (the API's own OpenAPI, strict: unknown fields are errors)
-for built-in kinds; deploy/k8s/schemas/ for the Prometheus Operator kinds.
+for built-in kinds; deploy/k8s/schemas/ for the Prometheus Operator kinds, KEDA's
+ScaledObject and prometheus-adapter's rules (the autoscaling components).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -37,10 +39,20 @@ def _resources() -> list[tuple[str, dict[str, Any]]]:
     return [(f, d) for f in kust["resources"] for d in _load(f)]
 
 
-def _one(kind: str) -> dict[str, Any]:
-    found = [d for _, d in _resources() if d["kind"] == kind]
+def _one(kind: str, component: str | None = None) -> dict[str, Any]:
+    """The one object of a kind (of that app.kubernetes.io/component, when given)."""
+    found = [
+        d
+        for _, d in _resources()
+        if d["kind"] == kind
+        and (component is None or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
     assert len(found) == 1, f"{kind}: {len(found)}"
     return found[0]
+
+
+def _server() -> dict[str, Any]:
+    return _one("Deployment", "server")
 
 
 def _gen_module():
@@ -52,7 +64,7 @@ def _gen_module():
 
 
 def _containers() -> dict[str, dict[str, Any]]:
-    pod = _one("Deployment")["spec"]["template"]["spec"]
+    pod = _server()["spec"]["template"]["spec"]
     return {c["name"]: c for c in pod["containers"]}
 
 
@@ -97,7 +109,10 @@ def test_operator_kinds_validate(kind):
     jsonschema = pytest.importorskip("jsonschema")
     schema = json.loads((K8S / "schemas" / f"{kind.lower()}-monitoring-v1.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
-    jsonschema.validate(_one(kind), schema)
+    found = [d for _, d in _resources() if d["kind"] == kind]
+    assert found
+    for doc in found:
+        jsonschema.validate(doc, schema)
 
 
 def test_vendored_rule_schema_rejects_typos():
@@ -118,7 +133,7 @@ def test_kubectl_kustomize_builds_if_available():
         pytest.skip("this kubectl has no kustomize")
     assert r.returncode == 0, r.stderr
     kinds = {d["kind"] for d in yaml.safe_load_all(r.stdout) if d}
-    assert {"Deployment", "PodDisruptionBudget", "CronJob", "PrometheusRule"} <= kinds
+    assert {"Deployment", "PodDisruptionBudget", "PrometheusRule"} <= kinds
     assert all(
         d["metadata"].get("namespace") == "embedserve"
         for d in yaml.safe_load_all(r.stdout)
@@ -164,7 +179,7 @@ def _prestop_s(container: dict[str, Any]) -> int:
 
 
 def test_drain_fits_in_the_grace_period():
-    pod = _one("Deployment")["spec"]["template"]["spec"]
+    pod = _server()["spec"]["template"]["spec"]
     c = _containers()
     grace = pod["terminationGracePeriodSeconds"]
     drain = float(_env(c["gateway"])["EMBEDSERVE_GATEWAY__GRACEFUL_SHUTDOWN_S"])
@@ -177,7 +192,7 @@ def test_drain_fits_in_the_grace_period():
 
 
 def test_rolling_update_and_pdb():
-    dep = _one("Deployment")
+    dep = _server()
     strat = dep["spec"]["strategy"]
     assert strat["type"] == "RollingUpdate"
     assert strat["rollingUpdate"]["maxUnavailable"] == 1
@@ -195,7 +210,7 @@ def test_one_gpu_per_pod_and_jit_cache_on_a_volume():
     res = engine["resources"]
     assert res["requests"]["nvidia.com/gpu"] == 1 and res["limits"]["nvidia.com/gpu"] == 1
     mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
-    pod = _one("Deployment")["spec"]["template"]["spec"]
+    pod = _server()["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod["volumes"]}
     claim = vols[mounts["/cache"]]["persistentVolumeClaim"]["claimName"]
     pvcs = {d["metadata"]["name"]: d for _, d in _resources() if d["kind"] == "PersistentVolumeClaim"}
@@ -205,7 +220,7 @@ def test_one_gpu_per_pod_and_jit_cache_on_a_volume():
 
 def test_stats_dir_shared_between_engine_and_gateway():
     c = _containers()
-    pod = _one("Deployment")["spec"]["template"]["spec"]
+    pod = _server()["spec"]["template"]["spec"]
     stats = {n: _env(x)["EMBEDSERVE_ENGINE__STATS_DIR"] for n, x in c.items()}
     assert len(set(stats.values())) == 1
     path = next(iter(stats.values()))
@@ -233,17 +248,23 @@ def test_settings_in_the_manifests_parse(monkeypatch):
 # ------------------------------------------------------------------ restart controller
 
 
+def _controller() -> dict[str, Any]:
+    return _one("Deployment", "restart-controller")
+
+
 def test_controller_selects_serving_pods_only_and_may_evict():
-    cron = _one("CronJob")
-    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
-    job_pod = cron["spec"]["jobTemplate"]["spec"]["template"]
+    dep = _controller()
+    # one controller at a time, also during its own rollout
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    job_pod = dep["spec"]["template"]
     ctr = job_pod["spec"]["containers"][0]
-    assert ctr["command"] == ["embedserve", "restart-controller", "--once"]
+    assert ctr["command"][:2] == ["embedserve", "restart-controller"] and "--once" not in ctr["command"]
     env = {e["name"]: e["value"] for e in ctr["env"]}
     selector = dict(kv.split("=") for kv in env["EMBEDSERVE_CONTROLLER__LABEL_SELECTOR"].split(","))
-    server_labels = _one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    server_labels = _server()["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= server_labels.items()
     assert not selector.items() <= job_pod["metadata"]["labels"].items()
+    assert env["EMBEDSERVE_CONTROLLER__DEPLOYMENT"] == _server()["metadata"]["name"]
     role = _one("Role")
     rules = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert {("pods", "list"), ("pods/eviction", "create")} <= rules
@@ -253,6 +274,200 @@ def test_controller_selects_serving_pods_only_and_may_evict():
     assert binding["subjects"][0]["name"] == sa == _one("ServiceAccount")["metadata"]["name"]
     # Threshold: the controller reads the same configmap as the probes.
     assert ctr["envFrom"][0]["configMapRef"]["name"] == _one("ConfigMap")["metadata"]["name"]
+
+
+def test_controller_may_make_every_call_of_a_surge():
+    """The Role covers what service/runtime/kube.py asks of each owner of the count."""
+    from embedserve.runtime.kube import COUNT_FIELDS
+
+    role = _one("Role")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}  # fmt: skip
+    for prefix, _ in COUNT_FIELDS.values():
+        parts = prefix.strip("/").split("/")  # apis/<group>/<version>/namespaces/{ns}/<resource>
+        group, resource = parts[1], parts[-1]
+        assert {(group, resource, "get"), (group, resource, "patch")} <= granted, resource
+    assert ("autoscaling", "horizontalpodautoscalers", "list") in granted
+
+
+def test_controller_settings_parse_and_fit_the_startup_budget(monkeypatch):
+    from embedserve.config import Settings
+
+    ctr = _controller()["spec"]["template"]["spec"]["containers"][0]
+    for k, v in _env(ctr).items():
+        monkeypatch.setenv(k, v)
+    cfg = Settings(_env_file=None).controller
+    # a surge pod is given at least the time the kubelet gives a start, plus scheduling
+    sp = _containers()["engine"]["startupProbe"]
+    assert cfg.surge_timeout_s > sp["periodSeconds"] * sp["failureThreshold"]
+    port = next(p["containerPort"] for p in ctr["ports"] if p["name"] == "metrics")
+    assert cfg.metrics_port == port
+    monitors = [d for _, d in _resources() if d["kind"] == "PodMonitor"]
+    scraped = [m for m in monitors if m["spec"]["selector"]["matchLabels"].items()
+               <= _controller()["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+    assert [e["port"] for m in scraped for e in m["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+
+# ------------------------------------------------------------------ autoscaling components
+
+COMPONENTS = K8S / "components"
+ADAPTER_RULES = COMPONENTS / "autoscaling-hpa" / "prometheus-adapter-rules.yaml"
+# The keys KEDA's prometheus scaler reads from a trigger's metadata (pkg/scalers/
+# prometheus_scaler.go of KEDA v2.20.1): the CRD types metadata as a map of strings.
+KEDA_PROMETHEUS_KEYS = {
+    "serverAddress", "query", "queryParameters", "threshold", "activationThreshold", "namespace",
+    "customHeaders", "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout", "identityOwner",
+}  # fmt: skip
+
+
+def _component(name: str) -> list[dict[str, Any]]:
+    folder = COMPONENTS / name
+    kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Component"
+    return [d for f in kust["resources"] for d in yaml.safe_load_all((folder / f).read_text()) if d]
+
+
+def _scaled_object() -> dict[str, Any]:
+    (so,) = _component("autoscaling-keda")
+    return so
+
+
+def _hpa() -> dict[str, Any]:
+    (hpa,) = _component("autoscaling-hpa")
+    return hpa
+
+
+def _target_load() -> float:
+    return float(_one("ConfigMap")["data"]["EMBEDSERVE_CONTROLLER__TARGET_LOAD"])
+
+
+def _quantity(q: str) -> float:
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def test_components_list_their_manifests():
+    for folder in COMPONENTS.iterdir():
+        kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        on_disk = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml", ADAPTER_RULES.name}
+        assert set(kust["resources"]) == on_disk, folder.name
+    assert {p.name for p in COMPONENTS.iterdir()} == {"autoscaling-keda", "autoscaling-hpa"}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_hpa_validates_strictly(version):
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(_hpa(), version, strict=True)
+
+
+def test_scaled_object_validates_against_the_keda_crd():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((K8S / "schemas" / "scaledobject-keda-v1alpha1.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    so = _scaled_object()
+    jsonschema.validate(so, schema)
+    spec = so["spec"]
+    assert spec["minReplicaCount"] <= spec["maxReplicaCount"]  # the CRD's CEL rule
+    for trigger in spec["triggers"]:
+        assert trigger["type"] == "prometheus"
+        assert set(trigger["metadata"]) <= KEDA_PROMETHEUS_KEYS
+        assert all(isinstance(v, str) for v in trigger["metadata"].values())
+    bad = json.loads(json.dumps(so))
+    behavior = bad["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    behavior["scaleUp"]["stabilisationWindowSeconds"] = 60  # a British spelling: no such field
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_adapter_rule_validates_against_the_adapters_config():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((K8S / "schemas" / "prometheus-adapter-config.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    rules = yaml.safe_load(ADAPTER_RULES.read_text())
+    jsonschema.validate(rules, schema)
+    bad = json.loads(json.dumps(rules))
+    bad["rules"][0]["metricQuery"] = bad["rules"][0].pop("metricsQuery")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_autoscalers_query_metrics_the_gateway_exports(monkeypatch):
+    from tests.test_deploy_images import _exported_names
+
+    exported = _exported_names(monkeypatch)
+    (rule,) = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
+    queries = [rule["seriesQuery"], *(t["metadata"]["query"] for t in _scaled_object()["spec"]["triggers"])]
+    used = {m for q in queries for m in re.findall(r"embedserve_\w+", q)}
+    assert used and used <= exported, sorted(used - exported)
+    assert re.fullmatch(rule["name"]["matches"], "embedserve_load")
+    # the HPA asks the adapter for the name the rule serves the series under
+    (metric,) = _hpa()["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert "<<.Series>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+
+
+def test_autoscalers_aim_at_the_configured_target_load():
+    target = _target_load()
+    (trigger,) = _scaled_object()["spec"]["triggers"]
+    assert float(trigger["metadata"]["threshold"]) == target
+    assert trigger["metricType"] == "AverageValue"  # replicas = ceil(sum(load) / threshold)
+    assert "sum(" in trigger["metadata"]["query"]
+    (metric,) = _hpa()["spec"]["metrics"]
+    assert metric["pods"]["target"]["type"] == "AverageValue"
+    assert _quantity(metric["pods"]["target"]["averageValue"]) == target
+
+
+def _behaviors() -> dict[str, dict[str, Any]]:
+    so = _scaled_object()["spec"]
+    return {
+        "keda": {"min": so["minReplicaCount"], "max": so["maxReplicaCount"],
+                 **so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]},
+        "hpa": {"min": _hpa()["spec"]["minReplicas"], "max": _hpa()["spec"]["maxReplicas"],
+                **_hpa()["spec"]["behavior"]},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["keda", "hpa"])
+def test_scaling_behaviour_fits_minutes_long_cold_starts(which):
+    b = _behaviors()[which]
+    up, down = b["scaleUp"], b["scaleDown"]
+    # at most one pod added per cold start: every policy adds one pod per period >= a start
+    assert up["selectPolicy"] != "Disabled" and up["policies"]
+    for policy in up["policies"]:
+        assert policy["type"] == "Pods" and policy["value"] == 1
+        assert policy["periodSeconds"] >= COLD_JIT_START_S
+    assert up["stabilizationWindowSeconds"] > 0
+    # a pod that took minutes to start is not given back for a lull shorter than two starts
+    assert down["stabilizationWindowSeconds"] >= 2 * COLD_JIT_START_S
+    for policy in down["policies"]:
+        assert policy["type"] == "Pods" and policy["value"] == 1
+    # never below the PDB: a voluntary disruption still leaves a pod serving
+    assert b["min"] >= _one("PodDisruptionBudget")["spec"]["maxUnavailable"] + 1
+    assert b["max"] > b["min"]
+    assert _behaviors()["keda"] == _behaviors()["hpa"]  # the two ways behave alike
+
+
+def test_components_build_and_leave_replicas_to_the_autoscaler(tmp_path):
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl not installed")
+    for name, kind in (("autoscaling-keda", "ScaledObject"), ("autoscaling-hpa", "HorizontalPodAutoscaler")):
+        overlay = tmp_path / name
+        overlay.mkdir()
+        base = os.path.relpath(K8S, overlay)
+        (overlay / "kustomization.yaml").write_text(
+            yaml.safe_dump({"resources": [base], "components": [f"{base}/components/{name}"]})
+        )
+        r = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0 and "unknown command" in r.stderr:
+            pytest.skip("this kubectl has no kustomize")
+        assert r.returncode == 0, r.stderr
+        docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+        server = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "embedserve")
+        assert "replicas" not in server["spec"], name
+        (scaler,) = [d for d in docs if d["kind"] == kind]
+        assert scaler["metadata"]["namespace"] == "embedserve"
+        assert scaler["spec"]["scaleTargetRef"]["name"] == server["metadata"]["name"]
 
 
 # ------------------------------------------------------------------ alerts

@@ -141,6 +141,9 @@ def test_models_and_metrics(served: Served) -> None:
     assert metric(text, "embedserve_inputs_truncated_total") >= 1
     assert metric(text, "embedserve_stage_seconds_count", stage="tokenize") >= 1
     assert metric(text, "embedserve_requests_total", status="200") >= 1
+    # the autoscaling signal: a ready pod reports its load
+    assert metric(text, "embedserve_load") >= 0
+    assert metric(text, "embedserve_offered_tokens_per_second") > 0
 
 
 def test_probes_and_the_memory_report(served: Served) -> None:

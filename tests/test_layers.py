@@ -25,8 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # The load generator and the quality gate are clients: they speak the contracts and nothing
 # else of the server.
-CLIENT = ("embedserve.loadtest", "embedserve.quality")
-CLIENT_MAY_IMPORT = ("embedserve.contracts", "embedserve.loadtest", "embedserve.quality")
+CLIENT = ("embedserve.loadtest", "embedserve.loadtest.quality")
+CLIENT_MAY_IMPORT = ("embedserve.contracts", "embedserve.loadtest", "embedserve.loadtest.quality")
 
 
 def _matches(module: str, prefixes: tuple[str, ...]) -> bool:

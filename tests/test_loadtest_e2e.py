@@ -183,3 +183,19 @@ def test_inputs_longer_than_the_server_embeds_are_flagged(
     assert "cut off by the server's truncation" in err
     assert res["meta"]["server_max_seq_len"] == 256
     assert "WARNING" in (tmp_path / "summary.md").read_text()
+
+
+def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
+    """--gauge follows a gauge of the target's /metrics through the run (the autoscaling
+    signal in a ramp): here the fake's count of requests answered, which only grows."""
+    with FakeServer(FakeConfig(delay_s=0.02, health_memory=False)) as srv:
+        rc, res = _run([srv.url, "--concurrency", "2", "--duration", "2", "--gauge", "fake_requests_seen",
+                        "--gauge", "not_exported", "--no-plots"], tmp_path)
+    assert rc == 0
+    g = res["gauges"]
+    values = [s["fake_requests_seen"] for s in g["samples"]]
+    assert len(values) >= 3 and values == sorted(values) and values[-1] > values[0]
+    assert all(s["not_exported"] is None for s in g["samples"])
+    assert g["measured"]["fake_requests_seen"]["max"] > 0
+    assert g["measured"]["not_exported"]["median"] is None
+    assert "Gauge `fake_requests_seen`" in (tmp_path / "summary.md").read_text()

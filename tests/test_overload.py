@@ -20,6 +20,8 @@ def test_burst_over_the_token_bound_gets_429_and_admitted_requests_succeed() -> 
     engine = FakeEngine(gate=gate)  # admitted work stays in the engine until the gate opens
     with make_client(engine, max_tokens_in_flight=40, request_timeout_s=60) as c:
         wait_ready(c)
+        offered: list[int] = []
+        c.app.state.load.offered = offered.append  # type: ignore[attr-defined]
 
         def call(i: int) -> Any:
             return c.post("/v1/embeddings", json={"model": MODEL, "input": [[i + 1] * 10]})
@@ -43,6 +45,8 @@ def test_burst_over_the_token_bound_gets_429_and_admitted_requests_succeed() -> 
         text = c.get("/metrics").text
         assert metric(text, "embedserve_tokens_in_flight") == 0
         assert metric(text, "embedserve_rejected_total", reason="tokens_in_flight") == 28
+        # the load signal counts what was asked, refused or not: 32 requests of 10 tokens
+        assert offered == [10] * 32
         # a request larger than the whole bound is still served when nothing else runs
         assert c.post("/v1/embeddings", json={"model": MODEL, "input": [[7] * 100]}).status_code == 200
 

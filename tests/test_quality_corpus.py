@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from embedserve.quality import corpus as qc
-from embedserve.quality.sphinx import page_sections
+from embedserve.loadtest.quality import corpus as qc
+from embedserve.loadtest.quality.sphinx import page_sections
 from tests.conftest import HOWTO_RULES, python3_doc_howto
 
 WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",

@@ -15,9 +15,9 @@ import pytest
 
 from embedserve.contracts.quality import Corpus, CorpusInfo, Passage, QualityReport, Query
 from embedserve.loadtest.fake_target import FakeConfig, FakeServer
-from embedserve.quality import cli
-from embedserve.quality.client import Embedder, EndpointError, Limits, ServedModel, served_model
-from embedserve.quality.corpus import write_corpus
+from embedserve.loadtest.quality import cli
+from embedserve.loadtest.quality.client import Embedder, EndpointError, Limits, ServedModel, served_model
+from embedserve.loadtest.quality.corpus import write_corpus
 from tests.conftest import RunningStack, free_port
 
 # -- the client, against a transport that answers as told ----------------------------------

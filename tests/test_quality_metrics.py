@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embedserve.quality import metrics
-from embedserve.quality.report import Thresholds, missed
+from embedserve.loadtest.quality import metrics
+from embedserve.loadtest.quality.report import Thresholds, missed
 
 
 def on_circle(degrees: list[float]) -> metrics.Vectors:

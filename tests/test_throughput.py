@@ -3,6 +3,8 @@ second of busy time, from large calls only, on an injected clock."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from embedserve.engines.throughput import Throughput
@@ -50,4 +52,6 @@ def test_failed_calls_embed_nothing_and_old_figures_fade() -> None:
     tp.started(1000)
     clock.t += 1.0
     tp.finished(1000, ok=False)
-    assert tp.tokens_per_s() == pytest.approx(1000 * 0.5**0.1 / (1.0 * 0.5**0.1 + 1.0), rel=1e-6)
+    # the busy second just past, each instant decayed since: 10 / ln 2 x (1 - 0.5 ** 0.1)
+    busy = 10 / math.log(2) * (1 - 0.5**0.1)
+    assert tp.tokens_per_s() == pytest.approx(1000 * 0.5**0.1 / (1.0 * 0.5**0.1 + busy), rel=1e-6)

@@ -17,11 +17,11 @@ _DELEGATED = {
     "health": ("embedserve.health.cli", "print the memory forecast of a running gateway"),
     "loadtest": ("embedserve.loadtest.cli", "drive an embeddings endpoint and write a report"),
     "quality": (
-        "embedserve.quality.cli",
+        "embedserve.loadtest.quality.cli",
         "compare a candidate endpoint's vectors and retrieval with a baseline's (exit 1: worse)",
     ),
     "quality-corpus": (
-        "embedserve.quality.corpus",
+        "embedserve.loadtest.quality.corpus",
         "build the quality gate's retrieval corpus from the Python documentation (python3-doc)",
     ),
     "synth-model": (

@@ -1,8 +1,10 @@
-"""The two Kubernetes API calls the restart controller makes, as plain HTTPS with the
-service account's token (two calls do not justify a client library)."""
+"""The Kubernetes API calls the restart controller makes, as plain HTTPS with the service
+account's token: list pods, evict one, read and patch the objects that hold the replica
+count (a handful of calls do not justify a client library)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Generator
@@ -12,6 +14,7 @@ from typing import Any
 import httpx
 
 from embedserve.config import ControllerSettings
+from embedserve.contracts.surge import Owner
 
 log = logging.getLogger("embedserve.restart_controller")
 
@@ -20,6 +23,14 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 class EvictionBlocked(Exception):
     """The API server refused the eviction (PDB would be violated): try next round."""
+
+
+#: Where each owner keeps the count a surge raises: (API path prefix, JSON pointer).
+COUNT_FIELDS: dict[Owner, tuple[str, str]] = {
+    "deployment": ("/apis/apps/v1/namespaces/{ns}/deployments", "/spec/replicas"),
+    "hpa": ("/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers", "/spec/minReplicas"),
+    "scaledobject": ("/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects", "/spec/minReplicaCount"),
+}
 
 
 class ServiceAccountToken(httpx.Auth):
@@ -34,7 +45,7 @@ class ServiceAccountToken(httpx.Auth):
 
 
 class KubeApi:
-    """The two calls the controller needs, as plain HTTPS with a bearer token."""
+    """The calls the controller needs, as plain HTTPS with a bearer token."""
 
     def __init__(
         self,
@@ -103,6 +114,58 @@ class KubeApi:
             return
         r.raise_for_status()
 
+    def _path(self, owner: Owner, name: str) -> str:
+        return COUNT_FIELDS[owner][0].format(ns=self.namespace) + f"/{name}"
+
+    async def get(self, owner: Owner, name: str) -> dict[str, Any] | None:
+        """The object, or None when there is none (a ScaledObject without KEDA installed)."""
+        r = await self._client.get(self._path(owner, name))
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        body = r.json()
+        return body if isinstance(body, dict) else None
+
+    async def list_hpas(self) -> list[dict[str, Any]]:
+        r = await self._client.get(COUNT_FIELDS["hpa"][0].format(ns=self.namespace))
+        r.raise_for_status()
+        return [i for i in r.json().get("items", []) if isinstance(i, dict)]
+
+    async def set_count(
+        self, owner: Owner, name: str, expect: int | None, value: int | None, dry_run: bool = False
+    ) -> bool:
+        """Set the owner's count to ``value`` (None: unset it) only if it still reads
+        ``expect``: False, and nothing changed, when someone else set it meanwhile."""
+        pointer = COUNT_FIELDS[owner][1]
+        ops: list[dict[str, Any]] = []
+        if expect is not None:
+            ops.append({"op": "test", "path": pointer, "value": expect})
+        ops.append(
+            {"op": "remove", "path": pointer}
+            if value is None
+            else {"op": "add", "path": pointer, "value": value}
+        )
+        r = await self._client.patch(
+            self._path(owner, name),
+            content=json.dumps(ops),
+            headers={"Content-Type": "application/json-patch+json"},
+            params={"dryRun": "All"} if dry_run else None,
+        )
+        if r.status_code in (409, 422):  # the test failed: not ours to change any more
+            log.info("%s/%s: %s", owner, name, _message(r))
+            return False
+        r.raise_for_status()
+        return True
+
+    async def annotate(self, owner: Owner, name: str, key: str, value: str | None) -> None:
+        """Set (or with None remove) one annotation."""
+        r = await self._client.patch(
+            self._path(owner, name),
+            content=json.dumps({"metadata": {"annotations": {key: value}}}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        r.raise_for_status()
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -112,5 +175,3 @@ def _message(r: httpx.Response) -> str:
         return str(r.json().get("message", r.text))
     except ValueError:
         return r.text
-
-

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedserve.contracts.quality import Corpus, CorpusInfo, Passage, Query
-from embedserve.quality.flags import OneLineParser, at_least, parse
-from embedserve.quality.sphinx import page_sections, page_title
+from embedserve.loadtest.quality.flags import OneLineParser, at_least, parse
+from embedserve.loadtest.quality.sphinx import page_sections, page_title
 
 DEFAULT_HTML = Path("/usr/share/doc/python3-doc/html")
 # pages that index or list other pages (their sections are links, not text) or log changes

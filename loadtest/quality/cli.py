@@ -31,11 +31,11 @@ import httpx
 import numpy as np
 
 from embedserve.contracts.quality import Boundary, Corpus, CosineStats, QualityReport, Retrieval
-from embedserve.quality import metrics
-from embedserve.quality.client import Embedder, EndpointError, Limits, served_model
-from embedserve.quality.corpus import describe, load_corpus
-from embedserve.quality.flags import FlagError, OneLineParser, at_least, fraction, parse
-from embedserve.quality.report import Thresholds, missed, summary
+from embedserve.loadtest.quality import metrics
+from embedserve.loadtest.quality.client import Embedder, EndpointError, Limits, served_model
+from embedserve.loadtest.quality.corpus import describe, load_corpus
+from embedserve.loadtest.quality.flags import FlagError, OneLineParser, at_least, fraction, parse
+from embedserve.loadtest.quality.report import Thresholds, missed, summary
 
 PROG = "embedserve quality"
 K = 10

@@ -26,8 +26,8 @@ import numpy as np
 
 from embedserve.contracts.quality import Traffic
 from embedserve.loadtest.args import embeddings_url
+from embedserve.loadtest.quality.metrics import Vectors
 from embedserve.loadtest.runner import retry_after_s
-from embedserve.quality.metrics import Vectors
 
 TOO_LARGE = frozenset({"request_exceeds_capacity", "max_tokens_per_request", "too_many_inputs"})
 

@@ -1,0 +1,299 @@
+"""Benchmark: the autoscaling signal (``embedserve_load``) along a closed-loop ramp.
+
+Starts ``embedserve up`` on the CPU engine with the bundled all-MiniLM-L6-v2, then runs
+``embedserve loadtest`` once per step, closed loop, with more requests in flight each step;
+the load generator reads the gauge from the gateway's /metrics (``--gauge``) while it runs.
+Every input is unique. Per step: offered tokens/s (every attempt, 429s and their retries
+included), tokens/s answered, the share of attempts answered 429, and the gauge's median.
+
+Target: the gauge crosses 1.0 within 20% of the load where 429s begin.
+
+    python -m bench.cpu.autoscale_ramp --out results/autoscale-cpu
+
+Prints the table and writes ``ramp.json``, ``ramp.md`` and ``ramp.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from embedserve.config import BUNDLED_MODEL, Settings, resolve_model_path
+from embedserve.loadtest.cli import main as loadtest
+
+GAUGES = (
+    "embedserve_load",
+    "embedserve_offered_tokens_per_second",
+    "embedserve_capacity_tokens_per_second",
+    "embedserve_admission_fill",
+)
+ONSET_429 = 0.01  # 429s "begin" at the first step where at least 1% of attempts get one
+
+
+def start_stack(port: int, env: dict[str, str], work: Path) -> subprocess.Popen[bytes]:
+    log = (work / "stack.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "embedserve", "up"],
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                return proc
+        if proc.poll() is not None:
+            raise SystemExit(f"the stack exited: see {work / 'stack.log'}")
+        time.sleep(0.5)
+    raise SystemExit("the stack did not become ready in 300 s")
+
+
+def step(url: str, concurrency: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One closed-loop run; its row of the ramp."""
+    args = [
+        url,
+        "--tokenizer",
+        str(resolve_model_path(BUNDLED_MODEL)),
+        "--mix",
+        f"fixed:{a.tokens}",
+        "--inputs",
+        str(a.inputs),
+        "--encoding-format",
+        "base64",
+        "--concurrency",
+        str(concurrency),
+        "--duration",
+        str(a.seconds),
+        "--warmup",
+        str(a.warmup),
+        "--sample-interval",
+        "1",
+        "--timeout",
+        "120",
+        "--no-progress",
+        "--no-plots",
+        "--health-url",
+        "none",
+        "--metrics-url",
+        "none",
+        "--out",
+        str(out),
+    ]
+    for g in GAUGES:
+        args += ["--gauge", g]
+    loadtest(args)
+    res = json.loads((out / "results.json").read_text())
+    m, g = res["measured"], res["gauges"]["measured"]
+    attempts = max(m["attempts"], 1)
+    seconds = max(m["duration_s"], 1e-9)
+    tokens_per_attempt = a.tokens * a.inputs
+    return {
+        "concurrency": concurrency,
+        "attempts": m["attempts"],
+        "ok": m["ok"],
+        "throttled_429": m["throttled_429"],
+        "share_429": round(m["throttled_429"] / attempts, 4),
+        "offered_tokens_per_s": round(m["attempts"] * tokens_per_attempt / seconds, 1),
+        "answered_tokens_per_s": round(m["tokens_per_s"], 1),
+        "p50_ms": m["latency_ms"]["p50"],
+        "p95_ms": m["latency_ms"]["p95"],
+        "load_median": g["embedserve_load"]["median"],
+        "load_min": g["embedserve_load"]["min"],
+        "load_max": g["embedserve_load"]["max"],
+        "capacity_tokens_per_s": g["embedserve_capacity_tokens_per_second"]["median"],
+        "gateway_offered_tokens_per_s": g["embedserve_offered_tokens_per_second"]["median"],
+        "admission_fill_median": g["embedserve_admission_fill"]["median"],
+    }
+
+
+def crossing(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the gauge first reaches 1.0 and where 429s begin, in offered tokens/s and in
+    requests in flight, and the gauge at the 429 onset."""
+    onset = next((r for r in rows if r["share_429"] >= ONSET_429), None)
+    cross: dict[str, Any] | None = None
+    for prev, r in zip([None, *rows], rows, strict=False):
+        if r["load_median"] is not None and r["load_median"] >= 1.0:
+            if prev is None or prev["load_median"] is None:
+                cross = {"offered_tokens_per_s": r["offered_tokens_per_s"], "concurrency": r["concurrency"]}
+            else:  # linear between the two steps, in offered load
+                lo, hi = prev["load_median"], r["load_median"]
+                f = (1.0 - lo) / (hi - lo) if hi > lo else 1.0
+                x0, x1 = prev["offered_tokens_per_s"], r["offered_tokens_per_s"]
+                c0, c1 = prev["concurrency"], r["concurrency"]
+                cross = {
+                    "offered_tokens_per_s": round(x0 + f * (x1 - x0), 1),
+                    "concurrency": round(c0 + f * (c1 - c0), 1),
+                }
+            break
+    out: dict[str, Any] = {"gauge_reaches_1": cross, "onset_429": None, "within_20_percent": None}
+    if onset is not None:
+        out["onset_429"] = {
+            "offered_tokens_per_s": onset["offered_tokens_per_s"],
+            "concurrency": onset["concurrency"],
+            "gauge": onset["load_median"],
+        }
+    if cross is not None and onset is not None:
+        # The ramp's load is the closed loop's requests in flight. Offered tokens/s is given
+        # too, but it jumps at the onset: every refused request is sent again after its
+        # Retry-After, so the attempts grow while the answers do not.
+        gap = cross["concurrency"] / onset["concurrency"] - 1
+        out["gap_in_flight"] = round(gap, 4)
+        out["gap_offered_load"] = round(cross["offered_tokens_per_s"] / onset["offered_tokens_per_s"] - 1, 4)
+        out["within_20_percent"] = abs(gap) <= 0.2
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    c = doc["crossing"]
+    lines = [
+        "| in flight | offered tok/s | answered tok/s | 429 share | P50 ms | capacity tok/s | demand | "
+        "admission fill | embedserve_load (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f2(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    for r in doc["steps"]:
+        cap, offered = r["capacity_tokens_per_s"], r["gateway_offered_tokens_per_s"]
+        demand = offered / cap if cap and offered is not None else None
+        lines.append(
+            f"| {r['concurrency']} | {r['offered_tokens_per_s']:,.0f} | {r['answered_tokens_per_s']:,.0f} | "
+            f"{r['share_429']:.1%} | {r['p50_ms'] or '-'} | {cap or 0:,.0f} | {f2(demand)} | "
+            f"{f2(r.get('admission_fill_median'))} | {f2(r['load_median'])} "
+            f"({f2(r['load_min'])}-{f2(r['load_max'])}) |"
+        )
+    lines.append("")
+    g1, on = c["gauge_reaches_1"], c["onset_429"]
+    if g1 and on:
+        lines.append(
+            f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight "
+            f"({g1['offered_tokens_per_s']:,.0f} offered tokens/s); 429s begin (>= {ONSET_429:.0%} of "
+            f"attempts) at {on['concurrency']} in flight ({on['offered_tokens_per_s']:,.0f} offered "
+            f"tokens/s, retries of refused requests included), where the gauge reads {on['gauge']:.2f}: "
+            f"{c['gap_in_flight']:+.1%} apart in requests in flight, "
+            f"{'within' if c['within_20_percent'] else 'NOT within'} 20% "
+            f"({c['gap_offered_load']:+.1%} in offered tokens/s)."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["steps"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, label in (
+        (left, "concurrency", "requests in flight (closed loop)"),
+        (right, "offered_tokens_per_s", "offered tokens/s (every attempt)"),
+    ):
+        xs = [r[key] for r in rows]
+        ax.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load (median)")
+        lows, highs = [r["load_min"] for r in rows], [r["load_max"] for r in rows]
+        ax.fill_between(xs, lows, highs, color="C0", alpha=0.15)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(label)
+        ax.set_ylabel("embedserve_load")
+        twin = ax.twinx()
+        twin.plot(xs, [r["share_429"] for r in rows], "s-", color="C3", label="429 share of attempts")
+        twin.set_ylabel("429 share", color="C3")
+        twin.set_ylim(0, 1)
+        on = doc["crossing"]["onset_429"]
+        if on:
+            ax.axvline(on[key], color="C3", lw=0.8, ls=":")
+        if key == "concurrency":
+            ax.set_xscale("log")
+        ax.legend(loc="upper left", fontsize=8)
+        twin.legend(loc="lower right", fontsize=8)
+    fig.suptitle(doc["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--port", type=int, default=18600)
+    ap.add_argument("--steps", default="1,2,3,4,6,8,16,32,48,64,72,96", help="requests in flight per step")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per step")
+    ap.add_argument("--warmup", type=float, default=6.0, help="seconds before each step's measurement")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per input")
+    ap.add_argument("--inputs", type=int, default=4, help="inputs per request")
+    ap.add_argument("--max-tokens-in-flight", type=int, help="admission bound (default: the CPU default)")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="autoscale-ramp-"))
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "EMBEDSERVE_ENGINE__KIND": "cpu",
+        "EMBEDSERVE_GATEWAY__PORT": str(a.port),
+        "EMBEDSERVE_ENGINE__PORT": str(a.port + 1),
+        "EMBEDSERVE_ENGINE__STATS_DIR": str(work / "stats"),
+        "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
+    }
+    if a.max_tokens_in_flight:
+        env["EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT"] = str(a.max_tokens_in_flight)
+    gateway = {"max_tokens_in_flight": a.max_tokens_in_flight}
+    bound = Settings(_env_file=None, gateway=gateway).tokens_in_flight_limit("cpu")
+    load_before = os.getloadavg()
+    proc = start_stack(a.port, env, work)
+    rows = []
+    try:
+        url = f"http://127.0.0.1:{a.port}"
+        for c in (int(x) for x in a.steps.split(",")):
+            row = step(url, c, a, work / f"c{c}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    per_request = a.tokens * a.inputs
+    doc = {
+        "title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores, shared), "
+        f"{a.inputs} x {a.tokens} tokens per request, admission bound {bound:,} tokens",
+        "meta": {
+            "machine": {
+                "cores": os.cpu_count(),
+                "platform": platform.platform(),
+                "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
+            },
+            "argv": sys.argv[1:] if argv is None else argv,
+            "model": "all-MiniLM-L6-v2 (bundled), CPU engine",
+            "tokens_per_request": per_request,
+            "max_tokens_in_flight": bound,
+            "in_flight_at_first_429": bound // per_request + 1,
+            "seconds_per_step": a.seconds,
+            "warmup_per_step": a.warmup,
+            "onset_429_share": ONSET_429,
+            "started_at": time.time(),
+        },
+        "steps": rows,
+    }
+    doc["crossing"] = crossing(rows)
+    (a.out / "ramp.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (a.out / "ramp.md").write_text(markdown(doc))
+    plot(doc, a.out / "ramp.png")
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
