@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -273,7 +274,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def cold_exports() -> dict[str, Any]:
     """What a first start adds: the export into an empty cache (fp32, then int8 from it), in the
-    child process the engine runs, wall-clock seconds."""
+    child process the engine runs: wall-clock seconds, and the CPU seconds it used (which a busy
+    machine changes less)."""
     import tempfile
 
     out: dict[str, Any] = {"load_average_before": os.getloadavg()}
@@ -282,10 +284,13 @@ def cold_exports() -> dict[str, Any]:
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBEDSERVE_LOG_LEVEL": "WARNING",
                    "EMBEDSERVE_ENGINE__CPU_EXPORT_DIR": cache,
                    "EMBEDSERVE_ENGINE__CPU_QUANTIZATION": quantization}
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run([sys.executable, "-m", "embedserve.engines.onnx_export"], env=env, check=True,
                            capture_output=True)
+            cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             out[quantization] = round(time.monotonic() - t0, 1)
+            used = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+            out[f"{quantization}_cpu_s"] = round(used, 1)
     out["load_average_after"] = os.getloadavg()
     print(json.dumps({"first_start_export_s": out}), flush=True)
     return out
