@@ -160,9 +160,9 @@ class EngineSettings(BaseModel):
     # The CPU engine (kind cpu).
     cpu_backend: Literal["torch", "onnx"] = Field(
         "onnx",
-        description="onnx: the model exported once to ONNX (cached in cpu_export_dir) and run on "
-        "ONNX Runtime, 2.3-2.9x torch's throughput on two cores (docs/PERFORMANCE.md); torch: "
-        "sentence-transformers on torch",
+        description="onnx: the model exported once to ONNX (checked against torch, cached in "
+        "cpu_export_dir) and run on ONNX Runtime, faster than torch on the CPU peers benchmark "
+        "(docs/PERFORMANCE.md); torch: sentence-transformers on torch",
     )
     cpu_quantization: Literal["none", "int8"] = Field(
         "none",
