@@ -161,8 +161,8 @@ class EngineSettings(BaseModel):
     cpu_backend: Literal["torch", "onnx"] = Field(
         "onnx",
         description="onnx: the model exported once to ONNX (checked against torch, cached in "
-        "cpu_export_dir) and run on ONNX Runtime, faster than torch on the CPU peers benchmark "
-        "(docs/PERFORMANCE.md); torch: sentence-transformers on torch",
+        "cpu_export_dir) and run on ONNX Runtime, torch never loaded while serving; torch: "
+        "sentence-transformers on torch",
     )
     cpu_quantization: Literal["none", "int8"] = Field(
         "none",
