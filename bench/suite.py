@@ -100,16 +100,20 @@ def raw_vs_gateway(shape: str) -> list[Step]:
     ]
 
 
-def vllm_steps(shape: str) -> list[Step]:
-    """The vLLM peer for one shape: four servers started together, vectors, two load parts."""
-    sides = tuple(vllm_peer.tag(s, shape) for s in ("embedserve", "vllm", "vllm tuned"))
-    return [
-        Step(f"vllm-start-{shape}", ("vllm",), partial(vllm_peer.step_start, shape=shape), 150, holds=sides),
-        Step(f"vllm-vectors-{shape}", ("vllm",), partial(vllm_peer.step_vectors, shape=shape), 40),
-        Step(f"vllm-load-{shape}-1", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=1), 330),
-        Step(f"vllm-load-{shape}-2", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=2), 380),
-        Step(f"vllm-stop-{shape}", ("vllm",), partial(vllm_peer.step_stop, shape=shape), 20, always=True),
-    ]
+def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
+    """The vLLM peer: every shape's servers started together (their start-ups overlap), then per
+    shape: readiness, vectors, the engine's profile, two load parts, its servers stopped."""
+    steps = [Step("vllm-start", ("vllm",), partial(vllm_peer.step_start, shapes=shapes), 30)]
+    for shape in shapes:
+        steps += [
+            Step(f"vllm-ready-{shape}", ("vllm",), partial(vllm_peer.step_ready, shape=shape), 150),
+            Step(f"vllm-vectors-{shape}", ("vllm",), partial(vllm_peer.step_vectors, shape=shape), 40),
+            Step(f"vllm-profile-{shape}", ("vllm",), partial(vllm_peer.step_profile, shape=shape), 45),
+            Step(f"vllm-load-{shape}-1", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=1), 330),
+            Step(f"vllm-load-{shape}-2", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=2), 380),
+            Step(f"vllm-stop-{shape}", ("vllm",), partial(vllm_peer.step_stop, shape=shape), 20),
+        ]
+    return steps
 
 
 def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b")) -> list[Step]:
@@ -166,7 +170,7 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b"
         Step("detail-knobs", ("engines-per-gpu-detail",), overlap.step_detail_knobs, 140),
         Step("detail-stop", ("engines-per-gpu-detail",), overlap.step_detail_stop, 30, always=True),
         # vLLM's pooling runner: servers of its own, the 0.6B first (the 4B where time is left)
-        *(step for shape in vllm_shapes for step in vllm_steps(shape)),
+        *vllm_steps(vllm_shapes),
         Step("finish", SCENARIOS, step_finish, 20, always=True),
     ]
     return [s for s in steps if set(s.used_by) & set(selected)]
@@ -204,7 +208,8 @@ def write_results(host: stacks.Host, out: Path) -> None:
     (out / "logs.txt").write_text("".join(tails))  # one file: a remote host may return only a few
 
 
-def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None, redo: list[str]) -> int:
+def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None, redo: list[str],
+        until: str | None = None) -> int:
     work = host.work
     work.state.setdefault("meta", meta(host))
     for name in redo:
@@ -237,6 +242,9 @@ def run(host: stacks.Host, steps: list[Step], out: Path, budget_s: float | None,
             work.note(f"step {step.name} FAILED: {exc!r}"[:600])
         work.save()
         write_results(host, out)
+        if step.name == until and step is not steps[-1]:
+            work.note(f"stopping after {step.name} (--until); run again without it to go on")
+            return 3
     write_results(host, out)
     failed = [k for k, v in work.state["steps"].items() if v.get("ok") is False]
     print(f"results: {out / 'results.md'}" + (f" (failed: {', '.join(failed)})" if failed else ""))
@@ -249,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help=f"comma-separated scenarios of: {', '.join(SCENARIOS)}")
     ap.add_argument("--budget-s", type=float, help="stop before a step that would not fit; resume later")
     ap.add_argument("--redo", nargs="*", default=[], help="forget these steps' results first")
+    ap.add_argument("--until", metavar="STEP", help="stop after this step (exit 3): e.g. vllm-start "
+                                                     "starts servers while later bundles are staged")
     ap.add_argument("--work", type=Path, help="state, logs, models (default: /tmp/embedserve-bench)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cap", type=int, help="max sequence length (default 8192; 512 on cpu)")
@@ -268,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-cmd", help="command that replaces `python3 -m vllm.entrypoints.cli.main` "
                                        "(e.g. a stub: 'python3 bench/fake_vllm.py')")
     ap.add_argument("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
-    ap.add_argument("--engines-per-gpu", type=int, default=2,
-                    help="the vllm scenario's second embedserve side (ENGINE__ENGINES_PER_GPU; 1: none)")
+    ap.add_argument("--embedserve-variants", default="graphs",
+                    help="the vllm scenario's embedserve sides beyond the defaults, comma-separated, of: "
+                         f"{', '.join(vllm_peer.VARIANTS)} (joined by + for several at once; '' for none)")
     a = ap.parse_args(argv)
     selected = tuple(a.only.split(",")) if a.only else SCENARIOS
     unknown = set(selected) - set(SCENARIOS)
@@ -284,12 +295,20 @@ def main(argv: list[str] | None = None) -> int:
                        out=a.out, drill_rate=a.drill_leak,
                        attention_backends=tuple(a.attention_backends.split(",")),
                        vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
-                       engines_per_gpu=a.engines_per_gpu,
+                       embedserve_variants=tuple(v for v in a.embedserve_variants.split(",") if v),
                        quality_corpus=a.quality_corpus)
     vllm_shapes = tuple(a.vllm_shapes.split(","))
-    if set(vllm_shapes) - set(vllm_peer.PORTS):
-        ap.error(f"--vllm-shapes takes {', '.join(vllm_peer.PORTS)}")
-    return run(host, plan(selected, vllm_shapes), a.out, a.budget_s, a.redo)
+    if set(vllm_shapes) - set(vllm_peer.SHAPES):
+        ap.error(f"--vllm-shapes takes {', '.join(vllm_peer.SHAPES)}")
+    for variant in host.embedserve_variants:
+        try:
+            vllm_peer.variant_env(variant)
+        except ValueError as exc:
+            ap.error(str(exc))
+    steps = plan(selected, vllm_shapes)
+    if a.until and a.until not in {s.name for s in steps}:
+        ap.error(f"--until {a.until}: not a step of this run")
+    return run(host, steps, a.out, a.budget_s, a.redo, a.until)
 
 
 if __name__ == "__main__":

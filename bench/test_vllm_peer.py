@@ -52,3 +52,30 @@ def test_the_attention_backend_and_cuda_graph_mode_come_from_the_log(tmp_path: P
     assert len(facts["log_lines"]) == 3
     log.write_text("compilation_config={'cudagraph_mode': <CUDAGraphMode.NONE: 0>}\n")
     assert vllm_peer.vllm_log_facts(log)["cudagraph_mode"] == "NONE"
+
+
+def test_variants_join_their_settings_and_sglang_flags(tmp_path: Path) -> None:
+    env = vllm_peer.variant_env("x2+graphs+tokenizer-workers")
+    assert env["EMBEDSERVE_ENGINE__ENGINES_PER_GPU"] == "2"
+    assert json.loads(env["EMBEDSERVE_ENGINE__EXTRA_ARGS"]) == [*vllm_peer.TC_PIECEWISE,
+                                                                 "--tokenizer-worker-num", "2"]
+    try:
+        vllm_peer.variant_env("x2+turbo")
+    except ValueError as exc:
+        assert "turbo" in str(exc)
+    else:
+        raise AssertionError("an unknown variant must be refused")
+
+
+def test_every_side_of_every_shape_has_its_own_ports(tmp_path: Path) -> None:
+    host = Host(WorkDir(tmp_path / "work"), embedserve_variants=("graphs", "x1", "x3"))
+    ports = {shape: vllm_peer.side_ports(host, shape) for shape in vllm_peer.SHAPES}
+    assert list(ports["0.6b"]) == ["embedserve", "embedserve graphs", "embedserve x1", "embedserve x3",
+                                   "vllm", "vllm tuned"]
+    taken: list[int] = []
+    for shape, sides in ports.items():
+        for side, port in sides.items():  # a gateway and its engines (port + 22000, + 1, ...)
+            own = [port] if vllm_peer.is_vllm(side) else \
+                [port, *range(port + 22000, port + 22000 + vllm_peer.MAX_ENGINES_PER_SIDE)]
+            assert not set(own) & set(taken), (shape, side)
+            taken += own

@@ -1,13 +1,16 @@
 """vLLM 0.26.0's pooling runner side by side with embedserve on one GPU: the same checkpoint,
 the same texts, one run, sides alternating.
 
-Four servers run at once on GPU 0, each measured alone in turn:
+Every server of every shape starts at once on GPU 0 (their start-ups overlap, and with
+``--until vllm-start`` they start while later bundles are still being staged), and each is
+measured alone in turn:
 
-- ``embedserve``: `embedserve up` with the product's engine defaults;
-- ``embedserve xN``: the same with ``EMBEDSERVE_ENGINE__ENGINES_PER_GPU=N`` (``--engines-per-gpu``;
-  recorded as not run while the settings have no such field);
+- ``embedserve``: `embedserve up` with the product's defaults (engines per GPU ``auto``);
+- ``embedserve VARIANT``: the same with one of :data:`VARIANTS` (``--embedserve-variants``):
+  more or fewer engines per GPU, SGLang's ``tc_piecewise`` prefill graphs compiled by inductor,
+  more tokenizer-manager workers;
 - ``vllm``: `vllm serve CKPT --runner pooling` with vLLM's defaults, except the KV pool: the
-  same number of tokens as embedserve's engine (``--kv-cache-memory-bytes``), so that four
+  same number of tokens as embedserve's engine (``--kv-cache-memory-bytes``), so that all
   servers fit on the GPU and memory is compared for the same pool;
 - ``vllm tuned``: plus what vLLM's issues recommend for embedding throughput:
   ``--max-num-batched-tokens`` = embedserve's batch budget and ``--api-server-count`` > 1
@@ -31,20 +34,34 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import profile_engine
 import stacks
 from loadgen import Load, Target
-from procs import child_env, http_post_json, log_tail
-from scenarios import Case, alternate, engine_memory
+from procs import child_env, http_post_json, log_tail, port_busy
+from scenarios import Case, alternate, engine_memory, runs_dir
 from stacks import Host
 
 HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count
-# per shape: (up default, up xN, vllm, vllm tuned) ports; `up` engines on port + 22000, + 22001, ...
-# (engines per GPU "auto" may start more than one: ten ports apart)
-PORTS = {"0.6b": (8600, 8610, 8700, 8701), "4b": (8620, 8630, 8720, 8721)}
+SHAPES = ("0.6b", "4b")
+# per shape: embedserve sides on BASE + 10 k (its engines on that + 22000, + 1, ...), vLLM on VLLM_BASE + 0/1
+UP_BASE = {"0.6b": 8600, "4b": 8650}
+VLLM_BASE = {"0.6b": 8700, "4b": 8720}
+MAX_ENGINES_PER_SIDE = 4
+TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc-compiler", "inductor"]
+#: embedserve's variants: settings on top of the defaults, as an operator sets them
+VARIANTS: dict[str, dict[str, str]] = {
+    "x1": {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "1"},
+    "x2": {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"},
+    "x3": {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"},
+    "graphs": {"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(TC_PIECEWISE)},
+    "tokenizer-workers": {"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(["--tokenizer-worker-num", "2"])},
+}
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",  # admission control off
-            "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300"}
+            "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300",
+            # a dozen servers share the GPU: no replacement on the forecast mid-run
+            "EMBEDSERVE_HEALTH__REPLACE_ENGINES": "false"}
 VLLM_CASES = [
     Case("short, 64 in flight", Load("uniform:16-512", 64, seconds=15)),
     Case("short, 256 in flight", Load("uniform:16-512", 256, seconds=15)),
@@ -64,19 +81,33 @@ def tag(side: str, shape: str) -> str:
     return f"{side.replace(' ', '-')}-{shape}"
 
 
-def side_names(host: Host) -> list[str]:
-    return ["embedserve", f"embedserve x{host.engines_per_gpu}", "vllm", "vllm tuned"]
+def variant_env(variant: str) -> dict[str, str]:
+    """One variant, or several joined by ``+`` (``x2+graphs``): their settings together, SGLang's
+    extra flags concatenated."""
+    env: dict[str, str] = {}
+    extra: list[str] = []
+    for part in variant.split("+"):
+        if part not in VARIANTS:
+            raise ValueError(f"unknown embedserve variant {part!r}; known: {', '.join(VARIANTS)}")
+        for key, value in VARIANTS[part].items():
+            if key == "EMBEDSERVE_ENGINE__EXTRA_ARGS":
+                extra += json.loads(value)
+            else:
+                env[key] = value
+    if extra:
+        env["EMBEDSERVE_ENGINE__EXTRA_ARGS"] = json.dumps(extra)
+    return env
 
 
-def engines_per_gpu_setting() -> str | None:
-    """None when the installed embedserve has ``engine.engines_per_gpu``, else why not."""
-    try:
-        from embedserve.config import EngineSettings
-    except ImportError as exc:
-        return f"embedserve's settings do not import: {exc}"
-    if "engines_per_gpu" in EngineSettings.model_fields:
-        return None
-    return "this embedserve has no engine.engines_per_gpu setting (EMBEDSERVE_ENGINE__ENGINES_PER_GPU)"
+def side_ports(host: Host, shape: str) -> dict[str, int]:
+    """Every side of a shape and its port: embedserve's first, then vLLM's."""
+    ups = ["embedserve", *(f"embedserve {v}" for v in host.embedserve_variants)]
+    out = {side: UP_BASE[shape] + 10 * k for k, side in enumerate(ups)}
+    return out | {"vllm": VLLM_BASE[shape], "vllm tuned": VLLM_BASE[shape] + 1}
+
+
+def is_vllm(side: str) -> bool:
+    return side.startswith("vllm")
 
 
 def vllm_env(host: Host) -> dict[str, str]:
@@ -111,17 +142,12 @@ def vllm_argv(host: Host, shape: str, port: int, tuned: bool) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(host.cap),
             "--dtype", "float32" if host.cpu else "bfloat16",
             # the same KV pool as embedserve's engine; the utilisation only gates the start-up
-            # check of free memory, which four servers on one GPU would otherwise fail
+            # check of free memory, which a dozen servers on one GPU would otherwise fail
             "--kv-cache-memory-bytes", str(kv_pool_bytes(model, max(BATCH_BUDGET, 2 * host.cap))),
-            "--gpu-memory-utilization", "0.2"]
+            "--gpu-memory-utilization", "0.1"]
     if tuned:
         argv += ["--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-count", str(API_SERVERS)]
     return argv
-
-
-def start_vllm(host: Host, name: str, shape: str, port: int, tuned: bool) -> dict[str, Any]:
-    stacks.free_port(port)
-    return host.work.start(name, vllm_argv(host, shape, port, tuned), vllm_env(host))
 
 
 def vllm_log_facts(log: Path) -> dict[str, Any]:
@@ -137,75 +163,112 @@ def vllm_log_facts(log: Path) -> dict[str, Any]:
             "log_lines": lines[:16]}
 
 
-def up_target(host: Host, name: str, shape: str, port: int, engines: int) -> Target:
-    pid = host.work.state["procs"][name]["pid"]
-    return stacks.gateway_target(host, shape, port, [port + 22000 + i for i in range(engines)], pid)
+def up_engine_ports(port: int) -> list[int]:
+    """The engines an `up` stack listens on (port + 22000, + 1, ...): engines per GPU ``auto``
+    decides how many."""
+    found = [p for p in range(port + 22000, port + 22000 + MAX_ENGINES_PER_SIDE) if port_busy(p)]
+    return found or [port + 22000]
 
 
-def vllm_target(host: Host, shape: str, port: int) -> Target:
-    url = f"http://127.0.0.1:{port}"
-    return Target(url, host.model(shape), raw=False, engine_urls=[url], cap=host.cap)
+def target_of(host: Host, side: str, shape: str, port: int) -> Target:
+    if is_vllm(side):
+        url = f"http://127.0.0.1:{port}"
+        return Target(url, host.model(shape), raw=False, engine_urls=[url], cap=host.cap)
+    pid = host.work.state["procs"][tag(side, shape)]["pid"]
+    return stacks.gateway_target(host, shape, port, up_engine_ports(port), pid)
 
 
 def sides(host: Host, shape: str) -> list[tuple[str, Target]]:
     """The sides running now, in the fixed order: embedserve first."""
-    out = []
-    for i, (side, port) in enumerate(zip(side_names(host), PORTS[shape], strict=True)):
-        if host.work.running(tag(side, shape)):
-            out.append((side, up_target(host, tag(side, shape), shape, port, host.engines_per_gpu if i else 1)
-                        if i < 2 else vllm_target(host, shape, port)))
+    return [(side, target_of(host, side, shape, port)) for side, port in side_ports(host, shape).items()
+            if host.work.running(tag(side, shape))]
+
+
+def step_start(host: Host, budget_end: float, shapes: tuple[str, ...] = SHAPES) -> dict[str, Any]:
+    """Every side of every shape at once on GPU 0, without waiting (``vllm-ready-SHAPE`` waits):
+    what is running already stays, a side that failed before is not tried again, and vLLM's
+    sides wait for a later pass (``--redo vllm-start``) while vLLM does not import."""
+    st = host.work.state
+    failed = st.setdefault("vllm_failed_sides", [])
+    out: dict[str, Any] = {"started": [], "running": [], "not_run": {}, "settings": {}}
+    no_vllm = vllm_missing(host)
+    for shape in shapes:
+        for side, port in side_ports(host, shape).items():
+            name = tag(side, shape)
+            if host.work.running(name):
+                out["running"].append(name)
+                continue
+            if name in failed:
+                out["not_run"][name] = "failed to start earlier in this run"
+                continue
+            if is_vllm(side):
+                if no_vllm:
+                    out["not_run"][name] = f"vLLM not importable from {host.vllm_site}: {no_vllm}"
+                    continue
+                stacks.free_port(port)
+                host.work.start(name, vllm_argv(host, shape, port, tuned=side == "vllm tuned"), vllm_env(host))
+            else:
+                variant = side.removeprefix("embedserve").strip()
+                extra = UP_EXTRA | (variant_env(variant) if variant else {})
+                stacks.start_up(host, name, shape, port, engine_port=port + 22000,
+                                extra=extra | ({} if host.cpu else {"CUDA_VISIBLE_DEVICES": "0"}))
+                out["settings"][name] = extra  # beyond the model, its cap and ports
+            out["started"].append(name)
     return out
 
 
-def step_start(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:
-    """All four servers at once on GPU 0 (starts overlap), then each one's readiness, start-up
-    facts and GPU memory."""
-    up, up_n, _, vl_tuned = PORTS[shape]
-    names = side_names(host)
-    out: dict[str, Any] = {"shape": shape, "not_run": {}, "argv": {}, "ready_s": {}}
-    no_vllm = vllm_missing(host)
-    no_n = engines_per_gpu_setting() if host.engines_per_gpu > 1 else "not asked for (--engines-per-gpu 1)"
-    if no_vllm:
-        why = f"vLLM not importable from {host.vllm_site}: {no_vllm}"
-        out["not_run"]["vllm"] = out["not_run"]["vllm tuned"] = why
-    if no_n:
-        out["not_run"][names[1]] = no_n
-    for side, port in zip(names, PORTS[shape], strict=True):
+def step_ready(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:
+    """This shape's sides waited on at once (each its own ready time); then each one's command
+    line, start-up facts and GPU memory. A side that cannot start is a finding; the others go on."""
+    ports = side_ports(host, shape)
+    out: dict[str, Any] = {"shape": shape, "not_run": {}, "argv": {}, "ready_s": {}, "settings": {}}
+    start = host.work.state["steps"].get("vllm-start", {})
+    for side in ports:
         name = tag(side, shape)
-        if side in out["not_run"] or host.work.running(name):
-            continue
-        if port in (up, up_n):
-            extra = dict(UP_EXTRA, EMBEDSERVE_ENGINE__ENGINES_PER_GPU=str(host.engines_per_gpu)) \
-                if port == up_n else dict(UP_EXTRA)
-            stacks.start_up(host, name, shape, port, engine_port=port + 22000,
-                            extra=extra | ({} if host.cpu else {"CUDA_VISIBLE_DEVICES": "0"}))
-            out.setdefault("settings", {})[side] = extra  # beyond the model, its cap and ports
-        else:
-            start_vllm(host, name, shape, port, tuned=port == vl_tuned)
+        if name in (start.get("not_run") or {}) and not host.work.running(name):
+            out["not_run"][side] = start["not_run"][name]
+        if name in (start.get("settings") or {}):
+            out["settings"][side] = start["settings"][name]
 
-    def ready(side: str, port: int) -> float:  # each side waited on at once, so its own time
-        up_side = port in (up, up_n)
+    def ready(side: str, port: int) -> float:
+        up_side = not is_vllm(side)
         return stacks.wait_ready(host, tag(side, shape), "/health/ready" if up_side else "/health", port,
                                  budget_end, banner="embedserve is up" if up_side else None)
 
-    started = [(s, p) for s, p in zip(names, PORTS[shape], strict=True) if s not in out["not_run"]]
+    started = [(s, p) for s, p in ports.items() if host.work.running(tag(s, shape))]
     with ThreadPoolExecutor(len(started) or 1) as pool:
         waits = {side: pool.submit(ready, side, port) for side, port in started}
-    for side, port in started:
+    for side, _ in started:
         name = tag(side, shape)
         out["argv"][side] = host.work.state["procs"][name]["argv"]
         try:
             out["ready_s"][side] = waits[side].result()  # TimeoutError: the next slice goes on
-        except RuntimeError as exc:  # a side that cannot start is a finding; the others go on
+        except RuntimeError as exc:
             out["not_run"][side] = str(exc)[-1500:]
+            host.work.state.setdefault("vllm_failed_sides", []).append(name)
             host.work.stop(name, 30)
             continue
-        if port not in (up, up_n):
+        if is_vllm(side):
             log = Path(host.work.state["procs"][name]["log"])
             out.setdefault("vllm_facts", {})[side] = vllm_log_facts(log)
-    out["gpu_gb_idle"] = engine_memory(host, [tag(s, shape) for s in names])
+        else:
+            out.setdefault("engines", {})[side] = len(up_engine_ports(ports[side]))
+    out["gpu_gb_idle"] = engine_memory(host, [tag(s, shape) for s in ports])
     out["fi_cache_tgz_mb"] = stacks.pack_fi_cache(host)
     return out
+
+
+def step_profile(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:
+    """Where the time goes on embedserve's default side: its first engine's torch profile (GPU
+    kernels by kind, gaps between them) and py-spy over the gateway and that engine's SGLang
+    processes, under the seed mix at 64 in flight."""
+    side, port = "embedserve", side_ports(host, shape)["embedserve"]
+    if not host.work.running(tag(side, shape)):
+        return {"skipped": f"{tag(side, shape)} is not running"}
+    target = target_of(host, side, shape, port)
+    return profile_engine.profile_under_load(
+        target, Load("seed", 64, seconds=14, warmup=2), host.work.root / "profiles-vllm" / shape,
+        gateway_port=port, engine_port=port + 22000, runs=runs_dir(host))
 
 
 def vector_texts(cap: int, n: int = 6, seed: int = 3) -> list[str]:
@@ -285,12 +348,12 @@ def step_load(host: Host, budget_end: float, shape: str = "0.6b", part: int = 1)
         out["crosscheck_rows"] = alternate(host, running, Case(CROSSCHECKED.name, CROSSCHECKED.load),
                                            f"vllm-cross-{shape}", 690, tags={"shape": shape},
                                            client="crosscheck")
-        out["gpu_gb_after"] = engine_memory(host, [tag(s, shape) for s in side_names(host)])
+        out["gpu_gb_after"] = engine_memory(host, [tag(s, shape) for s in side_ports(host, shape)])
     return out
 
 
 def step_stop(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:
-    stopped = [tag(s, shape) for s in side_names(host) if tag(s, shape) in host.work.state["procs"]]
+    stopped = [tag(s, shape) for s in side_ports(host, shape) if tag(s, shape) in host.work.state["procs"]]
     for name in stopped:
         host.work.stop(name, 60)
     return {"stopped": stopped}
