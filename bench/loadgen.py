@@ -66,6 +66,7 @@ class Target:
     engine_urls: list[str] = field(default_factory=list)  # for the cache counters
     cap: int = 8191  # longest input the engine accepts (context length minus one)
     gateway_pid: int | None = None
+    timeout_s: float = 300.0  # a request unanswered this long counts as an error
 
 
 def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
@@ -75,7 +76,7 @@ def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
             Path(t.model_dir).name, "--mix", load.mix, "--inputs", load.inputs,
             "--concurrency", str(load.conc), "--duration", f"{load.seconds:g}",
             "--warmup", f"{load.warmup:g}", "--seed", str(seed), "--out", str(out),
-            "--no-progress", "--no-plots", "--health-url", "none", "--timeout", "300",
+            "--no-progress", "--no-plots", "--health-url", "none", "--timeout", f"{t.timeout_s:g}",
             "--max-tokens", str(t.cap)]
     if t.raw:
         argv += ["--input", "ids"]
@@ -143,7 +144,8 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
             out.mkdir(parents=True, exist_ok=True)
             with open(out / "client.log", "ab") as log:
                 subprocess.run(loadtest_argv(t, load, out, seed), env=child_env(), stdout=log,
-                               stderr=subprocess.STDOUT, timeout=load.seconds + load.warmup + 300,
+                               stderr=subprocess.STDOUT,
+                               timeout=load.seconds + load.warmup + t.timeout_s + 60,
                                check=False)
             results = out / "results.json"
             if not results.exists():

@@ -198,7 +198,7 @@ def step_profile(host: Host, budget_end: float, group: str = "0.6b") -> dict[str
         return {"skipped": f"{c.tag} is not running"}
     target = stacks.gateway_target(host, c.shape, c.port, c.engine_ports, procs[c.tag]["pid"])
     return profile_engine.profile_under_load(
-        target, Load("seed", 64, seconds=14, warmup=2), host.work.root / "profiles" / group,
+        target, Load("seed", 64, seconds=24, warmup=2), host.work.root / "profiles" / group,
         gateway_port=c.port, engine_port=c.engine_port, runs=runs_dir(host))
 
 
@@ -228,7 +228,7 @@ def detail_target(host: Host, c: Config) -> Target:
 def step_detail_profile(host: Host, budget_end: float, group: str = "0.6b") -> dict[str, Any]:
     c = DETAIL[group][0]
     return profile_engine.profile_under_load(
-        detail_target(host, c), Load("seed", 64, seconds=14, warmup=2),
+        detail_target(host, c), Load("seed", 64, seconds=24, warmup=2),
         host.work.root / "profiles-detail" / group, gateway_port=c.port, engine_port=c.engine_port,
         runs=runs_dir(host))
 

@@ -189,8 +189,9 @@ def pyspy(pid: int, seconds: float, out: Path, rate_hz: int = 200) -> subprocess
 
 def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, engine_port: int,
                        runs: Path, pyspy_s: float = 8.0, steps: int = 40) -> dict[str, Any]:
-    """Starts ``load`` against ``target`` (a gateway) and, once warmed up, the engine's torch
-    profile for ``steps`` batches and py-spy over the path's processes; summarises both."""
+    """Starts ``load`` against ``target`` (a gateway) and, once warmed up, py-spy over the
+    path's processes for ``pyspy_s``, then the engine's torch profile for ``steps`` batches;
+    summarises both. ``load`` must last for both (about 24 s)."""
     from loadgen import measure
     from procs import http_post_json
 
@@ -206,6 +207,9 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
         pids.update(sglang_processes(engine))
     files = {name: out / f"{name.replace(' ', '-')}.txt" for name, pid in pids.items() if pid}
     spies = {name: (pyspy(pids[name] or 0, pyspy_s, path), path) for name, path in files.items()}
+    for proc, _ in spies.values():  # py-spy first: the torch profile's export (gzip in the
+        if proc:                    # scheduler) would otherwise fill its samples
+            proc.wait(timeout=pyspy_s + 60)
     trace_dir = out / "torch"
     # GPU activity only: recording every CPU op slowed the engine sixfold, which stretches
     # the gaps between kernels that the profile is meant to show
@@ -216,9 +220,6 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
         pass  # SGLang answers in plain text
     except Exception as exc:  # recorded, the rest goes on
         result["torch_error"] = repr(exc)[:300]
-    for proc, _ in spies.values():
-        if proc:
-            proc.wait(timeout=pyspy_s + 60)
     loader.join(timeout=load.seconds + 300)
     result["pids"] = pids
     result["pyspy"] = {name: summarise_pyspy(path.read_text(), 200, pyspy_s) if path.exists() else

@@ -364,9 +364,10 @@ def vllm_sections(st: dict[str, Any]) -> list[str]:
                            ("errors", "errors"), ("agree", "within 5%")]), ""]
         prof = st.get(f"vllm-profile-{shape}", {})
         if prof.get("torch_trace") or prof.get("pyspy"):
-            md += [f"Profile of embedserve's first engine and its path, {shape} (seed mix, 64 in flight):", "",
-                   "```json", json.dumps({k: prof.get(k) for k in ("row", "torch_trace", "pyspy", "torch_error")
-                                          if prof.get(k)}, indent=1), "```", ""]
+            keys = ("row", "torch_trace", "pyspy", "torch_error")
+            md += [f"Profile of embedserve's first engine and its path, {shape} (seed mix, 64 in flight):",
+                   "", "```json", json.dumps({k: prof.get(k) for k in keys if prof.get(k)}, indent=1),
+                   "```", ""]
         if rows:
             md += every_run(rows)
     return md

@@ -36,9 +36,10 @@ from typing import Any
 
 import profile_engine
 import stacks
+from gpu_memory import tree_used_gb
 from loadgen import Load, Target
 from procs import child_env, http_post_json, log_tail, port_busy
-from scenarios import Case, alternate, engine_memory, runs_dir
+from scenarios import Case, alternate, runs_dir
 from stacks import Host
 
 HERE = Path(__file__).resolve().parent
@@ -49,6 +50,9 @@ SHAPES = ("0.6b", "4b")
 UP_BASE = {"0.6b": 8600, "4b": 8650}
 VLLM_BASE = {"0.6b": 8700, "4b": 8720}
 MAX_ENGINES_PER_SIDE = 4
+# a request unanswered this long is an error: vLLM 0.26 once stopped making progress with 64
+# requests in flight, and the default 300 s would hold every later run of the step
+REQUEST_TIMEOUT_S = 60.0
 TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc-compiler", "inductor"]
 #: embedserve's variants: settings on top of the defaults, as an operator sets them
 VARIANTS: dict[str, dict[str, str]] = {
@@ -75,6 +79,13 @@ VLLM_PARTS = {1: VLLM_CASES[:4], 2: VLLM_CASES[4:]}  # one step each, within 10 
 CROSSCHECKED = VLLM_CASES[0]  # one crosscheck.py run per side, in the last part
 LOG_LINES = re.compile(r"attention backend|cudagraph|CUDA graph|Model loading took|KV cache|"
                        r"torch\.compile|Supported tasks|pooler_config", re.IGNORECASE)
+
+
+def server_memory(host: Host, tags: list[str]) -> dict[str, float]:
+    """GPU memory (NVML) of each server's processes and all their descendants: `up` starts its
+    engines in sessions of their own, which a process group would miss."""
+    procs = host.work.state["procs"]
+    return tree_used_gb({t: [procs[t]["pid"]] for t in tags if t in procs})
 
 
 def tag(side: str, shape: str) -> str:
@@ -173,7 +184,8 @@ def up_engine_ports(port: int) -> list[int]:
 def target_of(host: Host, side: str, shape: str, port: int) -> Target:
     if is_vllm(side):
         url = f"http://127.0.0.1:{port}"
-        return Target(url, host.model(shape), raw=False, engine_urls=[url], cap=host.cap)
+        return Target(url, host.model(shape), raw=False, engine_urls=[url], cap=host.cap,
+                      timeout_s=REQUEST_TIMEOUT_S)
     pid = host.work.state["procs"][tag(side, shape)]["pid"]
     return stacks.gateway_target(host, shape, port, up_engine_ports(port), pid)
 
@@ -206,7 +218,8 @@ def step_start(host: Host, budget_end: float, shapes: tuple[str, ...] = SHAPES) 
                     out["not_run"][name] = f"vLLM not importable from {host.vllm_site}: {no_vllm}"
                     continue
                 stacks.free_port(port)
-                host.work.start(name, vllm_argv(host, shape, port, tuned=side == "vllm tuned"), vllm_env(host))
+                argv = vllm_argv(host, shape, port, tuned=side == "vllm tuned")
+                host.work.start(name, argv, vllm_env(host))
             else:
                 variant = side.removeprefix("embedserve").strip()
                 extra = UP_EXTRA | (variant_env(variant) if variant else {})
@@ -253,7 +266,7 @@ def step_ready(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, 
             out.setdefault("vllm_facts", {})[side] = vllm_log_facts(log)
         else:
             out.setdefault("engines", {})[side] = len(up_engine_ports(ports[side]))
-    out["gpu_gb_idle"] = engine_memory(host, [tag(s, shape) for s in ports])
+    out["gpu_gb_idle"] = server_memory(host, [tag(s, shape) for s in ports])
     out["fi_cache_tgz_mb"] = stacks.pack_fi_cache(host)
     return out
 
@@ -267,7 +280,7 @@ def step_profile(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str
         return {"skipped": f"{tag(side, shape)} is not running"}
     target = target_of(host, side, shape, port)
     return profile_engine.profile_under_load(
-        target, Load("seed", 64, seconds=14, warmup=2), host.work.root / "profiles-vllm" / shape,
+        target, Load("seed", 64, seconds=24, warmup=2), host.work.root / "profiles-vllm" / shape,
         gateway_port=port, engine_port=port + 22000, runs=runs_dir(host))
 
 
@@ -348,7 +361,7 @@ def step_load(host: Host, budget_end: float, shape: str = "0.6b", part: int = 1)
         out["crosscheck_rows"] = alternate(host, running, Case(CROSSCHECKED.name, CROSSCHECKED.load),
                                            f"vllm-cross-{shape}", 690, tags={"shape": shape},
                                            client="crosscheck")
-        out["gpu_gb_after"] = engine_memory(host, [tag(s, shape) for s in side_ports(host, shape)])
+        out["gpu_gb_after"] = server_memory(host, [tag(s, shape) for s in side_ports(host, shape)])
     return out
 
 
