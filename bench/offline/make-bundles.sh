@@ -42,7 +42,8 @@ vllm_bundle() {
   dl "$w" flashinfer-python==0.6.14 apache-tvm-ffi==0.1.10 openai==2.54.0 cbor2 cachetools jmespath \
     model-hosting-container-standards==0.1.16 compressed-tensors==0.17.0 fastapi==0.136.3 \
     prometheus-fastapi-instrumentator==8.1.0 blake3 lm-format-enforcer==0.11.3 outlines_core==0.2.14 \
-    lark==1.2.2 mistral_common==1.13.1 ijson python-json-logger depyf==0.20.0 astor nvtx==0.2.15 \
+    lark==1.2.2 mistral_common==1.13.1 pydantic-extra-types==2.11.1 pycountry==26.2.16 ijson \
+    python-json-logger depyf==0.20.0 astor nvtx==0.2.15 \
     opentelemetry-semantic-conventions-ai
   ( cd "$TMP" && split -b 57M -d -a 2 --numeric-suffixes=1 vllm.tar.xz vllm.tar.xz.part )
   local parts=("$TMP"/vllm.tar.xz.part*) sum
