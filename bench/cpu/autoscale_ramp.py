@@ -217,50 +217,63 @@ def markdown(doc: dict[str, Any]) -> str:
     g1, on = c["gauge_reaches_1"], c["onset_429"]
     if g1 and on:
         lines.append(
-            f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight "
-            f"({g1['offered_tokens_per_s']:,.0f} offered tokens/s); 429s begin (>= {ONSET_429:.0%} of "
-            f"attempts) at {on['concurrency']} in flight ({on['offered_tokens_per_s']:,.0f} offered "
-            f"tokens/s, retries of refused requests included), where the gauge reads {on['gauge']:.2f}: "
-            f"{c['gap_in_flight']:+.1%} apart in requests in flight, "
-            f"{'within' if c['within_20_percent'] else 'NOT within'} 20% "
-            f"({c['gap_offered_load']:+.1%} in offered tokens/s)."
+            f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight; 429s begin (>= "
+            f"{ONSET_429:.0%} of attempts) at {on['concurrency']} in flight, where the gauge reads "
+            f"{on['gauge']:.2f}: {c['gap_in_flight']:+.1%} apart, "
+            f"{'within' if c['within_20_percent'] else 'NOT within'} 20%. The ramp's load is the "
+            "requests in flight: offered tokens/s is no measure of it past the onset, since the load "
+            "generator pauses after a 429 for its Retry-After."
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
+    """Left: the gauge and the 429 share along the ramp. Right: the gauge's parts (medians),
+    which show which one carries it at each step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = doc["steps"]
+    xs = [r["concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, label in (
-        (left, "concurrency", "requests in flight (closed loop)"),
-        (right, "offered_tokens_per_s", "offered tokens/s (every attempt)"),
-    ):
-        xs = [r[key] for r in rows]
-        ax.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load (median)")
-        lows, highs = [r["load_min"] for r in rows], [r["load_max"] for r in rows]
-        ax.fill_between(xs, lows, highs, color="C0", alpha=0.15)
+    left.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load (median)")
+    lows, highs = [r["load_min"] for r in rows], [r["load_max"] for r in rows]
+    left.fill_between(xs, lows, highs, color="C0", alpha=0.15)
+    twin = left.twinx()
+    twin.plot(xs, [r["share_429"] for r in rows], "s-", color="C3", label="429 share of attempts")
+    twin.set_ylabel("429 share", color="C3")
+    twin.set_ylim(0, 1)
+    twin.legend(loc="lower right", fontsize=8)
+    right.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load")
+    right.plot(xs, [_demand(r) for r in rows], "^--", color="C1", label="demand (offered / capacity)")
+    right.plot(xs, [r["admission_fill_median"] for r in rows], "v--", color="C2", label="admission fill")
+    right.plot(xs, [_refusal(r) for r in rows], "D--", color="C3", label="refusal (offered / admitted)")
+    on = doc["crossing"]["onset_429"]
+    for ax in (left, right):
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel(label)
-        ax.set_ylabel("embedserve_load")
-        twin = ax.twinx()
-        twin.plot(xs, [r["share_429"] for r in rows], "s-", color="C3", label="429 share of attempts")
-        twin.set_ylabel("429 share", color="C3")
-        twin.set_ylim(0, 1)
-        on = doc["crossing"]["onset_429"]
         if on:
-            ax.axvline(on[key], color="C3", lw=0.8, ls=":")
-        if key == "concurrency":
-            ax.set_xscale("log")
+            ax.axvline(on["concurrency"], color="C3", lw=0.8, ls=":")
+        ax.set_xlabel("requests in flight (closed loop)")
+        ax.set_ylabel("embedserve_load")
         ax.legend(loc="upper left", fontsize=8)
-        twin.legend(loc="lower right", fontsize=8)
     fig.suptitle(doc["title"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _demand(r: dict[str, Any]) -> float | None:
+    cap, offered = r["capacity_tokens_per_s"], r["gateway_offered_tokens_per_s"]
+    return offered / cap if cap and offered is not None else None
+
+
+def _refusal(r: dict[str, Any]) -> float | None:
+    """The refusal part from the medians (the gateway also needs the last refusal recent)."""
+    offered, refused = r["gateway_offered_tokens_per_s"], r.get("gateway_refused_tokens_per_s")
+    if not offered or refused is None or refused < ONSET_429 * offered:
+        return None
+    return offered / max(offered - refused, ONSET_429 * offered)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,8 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens-in-flight", type=int, help="admission bound (default: the CPU default)")
     ap.add_argument("--prime", type=float, default=20.0, help="seconds of a full admission window first")
     ap.add_argument("--idle", type=float, default=45.0, help="seconds idle after priming")
+    ap.add_argument("--replot", action="store_true", help="only write ramp.md and ramp.png from ramp.json")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.replot:
+        doc = json.loads((a.out / "ramp.json").read_text())
+        (a.out / "ramp.md").write_text(markdown(doc))
+        plot(doc, a.out / "ramp.png")
+        return 0
     work = Path(tempfile.mkdtemp(prefix="autoscale-ramp-"))
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway = {"max_tokens_in_flight": a.max_tokens_in_flight}
     bound = Settings(_env_file=None, gateway=gateway).tokens_in_flight_limit("cpu")
     per_request = a.tokens * a.inputs
-    load_before = os.getloadavg()
+    load_before, started = os.getloadavg(), time.time()
     proc = start_stack(a.port, env, work)
     rows = []
     try:
@@ -324,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             "prime_s": a.prime,
             "idle_after_prime_s": a.idle,
             "onset_429_share": ONSET_429,
-            "started_at": time.time(),
+            "started_at": started,
         },
         "steps": rows,
     }
