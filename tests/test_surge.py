@@ -542,6 +542,23 @@ def test_a_bad_setting_exits_2_through_the_command(tmp_path: Path) -> None:
         "embedserve: EMBEDSERVE_CONTROLLER__SURGE_TIMEOUT_S must be a number above 0, got '0'")
 
 
+def test_the_docs_show_the_sentence_the_command_prints(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/DEPLOY.md's example of a bad controller setting, run as it is written."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "DEPLOY.md").read_text()
+    example = r"^\$ (EMBEDSERVE_CONTROLLER__\w+)=(\S+) embedserve (restart-controller .*)\n(.+)$"
+    m = re.search(example, doc, re.M)
+    assert m, "no example of a bad controller setting in docs/DEPLOY.md"
+    var, value, command, shown = m.groups()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(var, value)
+    assert cli.main(command.split()) == 2
+    assert capsys.readouterr().err.strip() == shown
+
+
 def test_target_load_bounds() -> None:
     assert ControllerSettings(target_load=2).target_load == 2
     assert ControllerSettings(target_load=0.01).target_load == 0.01
