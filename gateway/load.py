@@ -1,20 +1,25 @@
 """The load signal autoscalers scale on: ``embedserve_load``, 1.0 when the pod is at its
-sustainable capacity. It is the larger of two ratios that each read 1.0 at the pod's limit:
+sustainable capacity. It is the largest of three parts that each read 1.0 at the pod's limit:
 
 - **demand**: tokens offered per second (admitted or refused with 429) against the tokens
   the engines measurably embed per second. Proportional to the load, which is what an
   autoscaler's arithmetic needs (replicas = sum of the pods' load / the target), and above
   1 it says by how much the pod is short;
 - **admission**: the tokens in flight, averaged over the last seconds, against the
-  admission bound. It reaches 1.0 exactly where 429s begin, whatever the capacity estimate
-  says: requests queue for the engines until the bound is full, so this is the queue's wait
-  against the longest wait the pod accepts.
+  admission bound: requests queue for the engines until the bound is full, so this is the
+  queue's wait against the longest wait the pod accepts. An average: it approaches 1.0 as
+  the window fills, and stays under it;
+- **refusal**: while the pod refuses work (429 for at least ``REFUSING_SHARE`` of the
+  tokens offered, the last refusal within one half-life), the tokens offered over those it
+  admitted: at least 1, and 2 when it turns half away. A pod that answers 429 is past its
+  limit whatever the other parts say: its clients back off after ``Retry-After``, so what
+  they offer falls as the refusals begin, and 429s come from bursts that the averages
+  smooth away.
 
-Both are averaged with a 15 s half-life. A pod with no ready engine exports no load (a
+All are averaged with a 15 s half-life. A pod with no ready engine exports no load (a
 starting pod never reports a made-up figure); until the engines' capacity is measured
 (``up``'s warm-up measures it at start, ``embedserve gateway`` from its first large calls)
-the load is the admission fill alone. Why this signal: docs/DEPLOY.md ("Scaling past one
-pod").
+the demand part is left out. Why this signal: docs/DEPLOY.md ("Scaling past one pod").
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ from embedserve.engines.throughput import DecayedRate
 #: The averages' half-life: about one Prometheus scrape interval, so each scrape sees the
 #: last few scrapes' traffic; the autoscalers smooth further (stabilisation windows).
 HALF_LIFE_S = 15.0
+#: The share of offered tokens refused with 429 from which the pod counts as refusing work
+#: (the load then reads at least 1): one request in a hundred, not a stray burst's one.
+REFUSING_SHARE = 0.01
 
 
 class LoadSignal:
-    """Offered over measured tokens per second, and the admission window's fill."""
+    """Offered over measured tokens per second, the admission window's fill, and offered
+    over admitted tokens while the pod refuses work."""
 
     def __init__(
         self,
@@ -49,13 +58,22 @@ class LoadSignal:
         self.capacity = capacity
         self.admission_limit = admission_limit
         self.ready = ready
+        self.half_life_s = half_life_s
+        self._clock = clock
         self._offered = DecayedRate(half_life_s, clock)
+        self._refused = DecayedRate(half_life_s, clock)
+        self._last_refusal: float | None = None
         # token-seconds in flight per second: the average number of tokens in flight
         self._held = DecayedRate(half_life_s, clock)
 
     def offered(self, tokens: int) -> None:
         """A request of ``tokens`` reached admission (admitted or refused with 429)."""
         self._offered.add(tokens)
+
+    def refused(self, tokens: int) -> None:
+        """A request of ``tokens``, already counted as offered, was refused with 429."""
+        self._refused.add(tokens)
+        self._last_refusal = self._clock()
 
     def in_flight(self, tokens: int) -> None:
         """The tokens in flight changed to ``tokens``."""
@@ -64,9 +82,29 @@ class LoadSignal:
     def offered_per_s(self) -> float:
         return self._offered.tokens_per_s() or 0.0
 
+    def refused_per_s(self) -> float:
+        return self._refused.tokens_per_s() or 0.0
+
     def admission_fill(self) -> float:
         """Average tokens in flight over the admission bound."""
         return (self._held.tokens_per_s() or 0.0) / self.admission_limit
+
+    def refusal(self) -> float:
+        """Offered over admitted tokens while the pod refuses work, else 0."""
+        last = self._last_refusal
+        if last is None or self._clock() - last > self.half_life_s:
+            return 0.0
+        offered, refused = self.offered_per_s(), self.refused_per_s()
+        if offered <= 0 or refused < REFUSING_SHARE * offered:
+            return 0.0
+        # everything refused (the window held by calls that do not end): as if 1% got in
+        return offered / max(offered - refused, REFUSING_SHARE * offered)
+
+    def value(self) -> float:
+        """The load: the largest part (demand only once the capacity is measured)."""
+        capacity = self.capacity()
+        demand = self.offered_per_s() / capacity if capacity else 0.0
+        return max(demand, self.admission_fill(), self.refusal())
 
 
 class LoadCollector(Collector):
@@ -86,6 +124,11 @@ class LoadCollector(Collector):
             value=offered,
         )
         yield GaugeMetricFamily(
+            "embedserve_refused_tokens_per_second",
+            f"Tokens of requests refused with 429 at admission, per second (half-life {HALF_LIFE_S:g} s)",
+            value=self.signal.refused_per_s(),
+        )
+        yield GaugeMetricFamily(
             "embedserve_admission_fill",
             f"Tokens in flight over the admission bound, averaged (half-life {HALF_LIFE_S:g} s)",
             value=fill,
@@ -100,7 +143,7 @@ class LoadCollector(Collector):
         if self.signal.ready():
             yield GaugeMetricFamily(
                 "embedserve_load",
-                "The pod's load, 1.0 = its sustainable capacity: the larger of offered over measured "
-                "tokens per second and the admission fill",
-                value=max(offered / capacity if capacity else 0.0, fill),
+                "The pod's load, 1.0 = its sustainable capacity: the largest of offered over measured "
+                "tokens per second, the admission fill, and offered over admitted tokens while it refuses",
+                value=self.signal.value(),
             )

@@ -232,6 +232,7 @@ class EmbeddingPipeline:
         self.load.offered(total)
         if not self.admission.try_acquire(total):
             self.metrics.rejected.labels("tokens_in_flight").inc()
+            self.load.refused(total)
             raise APIError(
                 429,
                 "The server is at capacity; retry shortly",

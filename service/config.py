@@ -336,10 +336,13 @@ class ControllerSettings(BaseModel):
     surge_timeout_s: float = Field(
         900.0,
         gt=0,
+        allow_inf_nan=False,  # an endless wait would never fall back to the eviction
         description="seconds a surge pod may take to become ready (a cold start takes up to 290 s); "
         "past it the count is restored and the pod evicted without a replacement",
     )
-    surge_poll_s: float = Field(10.0, gt=0, description="seconds between checks while a surge starts")
+    surge_poll_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="seconds between checks while a surge starts"
+    )
     metrics_port: int | None = Field(
         None, description="serve the controller's own /metrics (its steps) on this port; none: no endpoint"
     )

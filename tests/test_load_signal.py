@@ -1,15 +1,24 @@
-"""The autoscaling signal, embedserve_load, on an injected clock: the larger of offered over
-the engines' measured tokens per second and the admission window's average fill."""
+"""The autoscaling signal, embedserve_load, on an injected clock: the largest of offered over
+the engines' measured tokens per second, the admission window's average fill, and offered
+over admitted tokens while the pod refuses work; then on the CPU stack, along a closed-loop
+ramp that the load generator reads it through."""
 
 from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedserve.config import BUNDLED_MODEL
 from embedserve.engines.throughput import DecayedRate
-from embedserve.gateway.load import LoadCollector, LoadSignal
+from embedserve.gateway.load import REFUSING_SHARE, LoadCollector, LoadSignal
+from tests.conftest import start_stack
 
 
 class Clock:
@@ -104,6 +113,61 @@ def test_the_larger_part_is_the_load() -> None:
     assert exported(signal)["embedserve_load"] == pytest.approx(0.9, rel=0.02)  # fill 0.9
 
 
+def offer_refusing(signal: LoadSignal, clock: Clock, tokens_per_s: float, share: float, seconds: int) -> None:
+    """Requests of 64 tokens, ``share`` of them refused with 429, as the pipeline reports them."""
+    per_tick, refused = tokens_per_s / 10 / 64, 0.0
+    sent = 0.0
+    for _ in range(seconds * 10):
+        clock.t += 0.1
+        sent += per_tick
+        while sent >= 1:
+            sent -= 1
+            signal.offered(64)
+            refused += share
+            if refused >= 1:
+                refused -= 1
+                signal.refused(64)
+
+
+def test_a_pod_that_refuses_work_reads_at_least_one() -> None:
+    """Its clients back off after Retry-After, so little is offered and the window is far
+    from full on average; but it answers 429: it is past its limit. The load is then the
+    tokens offered over those admitted."""
+    clock = Clock()
+    signal = LoadSignal(lambda: 10_000.0, 1 << 20, half_life_s=15.0, clock=clock)
+    offer_refusing(signal, clock, 2000, 0.2, 120)
+    got = exported(signal)
+    assert got["embedserve_offered_tokens_per_second"] == pytest.approx(2000, rel=0.05)
+    assert got["embedserve_refused_tokens_per_second"] == pytest.approx(400, rel=0.05)
+    assert got["embedserve_load"] == pytest.approx(1 / (1 - 0.2), rel=0.02)  # demand says 0.2
+    offer_refusing(signal, clock, 2000, 0.5, 120)  # half turned away: two pods' worth
+    assert exported(signal)["embedserve_load"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_refusals_count_from_one_in_a_hundred_and_only_while_they_last() -> None:
+    clock = Clock()
+    signal = LoadSignal(lambda: 10_000.0, 1 << 20, half_life_s=15.0, clock=clock)
+    offer_refusing(signal, clock, 2000, 0.005, 120)  # a stray refusal: the demand alone
+    assert exported(signal)["embedserve_load"] == pytest.approx(0.2, rel=0.05)
+    offer_refusing(signal, clock, 2000, 0.02, 120)
+    assert exported(signal)["embedserve_load"] == pytest.approx(1 / 0.98, rel=0.01)
+    offer(signal, clock, 2000, 16)  # no refusal for more than a half-life
+    assert exported(signal)["embedserve_load"] < 0.25
+    offer_refusing(signal, clock, 2000, 0.3, 60)
+    offer(signal, clock, 0, 16)  # idle: the shares would stay, the refusals are over
+    assert exported(signal)["embedserve_load"] < 0.25
+
+
+def test_a_pod_that_admits_nothing_reads_a_bounded_load() -> None:
+    clock = Clock()
+    signal = LoadSignal(lambda: None, 4096, half_life_s=15.0, clock=clock)
+    for _ in range(100):
+        clock.t += 0.1
+        signal.offered(64)
+        signal.refused(64)
+    assert exported(signal)["embedserve_load"] == pytest.approx(1 / REFUSING_SHARE)
+
+
 def test_decayed_rate_counts_wall_time() -> None:
     clock = Clock()
     rate = DecayedRate(half_life_s=1e9, clock=clock)
@@ -112,3 +176,67 @@ def test_decayed_rate_counts_wall_time() -> None:
     clock.t += 10.0  # idle time counts: this is tokens per second of wall time
     rate.add(100)
     assert rate.tokens_per_s() == pytest.approx(20.0)
+
+
+# ---------------------------------------------------------------- on the CPU stack
+
+#: The ramp's request: one input of 64 tokens, against an admission bound of 512 tokens in
+#: flight, so the ninth request in flight is the first the bound refuses.
+RAMP_TOKENS, RAMP_BOUND = 64, 512
+
+
+def _ramp_module() -> Any:
+    """bench/cpu/autoscale_ramp.py, the benchmark this test is the short version of (bench/
+    is no package: loaded from its file)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "cpu" / "autoscale_ramp.py"
+    spec = importlib.util.spec_from_file_location("autoscale_ramp", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_gauge_rises_with_the_load_and_crosses_one_where_429s_begin(tmp_path: Path) -> None:
+    """A closed-loop ramp on the CPU stack (the bundled MiniLM), the load generator reading
+    the gauge from the gateway's /metrics while it runs (`--gauge`): the gauge stays under 1
+    up to a full admission window with nothing refused, and rises to 1 or more at the first
+    step the bound refuses; where it reaches 1.0 is within 20% of where the 429s begin
+    (docs/DEPLOY.md). As bench/cpu/autoscale_ramp.py does, the stack is primed first, so that
+    the engines' capacity is measured on the ramp's own requests.
+
+    The CPU engine embeds one call at a time, so one request in flight keeps it nearly busy:
+    between 1 and 8 in flight only the queue grows, and the gauge (the engine's busy share)
+    is not asked to rise there."""
+    ramp = _ramp_module()
+    crossing, prime, step = ramp.crossing, ramp.prime, ramp.step
+
+    onset = RAMP_BOUND // RAMP_TOKENS + 1
+    env = {
+        "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(RAMP_BOUND),
+        "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
+    }
+    stack = start_stack(BUNDLED_MODEL, tmp_path, env=env)
+    a = argparse.Namespace(tokens=RAMP_TOKENS, inputs=1, seconds=10.0, warmup=15.0, prime=15.0, idle=0.0)
+    try:
+        prime(stack.url, a, onset - 1, tmp_path / "prime")
+        rows = [step(stack.url, c, a, tmp_path / f"c{c}") for c in (1, onset - 1, onset)]
+    finally:
+        stack.stop()
+    table = "\n".join(
+        f"{r['concurrency']} in flight: load {r['load_median']}, 429 share {r['share_429']}, "
+        f"capacity {r['capacity_tokens_per_s']}, offered {r['gateway_offered_tokens_per_s']}, "
+        f"refused {r['gateway_refused_tokens_per_s']}, fill {r['admission_fill_median']}"
+        for r in rows
+    )
+    one, full, over = rows
+    assert all(r["load_median"] is not None for r in rows), table
+    # nothing refused up to a full admission window; refusals from the next request on
+    assert [one["share_429"], full["share_429"]] == [0, 0], table
+    assert over["share_429"] > 0, table
+    # under 1 while nothing is refused; past it, and above every earlier step, once the pod
+    # refuses work
+    assert max(one["load_median"], full["load_median"]) < 1.0 <= over["load_median"], table
+    c = crossing(rows)
+    assert c["onset_429"]["concurrency"] == onset, table
+    assert c["within_20_percent"], (c, table)

@@ -89,6 +89,7 @@ class FakeCluster:
         self.eviction_status = 201
         self.patches: list[tuple[str, Any]] = []
         self.forbidden: set[str] = set()  # kinds the controller's Role does not cover
+        self.read_only: set[str] = set()  # kinds it may read but not patch
 
     def objects(self, kind: str) -> dict[str, dict[str, Any]]:
         return {
@@ -122,6 +123,8 @@ class FakeCluster:
         obj = objects[name]
         if request.method == "GET":
             return httpx.Response(200, json=obj)
+        if kind in self.read_only:
+            return httpx.Response(403, json={"message": "forbidden"})
         body = json.loads(request.content)
         if request.url.params.get("dryRun") == "All":
             return httpx.Response(200, json=obj)
@@ -422,6 +425,21 @@ def test_a_role_from_before_surges_still_evicts(kinds: set[str]) -> None:
     assert cluster.deployment["spec"]["replicas"] == 2 and cluster.patches == []
 
 
+@pytest.mark.parametrize("kinds", [{"deployments"}, {"horizontalpodautoscalers"}])
+def test_a_role_that_may_read_but_not_patch_still_evicts(kinds: set[str]) -> None:
+    """A Role that reads the Deployment and its HPA but may not patch one of them: the
+    surge is refused before anything changed, so the pod is evicted first, as before, and
+    no record is left for later rounds to wait on."""
+    cluster, rnd = leaking_pair()
+    cluster.hpas["embedserve"] = hpa("embedserve", 2, 6)
+    cluster.read_only = kinds
+    d = rnd()
+    assert d.action == "evict" and cluster.evicted == ["a"]
+    assert cluster.surge is None and cluster.hpas["embedserve"]["spec"]["minReplicas"] == 2
+    assert rnd.steps() == {"no_surge": 1, "evict": 1}
+    assert rnd(60).action == "wait"  # the pod terminating: no surge started later either
+
+
 def test_dry_run_asks_the_server_to_dry_run_the_surge() -> None:
     cluster, rnd = leaking_pair()
     rnd.cfg = ControllerSettings(dry_run=True)
@@ -478,6 +496,8 @@ def test_the_load_is_read_from_the_gateways_metrics() -> None:
     [
         ("SURGE_TIMEOUT_S", "0"),
         ("SURGE_TIMEOUT_S", "-5"),
+        ("SURGE_TIMEOUT_S", "inf"),  # would never fall back
+        ("SURGE_POLL_S", "0"),
         ("TARGET_LOAD", "0"),
         ("TARGET_LOAD", "2.5"),
         ("TARGET_LOAD", "-1"),
@@ -496,6 +516,17 @@ def test_bad_settings_are_one_sentence_and_exit_2(
     assert lines[0].endswith(f", got '{value}'")
 
 
+def test_outside_a_cluster_without_an_api_url_is_one_sentence_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("EMBEDSERVE_CONTROLLER__API_URL", raising=False)
+    assert cli.main(["restart-controller", "--once"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("embedserve: EMBEDSERVE_CONTROLLER__API_URL must be set")
+
+
 def test_a_bad_setting_exits_2_through_the_command(tmp_path: Path) -> None:
     env = {"EMBEDSERVE_CONTROLLER__SURGE_TIMEOUT_S": "0", "PATH": "/usr/bin:/bin"}
     r = subprocess.run(
@@ -509,6 +540,23 @@ def test_a_bad_setting_exits_2_through_the_command(tmp_path: Path) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (
         "embedserve: EMBEDSERVE_CONTROLLER__SURGE_TIMEOUT_S must be a number above 0, got '0'")
+
+
+def test_the_docs_show_the_sentence_the_command_prints(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/DEPLOY.md's example of a bad controller setting, run as it is written."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "DEPLOY.md").read_text()
+    example = r"^\$ (EMBEDSERVE_CONTROLLER__\w+)=(\S+) embedserve (restart-controller .*)\n(.+)$"
+    m = re.search(example, doc, re.M)
+    assert m, "no example of a bad controller setting in docs/DEPLOY.md"
+    var, value, command, shown = m.groups()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(var, value)
+    assert cli.main(command.split()) == 2
+    assert capsys.readouterr().err.strip() == shown
 
 
 def test_target_load_bounds() -> None:

@@ -1,8 +1,17 @@
 """Benchmark: the autoscaling signal (``embedserve_load``) along a closed-loop ramp.
 
-Starts ``embedserve up`` on the CPU engine with the bundled all-MiniLM-L6-v2, then runs
-``embedserve loadtest`` once per step, closed loop, with more requests in flight each step;
-the load generator reads the gauge from the gateway's /metrics (``--gauge``) while it runs.
+Starts ``embedserve up`` on the CPU engine with the bundled all-MiniLM-L6-v2, primes it (a
+full admission window of the ramp's requests for ``--prime`` seconds, then ``--idle`` seconds
+of nothing), then runs ``embedserve loadtest`` once per step, closed loop, with more
+requests in flight each step; the load generator reads the gauge from the gateway's
+/metrics (``--gauge``) while it runs.
+
+Why prime: the gauge's demand part divides by the engines' measured capacity. At start that
+is ``up``'s warm-up call, a batch of the model's longest inputs on a cold engine, slower per
+token than the ramp's short ones; a pod in service has measured its capacity on its own
+traffic. Calls under a quarter of the call budget do not count, so one request in flight
+never measures it. The idle time lets the priming traffic leave the 15 s averages; the
+capacity, a rate per second of busy time, keeps its value while idle.
 Every input is unique. Per step: offered tokens/s (every attempt, 429s and their retries
 included), tokens/s answered, the share of attempts answered 429, and the gauge's median.
 
@@ -21,6 +30,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,13 +46,28 @@ from embedserve.loadtest.cli import main as loadtest
 GAUGES = (
     "embedserve_load",
     "embedserve_offered_tokens_per_second",
+    "embedserve_refused_tokens_per_second",
     "embedserve_capacity_tokens_per_second",
     "embedserve_admission_fill",
 )
 ONSET_429 = 0.01  # 429s "begin" at the first step where at least 1% of attempts get one
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def start_stack(port: int, env: dict[str, str], work: Path) -> subprocess.Popen[bytes]:
+    """``embedserve up`` on ``port`` (the engine on the next one); ready once its gateway
+    answers. Both ports must be free: another server answering there would be measured."""
+    for p in (port, port + 1):
+        if not port_free(p):
+            raise SystemExit(f"port {p} is in use: choose another with --port")
     log = (work / "stack.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "embedserve", "up"],
@@ -53,11 +78,11 @@ def start_stack(port: int, env: dict[str, str], work: Path) -> subprocess.Popen[
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the stack exited: see {work / 'stack.log'}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
                 return proc
-        if proc.poll() is not None:
-            raise SystemExit(f"the stack exited: see {work / 'stack.log'}")
         time.sleep(0.5)
     raise SystemExit("the stack did not become ready in 300 s")
 
@@ -116,8 +141,17 @@ def step(url: str, concurrency: int, a: argparse.Namespace, out: Path) -> dict[s
         "load_max": g["embedserve_load"]["max"],
         "capacity_tokens_per_s": g["embedserve_capacity_tokens_per_second"]["median"],
         "gateway_offered_tokens_per_s": g["embedserve_offered_tokens_per_second"]["median"],
+        "gateway_refused_tokens_per_s": g["embedserve_refused_tokens_per_second"]["median"],
         "admission_fill_median": g["embedserve_admission_fill"]["median"],
     }
+
+
+def prime(url: str, a: argparse.Namespace, concurrency: int, out: Path) -> None:
+    """A full admission window for ``a.prime`` seconds, then ``a.idle`` seconds idle."""
+    if a.prime <= 0:
+        return
+    step(url, concurrency, argparse.Namespace(**{**vars(a), "seconds": a.prime, "warmup": 0.0}), out)
+    time.sleep(a.idle)
 
 
 def crossing(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,8 +195,8 @@ def markdown(doc: dict[str, Any]) -> str:
     c = doc["crossing"]
     lines = [
         "| in flight | offered tok/s | answered tok/s | 429 share | P50 ms | capacity tok/s | demand | "
-        "admission fill | embedserve_load (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "admission fill | refused share | embedserve_load (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f2(v: float | None) -> str:
@@ -171,60 +205,75 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["steps"]:
         cap, offered = r["capacity_tokens_per_s"], r["gateway_offered_tokens_per_s"]
         demand = offered / cap if cap and offered is not None else None
+        refused = r.get("gateway_refused_tokens_per_s")
+        share = refused / offered if offered and refused is not None else None
         lines.append(
             f"| {r['concurrency']} | {r['offered_tokens_per_s']:,.0f} | {r['answered_tokens_per_s']:,.0f} | "
             f"{r['share_429']:.1%} | {r['p50_ms'] or '-'} | {cap or 0:,.0f} | {f2(demand)} | "
-            f"{f2(r.get('admission_fill_median'))} | {f2(r['load_median'])} "
+            f"{f2(r.get('admission_fill_median'))} | {f2(share)} | {f2(r['load_median'])} "
             f"({f2(r['load_min'])}-{f2(r['load_max'])}) |"
         )
     lines.append("")
     g1, on = c["gauge_reaches_1"], c["onset_429"]
     if g1 and on:
         lines.append(
-            f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight "
-            f"({g1['offered_tokens_per_s']:,.0f} offered tokens/s); 429s begin (>= {ONSET_429:.0%} of "
-            f"attempts) at {on['concurrency']} in flight ({on['offered_tokens_per_s']:,.0f} offered "
-            f"tokens/s, retries of refused requests included), where the gauge reads {on['gauge']:.2f}: "
-            f"{c['gap_in_flight']:+.1%} apart in requests in flight, "
-            f"{'within' if c['within_20_percent'] else 'NOT within'} 20% "
-            f"({c['gap_offered_load']:+.1%} in offered tokens/s)."
+            f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight; 429s begin (>= "
+            f"{ONSET_429:.0%} of attempts) at {on['concurrency']} in flight, where the gauge reads "
+            f"{on['gauge']:.2f}: {c['gap_in_flight']:+.1%} apart, "
+            f"{'within' if c['within_20_percent'] else 'NOT within'} 20%. The ramp's load is the "
+            "requests in flight: offered tokens/s is no measure of it past the onset, since the load "
+            "generator pauses after a 429 for its Retry-After."
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
+    """Left: the gauge and the 429 share along the ramp. Right: the gauge's parts (medians),
+    which show which one carries it at each step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = doc["steps"]
+    xs = [r["concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, label in (
-        (left, "concurrency", "requests in flight (closed loop)"),
-        (right, "offered_tokens_per_s", "offered tokens/s (every attempt)"),
-    ):
-        xs = [r[key] for r in rows]
-        ax.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load (median)")
-        lows, highs = [r["load_min"] for r in rows], [r["load_max"] for r in rows]
-        ax.fill_between(xs, lows, highs, color="C0", alpha=0.15)
+    left.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load (median)")
+    lows, highs = [r["load_min"] for r in rows], [r["load_max"] for r in rows]
+    left.fill_between(xs, lows, highs, color="C0", alpha=0.15)
+    twin = left.twinx()
+    twin.plot(xs, [r["share_429"] for r in rows], "s-", color="C3", label="429 share of attempts")
+    twin.set_ylabel("429 share", color="C3")
+    twin.set_ylim(0, 1)
+    twin.legend(loc="lower right", fontsize=8)
+    right.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load")
+    right.plot(xs, [_demand(r) for r in rows], "^--", color="C1", label="demand (offered / capacity)")
+    right.plot(xs, [r["admission_fill_median"] for r in rows], "v--", color="C2", label="admission fill")
+    right.plot(xs, [_refusal(r) for r in rows], "D--", color="C3", label="refusal (offered / admitted)")
+    on = doc["crossing"]["onset_429"]
+    for ax in (left, right):
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel(label)
-        ax.set_ylabel("embedserve_load")
-        twin = ax.twinx()
-        twin.plot(xs, [r["share_429"] for r in rows], "s-", color="C3", label="429 share of attempts")
-        twin.set_ylabel("429 share", color="C3")
-        twin.set_ylim(0, 1)
-        on = doc["crossing"]["onset_429"]
         if on:
-            ax.axvline(on[key], color="C3", lw=0.8, ls=":")
-        if key == "concurrency":
-            ax.set_xscale("log")
+            ax.axvline(on["concurrency"], color="C3", lw=0.8, ls=":")
+        ax.set_xlabel("requests in flight (closed loop)")
+        ax.set_ylabel("embedserve_load")
         ax.legend(loc="upper left", fontsize=8)
-        twin.legend(loc="lower right", fontsize=8)
     fig.suptitle(doc["title"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _demand(r: dict[str, Any]) -> float | None:
+    cap, offered = r["capacity_tokens_per_s"], r["gateway_offered_tokens_per_s"]
+    return offered / cap if cap and offered is not None else None
+
+
+def _refusal(r: dict[str, Any]) -> float | None:
+    """The refusal part from the medians (the gateway also needs the last refusal recent)."""
+    offered, refused = r["gateway_offered_tokens_per_s"], r.get("gateway_refused_tokens_per_s")
+    if not offered or refused is None or refused < ONSET_429 * offered:
+        return None
+    return offered / max(offered - refused, ONSET_429 * offered)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,8 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per input")
     ap.add_argument("--inputs", type=int, default=4, help="inputs per request")
     ap.add_argument("--max-tokens-in-flight", type=int, help="admission bound (default: the CPU default)")
+    ap.add_argument("--prime", type=float, default=20.0, help="seconds of a full admission window first")
+    ap.add_argument("--idle", type=float, default=45.0, help="seconds idle after priming")
+    ap.add_argument("--replot", action="store_true", help="only write ramp.md and ramp.png from ramp.json")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.replot:
+        doc = json.loads((a.out / "ramp.json").read_text())
+        (a.out / "ramp.md").write_text(markdown(doc))
+        plot(doc, a.out / "ramp.png")
+        return 0
     work = Path(tempfile.mkdtemp(prefix="autoscale-ramp-"))
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -252,11 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         env["EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT"] = str(a.max_tokens_in_flight)
     gateway = {"max_tokens_in_flight": a.max_tokens_in_flight}
     bound = Settings(_env_file=None, gateway=gateway).tokens_in_flight_limit("cpu")
-    load_before = os.getloadavg()
+    per_request = a.tokens * a.inputs
+    load_before, started = os.getloadavg(), time.time()
     proc = start_stack(a.port, env, work)
     rows = []
     try:
         url = f"http://127.0.0.1:{a.port}"
+        prime(url, a, bound // per_request, work / "prime")
         for c in (int(x) for x in a.steps.split(",")):
             row = step(url, c, a, work / f"c{c}")
             rows.append(row)
@@ -264,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
-    per_request = a.tokens * a.inputs
     doc = {
         "title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores, shared), "
         f"{a.inputs} x {a.tokens} tokens per request, admission bound {bound:,} tokens",
@@ -282,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
             "in_flight_at_first_429": bound // per_request + 1,
             "seconds_per_step": a.seconds,
             "warmup_per_step": a.warmup,
+            "prime_s": a.prime,
+            "idle_after_prime_s": a.idle,
             "onset_429_share": ONSET_429,
-            "started_at": time.time(),
+            "started_at": started,
         },
         "steps": rows,
     }

@@ -15,6 +15,7 @@ import httpx
 
 from embedserve.config import ControllerSettings
 from embedserve.contracts.surge import Owner
+from embedserve.settings_errors import ConfigError
 
 log = logging.getLogger("embedserve.restart_controller")
 
@@ -78,7 +79,10 @@ class KubeApi:
             host = os.environ.get("KUBERNETES_SERVICE_HOST")  # set by the kubelet
             port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
             if not host:
-                raise RuntimeError("not in a cluster: set EMBEDSERVE_CONTROLLER__API_URL")
+                raise ConfigError(
+                    "EMBEDSERVE_CONTROLLER__API_URL must be set outside a cluster "
+                    "(KUBERNETES_SERVICE_HOST is not), e.g. https://127.0.0.1:6443"
+                )
             base = f"https://{host}:{port}"
         ca = SA_DIR / "ca.crt"
         return cls(

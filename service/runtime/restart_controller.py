@@ -426,10 +426,24 @@ async def _start_surge(
         return Decision(
             "surge", f"dry run: surge {owner}/{name} to {plan.surged}", decision.pod, decision.candidates
         )
-    await _record(api, cfg, plan)  # first, so a crash between the two calls leaves a trace
-    if not await api.set_count(owner, name, plan.before, plan.surged):
+    try:
+        await _record(api, cfg, plan)  # first, so a crash between the two calls leaves a trace
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 403:
+            raise
+        return f"no right to patch deployments/{cfg.deployment}, where a surge is recorded"
+    why = f"the {owner} {name} changed while the surge was being asked for"
+    try:
+        raised = await api.set_count(owner, name, plan.before, plan.surged)
+    except httpx.HTTPStatusError as exc:
+        # Refused before anything changed: no surge. Any other failure leaves the record,
+        # and the next rounds restore the count if it was set (the restore tests it first).
+        if exc.response.status_code != 403:
+            raise
+        raised, why = False, f"no right to patch the {owner} {name} that holds the replica count"
+    if not raised:
         await _record(api, cfg, None)
-        return f"the {owner} {name} changed while the surge was being asked for"
+        return why
     metrics.step(
         "surge",
         f"surge: {owner}/{name} {plan.before} -> {plan.surged} before evicting {plan.pod}: {plan.reason}",
