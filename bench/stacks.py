@@ -36,6 +36,7 @@ class Host:
     quality_corpus: str | None = None  # the quality gate's corpus (embedserve quality-corpus)
     vllm_site: str = "/tmp/site-vllm"  # vLLM 0.26.0's own folder (bundle vllm/pNN)
     vllm_cmd: tuple[str, ...] = ()  # replaces `python3 -m vllm.entrypoints.cli.main` (a stub)
+    vllm_kv_tokens: int | None = None  # vLLM's KV pool; default: embedserve's engine's
     embedserve_variants: tuple[str, ...] = ("graphs",)  # the vllm scenario's sides beyond the defaults
 
     @property

@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-cmd", help="command that replaces `python3 -m vllm.entrypoints.cli.main` "
                                        "(e.g. a stub: 'python3 bench/fake_vllm.py')")
     ap.add_argument("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
+    ap.add_argument("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's "
+                                                         "engine's, 16,384 at cap 8,192)")
     ap.add_argument("--embedserve-variants", default="graphs",
                     help="the vllm scenario's embedserve sides beyond the defaults, comma-separated, of: "
                          f"{', '.join(vllm_peer.VARIANTS)} (joined by + for several at once; '' for none)")
@@ -295,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                        out=a.out, drill_rate=a.drill_leak,
                        attention_backends=tuple(a.attention_backends.split(",")),
                        vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
+                       vllm_kv_tokens=a.vllm_kv_tokens,
                        embedserve_variants=tuple(v for v in a.embedserve_variants.split(",") if v),
                        quality_corpus=a.quality_corpus)
     vllm_shapes = tuple(a.vllm_shapes.split(","))

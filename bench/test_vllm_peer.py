@@ -32,6 +32,9 @@ def test_vllm_gets_the_same_kv_pool_and_the_tuned_side_the_batch_budget(tmp_path
     tuned = vllm_peer.vllm_argv(host, "4b", 8721, tuned=True)
     assert tuned[tuned.index("--max-num-batched-tokens") + 1] == "16384"
     assert int(tuned[tuned.index("--api-server-count") + 1]) > 1
+    larger_pool = Host(host.work, models=host.models, vllm_kv_tokens=65_536)
+    bigger = vllm_peer.vllm_argv(larger_pool, "4b", 1, tuned=False)
+    assert bigger[bigger.index("--kv-cache-memory-bytes") + 1] == str(4 * 2_415_919_104)
     stub = vllm_peer.vllm_argv(Host(host.work, models=host.models, vllm_cmd=("python3", "stub.py")),
                                "4b", 1, tuned=False)
     assert stub[:3] == ["python3", "stub.py", "serve"]

@@ -149,12 +149,13 @@ def vllm_argv(host: Host, shape: str, port: int, tuned: bool) -> list[str]:
     """`vllm serve` for one side; flags as vLLM 0.26.0's argparse spells them."""
     base = list(host.vllm_cmd) or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     model = host.model(shape)
+    kv_tokens = host.vllm_kv_tokens or max(BATCH_BUDGET, 2 * host.cap)
     argv = [*base, "serve", model, "--runner", "pooling", "--served-model-name", Path(model).name,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(host.cap),
             "--dtype", "float32" if host.cpu else "bfloat16",
             # the same KV pool as embedserve's engine; the utilisation only gates the start-up
             # check of free memory, which a dozen servers on one GPU would otherwise fail
-            "--kv-cache-memory-bytes", str(kv_pool_bytes(model, max(BATCH_BUDGET, 2 * host.cap))),
+            "--kv-cache-memory-bytes", str(kv_pool_bytes(model, kv_tokens)),
             "--gpu-memory-utilization", "0.1"]
     if tuned:
         argv += ["--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-count", str(API_SERVERS)]
