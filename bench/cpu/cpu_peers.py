@@ -163,9 +163,9 @@ def infinity(name: str, port: int, engine: str, site: str, onnx_dir: Path | None
     .``); ``hub_cache``: its HF_HUB_CACHE, where it looks for (and would write) the optimised graph."""
     env = {"PYTHONPATH": site, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            "DO_NOT_TRACK": "1"}
-    if hub_cache is not None:
+    if hub_cache is not None:  # huggingface_hub 0.36 reads HUGGINGFACE_HUB_CACHE for Infinity's constant
         hub_cache.mkdir(parents=True, exist_ok=True)
-        env["HF_HUB_CACHE"] = str(hub_cache)
+        env["HF_HUB_CACHE"] = env["HUGGINGFACE_HUB_CACHE"] = str(hub_cache)
     argv = [sys.executable, "-m", "infinity_emb.cli", "v2", "--model-id", "." if onnx_dir else MODEL_DIR,
             "--served-model-name", MODEL, "--engine", engine, "--device", "cpu", "--dtype", "float32",
             "--pooling-method", "mean", "--port", str(port)]
@@ -455,10 +455,11 @@ def versions(site: str) -> dict[str, str]:
     out = {p: md.version(p) for p in ("embedserve", "torch", "transformers", "sentence-transformers",
                                       "onnxruntime", "onnx")}
     for dist in Path(site).glob("*.dist-info"):
-        name = dist.name.rsplit("-", 1)[0].lower().replace("_", "-")
+        name, _, release = dist.name.removesuffix(".dist-info").rpartition("-")
+        name = name.lower().replace("_", "-")
         if name in ("infinity-emb", "transformers", "sentence-transformers", "optimum", "optimum-onnx",
                     "onnxruntime", "torch"):
-            out[f"{name} (Infinity's folder)"] = dist.name.rsplit("-", 1)[1].removesuffix(".dist-info")
+            out[f"{name} (Infinity's folder)"] = release
     return out
 
 
