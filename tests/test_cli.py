@@ -143,3 +143,22 @@ def test_a_bad_setting_is_one_sentence_and_exit_2(
     assert cli.main([command, *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err and err.startswith("embedserve: ")
+
+
+def test_an_export_dir_that_cannot_be_written_is_one_sentence_and_exit_2(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before anything starts, not as an export that failed (whose advice is the torch backend)."""
+    from tests.conftest import free_port
+
+    blocker = clean_env / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "cpu")
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__CPU_EXPORT_DIR", str(blocker / "onnx"))
+    monkeypatch.setenv("EMBEDSERVE_GATEWAY__PORT", str(free_port()))
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__PORT", str(free_port()))
+    assert cli.main(["up"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("embedserve: EMBEDSERVE_ENGINE__CPU_EXPORT_DIR must be")
+    assert str(blocker / "onnx") in err and "Not a directory" in err
+    assert not (blocker.parent / "onnx").exists()

@@ -1,8 +1,10 @@
 """CPU peers side by side in one run on one machine: embedserve ``up`` (torch, ONNX fp32,
-ONNX int8), Infinity 0.0.78 (its ``torch`` and ``optimum`` engines) and sentence-transformers
-in process (torch; ONNX). A benchmark that prints numbers, not a test.
+ONNX int8), Infinity 0.0.78 (its ``torch`` engine, its ``optimum`` engine as shipped and with
+its graph optimisation made to work) and, in process, sentence-transformers (torch; ONNX) and
+ONNX Runtime on embedserve's own export. A benchmark that prints numbers, not a test.
 
-    python -m bench.cpu.cpu_peers --out results/cpu-peers --rounds 3 --seconds 15
+    python -m bench.cpu.cpu_peers --out results/cpu-peers --rounds 3 --seconds 15 \
+        --infinity-site /work/venv-infinity/lib/python3.11/site-packages
 
 Every server runs for the whole run; rounds alternate the sides (each load, each side in
 turn, the order rotating per round) so a busy neighbour hits all of them alike; tables show
@@ -10,8 +12,21 @@ medians of the rounds. Inputs are unique (loadtest's word builder: each text ope
 own marker); every side gets the same texts in a round, other texts in the next. Vectors of
 every server are checked against in-process sentence-transformers (cosine). Memory: RSS of
 each side's whole process tree (gateway and engine for embedserve), the largest seen after
-each run. Infinity comes from its own folder (``--infinity-site``: transformers 4.57) and
-pools by mean (``auto`` picks the first token for this model: wrong vectors).
+each run, and the load average next to every row. Infinity comes from its own folder
+(``--infinity-site``: a virtual environment's site-packages with infinity-emb 0.0.78,
+transformers 4.57, sentence-transformers 5.1, optimum-onnx) and pools by mean (``auto`` picks
+the first token for this model: wrong vectors).
+
+Infinity's ``optimum`` engine and sentence-transformers' ONNX backend read an ONNX file from
+the model's folder, which the bundled model does not ship: before the servers start, the run
+writes one (sentence-transformers' own export, ``model.onnx``) into a copy of the folder under
+``--work``. Infinity finds it only when started in that folder with ``--model-id .`` (given a
+path, it passes the whole path as the file name, which optimum-onnx looks up by bare name and
+does not find). Its optimisation step fails on optimum-onnx 0.1.0 (``OptimizationConfig`` no
+longer takes ``optimize_with_onnxruntime_only``) and it then serves the graph unoptimised: that
+is the ``Infinity optimum`` side. ``Infinity optimum optimised`` is the same engine given the
+file its optimisation step would have written (optimum's optimiser at level 99, for CPU),
+where it looks for it first.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,6 +94,7 @@ class Server:
     port: int
     path: str  # the embeddings route
     ready_path: str
+    cwd: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     rss_mib: list[float] = field(default_factory=list)
     ready_s: float | None = None
@@ -90,7 +107,7 @@ class Server:
         log = (logs / f"{self.name.replace(' ', '_')}.log").open("wb")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd)
 
     def wait(self, timeout: float = 900) -> None:
         deadline = self.t0 + timeout
@@ -140,13 +157,53 @@ def embedserve(name: str, port: int, engine_port: int, *flags: str) -> Server:
     return Server(name, argv, env, port, "/v1/embeddings", "/health/ready")
 
 
-def infinity(name: str, port: int, engine: str, site: str) -> Server:
+def infinity(name: str, port: int, engine: str, site: str, onnx_dir: Path | None = None,
+             hub_cache: Path | None = None) -> Server:
+    """``onnx_dir``: the folder with model.onnx, for the optimum engine (started in it, ``--model-id
+    .``); ``hub_cache``: its HF_HUB_CACHE, where it looks for (and would write) the optimised graph."""
     env = {"PYTHONPATH": site, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            "DO_NOT_TRACK": "1"}
-    argv = [sys.executable, "-m", "infinity_emb.cli", "v2", "--model-id", MODEL_DIR, "--served-model-name",
-            MODEL, "--engine", engine, "--device", "cpu", "--dtype", "float32", "--pooling-method", "mean",
-            "--port", str(port)]
-    return Server(name, argv, env, port, "/embeddings", "/health")
+    if hub_cache is not None:  # huggingface_hub 0.36 reads HUGGINGFACE_HUB_CACHE for Infinity's constant
+        hub_cache.mkdir(parents=True, exist_ok=True)
+        env["HF_HUB_CACHE"] = env["HUGGINGFACE_HUB_CACHE"] = str(hub_cache)
+    argv = [sys.executable, "-m", "infinity_emb.cli", "v2", "--model-id", "." if onnx_dir else MODEL_DIR,
+            "--served-model-name", MODEL, "--engine", engine, "--device", "cpu", "--dtype", "float32",
+            "--pooling-method", "mean", "--port", str(port)]
+    return Server(name, argv, env, port, "/embeddings", "/health", cwd=str(onnx_dir) if onnx_dir else None)
+
+
+PREPARE = """
+import shutil, sys
+from pathlib import Path
+from sentence_transformers import SentenceTransformer
+from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
+from optimum.onnxruntime.configuration import OptimizationConfig
+
+source, folder, optimised = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+shutil.rmtree(folder, ignore_errors=True)
+SentenceTransformer(source, device="cpu", backend="onnx", local_files_only=True).save_pretrained(str(folder))
+(folder / "onnx" / "model.onnx").rename(folder / "model.onnx")
+(folder / "onnx").rmdir()
+model = ORTModelForFeatureExtraction.from_pretrained(str(folder), file_name="model.onnx")
+# Infinity's own settings (infinity_emb/transformer/utils_optimum.py) less the argument that
+# optimum-onnx 0.1.0 refuses
+config = OptimizationConfig(optimization_level=99, optimize_for_gpu=False, fp16=False)
+ORTOptimizer.from_pretrained(model).optimize(optimization_config=config, save_dir=str(optimised),
+                                             one_external_file=True)
+"""
+
+
+def prepare_onnx(work: Path, site: str) -> tuple[Path, Path, Path]:
+    """The bundled model with sentence-transformers' ONNX export beside it, and the hub caches of
+    the two Infinity optimum sides: empty (as shipped), and holding the optimised graph where
+    Infinity looks for it (HF_HUB_CACHE/infinity_onnx/CPUExecutionProvider/ + the model id ``.``)."""
+    folder, plain, optimised = work / "minilm-onnx", work / "hub-plain", work / "hub-optimised"
+    shutil.rmtree(plain, ignore_errors=True)
+    shutil.rmtree(optimised, ignore_errors=True)
+    target = optimised / "infinity_onnx" / "CPUExecutionProvider"
+    subprocess.run([sys.executable, "-c", PREPARE, MODEL_DIR, str(folder), str(target)], check=True,
+                   env={**os.environ, "PYTHONPATH": site, "HF_HUB_OFFLINE": "1"}, capture_output=True)
+    return folder, plain, optimised
 
 
 async def drive(url: str, load: Load, seconds: float, warmup: float, seed: int) -> dict[str, Any]:
@@ -177,10 +234,11 @@ def worker(backend: str) -> None:
         def encode(texts: list[str]) -> np.ndarray:
             out: np.ndarray = model.encode(texts, batch_size=len(texts), normalize_embeddings=True)
             return out
-    elif backend == "st-onnx":
+    elif backend == "st-onnx":  # the folder prepare_onnx wrote, in ONNX_DIR
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(MODEL_DIR, device="cpu", local_files_only=True, backend="onnx")
+        model = SentenceTransformer(os.environ["ONNX_DIR"], device="cpu", local_files_only=True,
+                                    backend="onnx", model_kwargs={"file_name": "model.onnx"})
 
         def encode(texts: list[str]) -> np.ndarray:
             out: np.ndarray = model.encode(texts, batch_size=len(texts), normalize_embeddings=True)
@@ -303,14 +361,20 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     servers = [embedserve("embedserve torch", 8101, 30101, "--cpu-backend", "torch"),
                embedserve("embedserve onnx", 8102, 30111),
                embedserve("embedserve onnx int8", 8103, 30121, "--cpu-quantization", "int8")]
-    if not a.no_infinity:
-        servers += [infinity("Infinity torch", 8104, "torch", a.infinity_site),
-                    infinity("Infinity optimum", 8105, "optimum", a.infinity_site)]
-    inproc = [InProcess("ST torch in process", "st-torch", {}),
-              InProcess("ONNX in process", a.onnx_in_process,
-                        {"PYTHONPATH": a.infinity_site} if a.onnx_in_process == "st-onnx" else {})]
     doc: dict[str, Any] = {"load_average_before": os.getloadavg(), "started": time.time(), "rows": [],
                            "skipped": {}}
+    onnx_dir: Path | None = None
+    if not a.no_infinity:
+        onnx_dir, plain, optimised = prepare_onnx(Path(a.work), a.infinity_site)
+        servers += [infinity("Infinity torch", 8104, "torch", a.infinity_site),
+                    infinity("Infinity optimum", 8105, "optimum", a.infinity_site, onnx_dir, plain),
+                    infinity("Infinity optimum optimised", 8106, "optimum", a.infinity_site, onnx_dir,
+                             optimised)]
+    inproc = [InProcess("ST torch in process", "st-torch", {})]
+    if onnx_dir is not None:
+        inproc.append(InProcess("ST ONNX in process", "st-onnx",
+                                {"PYTHONPATH": a.infinity_site, "ONNX_DIR": str(onnx_dir)}))
+    inproc.append(InProcess("embedserve's export in process", "ort-export", {}))
     if not a.no_cold_export:
         doc["first_start_export"] = cold_exports()
     try:
@@ -324,19 +388,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 doc["skipped"][s.name] = str(exc)
                 s.stop()
             print(f"{s.name}: ready in {s.ready_s} s", flush=True)
-        try:
-            inproc[0].start(logs)
-        except RuntimeError:  # once, on a busy machine, it exited at start without a word
-            inproc[0].stop()
-            inproc[0].start(logs)
-        try:
-            inproc[1].start(logs)
-        except RuntimeError as exc:  # sentence-transformers' onnx backend did not load: say so
-            doc["skipped"][f"{inproc[1].name} ({inproc[1].backend})"] = str(exc)
-            inproc[1].stop()
-            inproc[1] = InProcess("ONNX in process", "ort-export", {})
-            inproc[1].start(logs)
-        doc["onnx_in_process"] = inproc[1].backend
+        for worker_side in list(inproc):
+            try:
+                worker_side.start(logs)
+            except RuntimeError:  # once, on a busy machine, one exited at start without a word
+                worker_side.stop()
+                try:
+                    worker_side.start(logs)
+                except RuntimeError as exc:
+                    doc["skipped"][worker_side.name] = str(exc)
+                    worker_side.stop()
+                    inproc.remove(worker_side)
         check = texts_for(3, 4, 7) + texts_for(20, 8, 8) + texts_for(64, 8, 9) + texts_for(180, 4, 10)
         reference = np.asarray(inproc[0].ask({"op": "embed", "texts": check})["vectors"], dtype=np.float32)
         doc["vector_check"] = {}
@@ -349,9 +411,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 continue
             doc["vector_check"][s.name] = {"min": round(float(cos.min()), 7),
                                            "median": round(float(np.median(cos)), 7)}
-        cos = cosine(np.asarray(inproc[1].ask({"op": "embed", "texts": check})["vectors"]), reference)
-        doc["vector_check"][inproc[1].name] = {"min": round(float(cos.min()), 7),
-                                               "median": round(float(np.median(cos)), 7)}
+        for worker_side in inproc[1:]:
+            cos = cosine(np.asarray(worker_side.ask({"op": "embed", "texts": check})["vectors"]), reference)
+            doc["vector_check"][worker_side.name] = {"min": round(float(cos.min()), 7),
+                                                     "median": round(float(np.median(cos)), 7)}
         print(json.dumps(doc["vector_check"], indent=1), flush=True)
         for rnd in range(a.rounds):
             for li, load in enumerate(LOADS):
@@ -373,7 +436,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                             r["rss_mib"] = round(r["rss_mib"], 1)
                             rows.append({"side": side.name, "batch": batch, **r})
                     for row in rows:
-                        row.update(round=rnd, load=load.name)
+                        row.update(round=rnd, load=load.name, load_average=os.getloadavg()[0])
                         doc["rows"].append(row)
                         print(json.dumps({k: v for k, v in row.items() if k != "rss_parts_mib"}), flush=True)
     finally:
@@ -392,10 +455,11 @@ def versions(site: str) -> dict[str, str]:
     out = {p: md.version(p) for p in ("embedserve", "torch", "transformers", "sentence-transformers",
                                       "onnxruntime", "onnx")}
     for dist in Path(site).glob("*.dist-info"):
-        name = dist.name.rsplit("-", 1)[0].lower().replace("_", "-")
+        name, _, release = dist.name.removesuffix(".dist-info").rpartition("-")
+        name = name.lower().replace("_", "-")
         if name in ("infinity-emb", "transformers", "sentence-transformers", "optimum", "optimum-onnx",
                     "onnxruntime", "torch"):
-            out[f"{name} (Infinity's folder)"] = dist.name.rsplit("-", 1)[1].removesuffix(".dist-info")
+            out[f"{name} (Infinity's folder)"] = release
     return out
 
 
@@ -441,8 +505,10 @@ def to_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ratios(doc: dict[str, Any], default: str = "embedserve onnx") -> dict[str, float | None]:
-    """The targets' figures: the default against Infinity's fastest and the in-process ONNX side."""
+def ratios(doc: dict[str, Any], default: str = "embedserve onnx") -> dict[str, Any]:
+    """The targets' figures for ``default`` (and for int8 and the torch backend beside it): against
+    Infinity's fastest side per load, against the in-process sides of the same backend and batch
+    size, P50 at one in flight, and the stack's largest RSS."""
     med = {(m["side"], m["load"], m["batch"]): m for m in doc["medians"]}
     short, batches, single = (load.name for load in LOADS)
 
@@ -453,19 +519,28 @@ def ratios(doc: dict[str, Any], default: str = "embedserve onnx") -> dict[str, f
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 2) if a and b else None
 
-    infinity = [s for s in {m["side"] for m in doc["medians"]} if s.startswith("Infinity")]
-    best = {load: max((tps(s, load) or 0.0 for s in infinity), default=0.0) or None
-            for load in (short, batches)}
-    return {
-        "short vs Infinity's fastest": ratio(tps(default, short), best[short]),
-        "batches vs Infinity's fastest": ratio(tps(default, batches), best[batches]),
-        "short vs ONNX in process at batch 16": ratio(tps(default, short), tps("ONNX in process", short, 16)),
-        "batches vs ONNX in process at batch 32": ratio(tps(default, batches),
-                                                        tps("ONNX in process", batches, 32)),
-        "one in flight P50 ms": (med.get((default, single, None)) or {}).get("p50_ms"),
-        "torch backend vs ST torch in process, batch 16": ratio(tps("embedserve torch", short),
-                                                                  tps("ST torch in process", short, 16)),
-    }
+    infinity = sorted(s for s in {m["side"] for m in doc["medians"]} if s.startswith("Infinity"))
+    fastest = {load: max(infinity, key=lambda s: tps(s, load) or 0.0, default=None)
+               for load in (short, batches)}
+    out: dict[str, Any] = {"Infinity's fastest": fastest}
+    for side in (default, "embedserve onnx int8"):
+        for load, batch in ((short, 16), (batches, 32)):
+            key = "short" if load == short else "batches"
+            best = fastest[load]
+            out[f"{side}, {key} vs Infinity's fastest"] = ratio(tps(side, load),
+                                                                 tps(best, load) if best else None)
+            out[f"{side}, {key} vs ST ONNX in process at batch {batch}"] = ratio(
+                tps(side, load), tps("ST ONNX in process", load, batch))
+            out[f"{side}, {key} vs its export in process at batch {batch}"] = ratio(
+                tps(side, load), tps("embedserve's export in process", load, batch))
+        out[f"{side}, one in flight P50 ms"] = (med.get((side, single, None)) or {}).get("p50_ms")
+        rss = [r["rss_mib"] for r in doc["rows"] if r["side"] == side]
+        out[f"{side}, largest RSS MiB"] = max(rss) if rss else None
+    for load, batch in ((short, 16), (batches, 32)):
+        key = "short" if load == short else "batches"
+        out[f"embedserve torch, {key} vs ST torch in process at batch {batch}"] = ratio(
+            tps("embedserve torch", load), tps("ST torch in process", load, batch))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -474,13 +549,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--infinity-site", default="/tmp/site-infinity")
+    ap.add_argument("--infinity-site", default="/tmp/site-infinity",
+                    help="site-packages of infinity-emb 0.0.78 with transformers 4.57, "
+                    "sentence-transformers 5.1 and optimum-onnx (sentence-transformers' ONNX side runs "
+                    "from it too)")
     ap.add_argument("--no-infinity", action="store_true")
     ap.add_argument("--no-cold-export", action="store_true", help="skip timing a first start's export")
-    ap.add_argument("--onnx-in-process", choices=["st-onnx", "ort-export"], default="st-onnx",
-                    help="st-onnx: sentence-transformers' onnx backend (from the Infinity folder, whose "
-                    "transformers 4.57 optimum-onnx accepts); ort-export: ONNX Runtime on embedserve's "
-                    "export")
+    ap.add_argument("--work", default="/tmp/cpu-peers",
+                    help="the ONNX copy of the model for Infinity and sentence-transformers, and hub caches")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from embedserve.config import Settings, load_settings
 from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
 from embedserve.model_info import ModelInfo
+from embedserve.settings_errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,25 @@ def read_export(folder: Path) -> OnnxExport | None:
         return OnnxExport.model_validate_json((folder / META_FILE).read_bytes())
     except (OSError, ValidationError):
         return None
+
+
+def check_export_dir(settings: Settings) -> None:
+    """Before a stack starts: the export these settings need is in the cache, or the cache's
+    folder can be made and written. One that cannot is a configuration mistake (one sentence,
+    exit 2), not an export that failed. A read-only cache that holds the export is fine."""
+    if read_export(export_folder(settings)) is not None:
+        return
+    root = export_root(settings)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            "EMBEDSERVE_ENGINE__CPU_EXPORT_DIR must be a folder this user can create and write "
+            f"(the ONNX export is made there on a first start), but {root} cannot be: "
+            f"{exc.strerror or exc}"
+        ) from None
 
 
 def ensure_export(settings: Settings) -> tuple[Path, OnnxExport]:

@@ -148,6 +148,10 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     local = kind != "external"
     settings = resolve_engines_per_gpu(settings, info, kind)
     check_ports(settings, local)
+    if kind == "cpu" and settings.engine.cpu_backend == "onnx":
+        from embedserve.engines.onnx_export import check_export_dir
+
+        check_export_dir(settings)
     private_stats = None
     if local and settings.engine.stats_dir is None:  # two stacks on one host never mix stats
         private_stats = tempfile.mkdtemp(prefix="embedserve-stats-")
