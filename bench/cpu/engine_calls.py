@@ -25,7 +25,9 @@ from typing import Any
 
 import httpx
 
-from bench.cpu.cpu_peers import LOADS, MODEL, Server, drive, texts_for
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_peers import LOADS, MODEL, Server, drive, texts_for
 
 
 def variant(text: str) -> tuple[str, dict[str, str]]:
