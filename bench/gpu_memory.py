@@ -52,34 +52,6 @@ def tree_used_gb(roots: dict[str, list[int]]) -> dict[str, float]:
     return {name: round(sum(per_pid.get(p, 0) for p in pids) / GB, 2) for name, pids in members.items()}
 
 
-def group_used_gb(pgids: dict[str, int]) -> dict[str, float]:
-    """GPU memory of each named process group (an engine and its scheduler children), over
-    all GPUs, from NVML's per-process figures; empty without NVML."""
-    import os
-
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    out = dict.fromkeys(pgids, 0.0)
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                try:
-                    group = os.getpgid(int(proc.pid))
-                except OSError:
-                    continue
-                for name, pgid in pgids.items():
-                    if group == pgid:
-                        out[name] += int(proc.usedGpuMemory or 0) / GB
-    finally:
-        pynvml.nvmlShutdown()
-    return {k: round(v, 2) for k, v in out.items()}
-
-
 class ProcessGpuReader:
     """NVML's memory per process (host pid -> bytes, summed over the GPUs) and each GPU's
     memory in use, read as often as needed after one nvmlInit; ``read`` returns None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import stacks
-from gpu_memory import group_used_gb
+from gpu_memory import tree_used_gb
 from loadgen import INPUT_TYPE_FLAGS, Load, Target, measure, supported
 from procs import http_post_json
 from stacks import Host
@@ -66,8 +66,10 @@ def step_engines(host: Host, budget_end: float, shapes: tuple[str, ...] = ("4b",
 
 
 def engine_memory(host: Host, tags: list[str]) -> dict[str, float]:
+    """GPU memory (NVML) of each started process and all its descendants: an `up` stack starts
+    its engines in sessions of their own, which its process group would miss."""
     procs = host.work.state["procs"]
-    return group_used_gb({t: procs[t]["pid"] for t in tags if t in procs})
+    return tree_used_gb({t: [procs[t]["pid"]] for t in tags if t in procs})
 
 
 def vector_check(raw: Target, gateway: Target) -> dict[str, Any]:

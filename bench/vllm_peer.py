@@ -36,10 +36,9 @@ from typing import Any
 
 import profile_engine
 import stacks
-from gpu_memory import tree_used_gb
 from loadgen import Load, Target
 from procs import child_env, http_post_json, log_tail, port_busy
-from scenarios import Case, alternate, runs_dir
+from scenarios import Case, alternate, engine_memory, runs_dir
 from stacks import Host
 
 HERE = Path(__file__).resolve().parent
@@ -79,13 +78,6 @@ VLLM_PARTS = {1: VLLM_CASES[:4], 2: VLLM_CASES[4:]}  # one step each, within 10 
 CROSSCHECKED = VLLM_CASES[0]  # one crosscheck.py run per side, in the last part
 LOG_LINES = re.compile(r"attention backend|cudagraph|CUDA graph|Model loading took|KV cache|"
                        r"torch\.compile|Supported tasks|pooler_config", re.IGNORECASE)
-
-
-def server_memory(host: Host, tags: list[str]) -> dict[str, float]:
-    """GPU memory (NVML) of each server's processes and all their descendants: `up` starts its
-    engines in sessions of their own, which a process group would miss."""
-    procs = host.work.state["procs"]
-    return tree_used_gb({t: [procs[t]["pid"]] for t in tags if t in procs})
 
 
 def tag(side: str, shape: str) -> str:
@@ -267,7 +259,7 @@ def step_ready(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, 
             out.setdefault("vllm_facts", {})[side] = vllm_log_facts(log)
         else:
             out.setdefault("engines", {})[side] = len(up_engine_ports(ports[side]))
-    out["gpu_gb_idle"] = server_memory(host, [tag(s, shape) for s in ports])
+    out["gpu_gb_idle"] = engine_memory(host, [tag(s, shape) for s in ports])
     out["fi_cache_tgz_mb"] = stacks.pack_fi_cache(host)
     return out
 
@@ -362,7 +354,7 @@ def step_load(host: Host, budget_end: float, shape: str = "0.6b", part: int = 1)
         out["crosscheck_rows"] = alternate(host, running, Case(CROSSCHECKED.name, CROSSCHECKED.load),
                                            f"vllm-cross-{shape}", 690, tags={"shape": shape},
                                            client="crosscheck")
-        out["gpu_gb_after"] = server_memory(host, [tag(s, shape) for s in side_ports(host, shape)])
+        out["gpu_gb_after"] = engine_memory(host, [tag(s, shape) for s in side_ports(host, shape)])
     return out
 
 
