@@ -53,13 +53,14 @@ MAX_ENGINES_PER_SIDE = 4
 # requests in flight, and the default 300 s would hold every later run of the step
 REQUEST_TIMEOUT_S = 60.0
 TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc-compiler", "inductor"]
-#: embedserve's variants: settings on top of the defaults, as an operator sets them
-VARIANTS: dict[str, dict[str, str]] = {
-    "x1": {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "1"},
-    "x2": {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"},
-    "x3": {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"},
-    "graphs": {"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(TC_PIECEWISE)},
-    "tokenizer-workers": {"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(["--tokenizer-worker-num", "2"])},
+#: embedserve's variants, as an operator sets them: settings on top of the defaults, and
+#: SGLang flags appended through ``engine.extra_args``
+VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
+    "x1": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "1"}, []),
+    "x2": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}, []),
+    "x3": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"}, []),
+    "graphs": ({}, TC_PIECEWISE),
+    "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
 }
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",  # admission control off
             "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300",
@@ -92,11 +93,9 @@ def variant_env(variant: str) -> dict[str, str]:
     for part in variant.split("+"):
         if part not in VARIANTS:
             raise ValueError(f"unknown embedserve variant {part!r}; known: {', '.join(VARIANTS)}")
-        for key, value in VARIANTS[part].items():
-            if key == "EMBEDSERVE_ENGINE__EXTRA_ARGS":
-                extra += json.loads(value)
-            else:
-                env[key] = value
+        settings, flags = VARIANTS[part]
+        env |= settings
+        extra += flags
     if extra:
         env["EMBEDSERVE_ENGINE__EXTRA_ARGS"] = json.dumps(extra)
     return env
