@@ -150,11 +150,13 @@ def embed(url: str, texts: list[str]) -> np.ndarray:
     return np.asarray([d["embedding"] for d in data], dtype=np.float32)
 
 
-def embedserve(name: str, port: int, engine_port: int, *flags: str) -> Server:
-    env = {"EMBEDSERVE_LOG_LEVEL": "WARNING", "EMBEDSERVE_ENGINE__KIND": "cpu", "HF_HUB_OFFLINE": "1"}
+def embedserve(name: str, port: int, engine_port: int, *flags: str,
+               env: dict[str, str] | None = None) -> Server:
+    """`embedserve up` on the CPU engine, with ``env``'s settings on top."""
+    base = {"EMBEDSERVE_LOG_LEVEL": "WARNING", "EMBEDSERVE_ENGINE__KIND": "cpu", "HF_HUB_OFFLINE": "1"}
     argv = [sys.executable, "-m", "embedserve", "up", "--port", str(port), "--engine-port", str(engine_port),
             *flags]
-    return Server(name, argv, env, port, "/v1/embeddings", "/health/ready")
+    return Server(name, argv, base | (env or {}), port, "/v1/embeddings", "/health/ready")
 
 
 def infinity(name: str, port: int, engine: str, site: str, onnx_dir: Path | None = None,

@@ -27,7 +27,7 @@ import httpx
 
 # bench's scripts import each other by file name, as mypy names them (bench has no packages)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_peers import LOADS, MODEL, Server, drive, texts_for
+from cpu_peers import LOADS, MODEL, Server, drive, embedserve, texts_for
 
 
 def variant(text: str) -> tuple[str, dict[str, str]]:
@@ -37,9 +37,7 @@ def variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def stack(name: str, port: int, env: dict[str, str]) -> Server:
-    argv = [sys.executable, "-m", "embedserve", "up", "--port", str(port), "--engine-port", str(port + 22000)]
-    base = {"EMBEDSERVE_LOG_LEVEL": "WARNING", "EMBEDSERVE_ENGINE__KIND": "cpu", "HF_HUB_OFFLINE": "1"}
-    return Server(name, argv, {**base, **env}, port, "/v1/embeddings", "/health/ready")
+    return embedserve(name, port, port + 22000, env=env)
 
 
 def stages(url: str, n: int) -> dict[str, float]:
