@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from embedserve.config import BUNDLED_MODEL, Settings, resolve_model_path
+from embedserve.gateway.load import REFUSING_SHARE
 from embedserve.loadtest.cli import main as loadtest
 
 GAUGES = (
@@ -271,9 +272,9 @@ def _demand(r: dict[str, Any]) -> float | None:
 def _refusal(r: dict[str, Any]) -> float | None:
     """The refusal part from the medians (the gateway also needs the last refusal recent)."""
     offered, refused = r["gateway_offered_tokens_per_s"], r.get("gateway_refused_tokens_per_s")
-    if not offered or refused is None or refused < ONSET_429 * offered:
+    if not offered or refused is None or refused < REFUSING_SHARE * offered:
         return None
-    return offered / max(offered - refused, ONSET_429 * offered)
+    return offered / max(offered - refused, REFUSING_SHARE * offered)
 
 
 def main(argv: list[str] | None = None) -> int:
