@@ -17,6 +17,8 @@ throughput limit. But neither httptools nor uvicorn bounds a request while it ar
   mod_reqtimeout rule), so a one-byte-a-second trickle is cut too. Expiry answers 408 in
   the envelope and closes the connection. While uvicorn has paused reading (the app has not
   taken the body yet), the client is not the slow one and the body clocks wait.
+
+Both refusals end in a lingering close (``_close_with``): the client may still be sending.
 """
 
 from __future__ import annotations
@@ -43,15 +45,9 @@ log = logging.getLogger(__name__)
 #: Apache's mod_reqtimeout default MinRate.
 MIN_BODY_BYTES_PER_S = 500.0
 
-
-def _close_with(transport: asyncio.BaseTransport, status: bytes, body: bytes) -> None:
-    head = (
-        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-    )
-    assert isinstance(transport, asyncio.WriteTransport)
-    transport.write(head + body)
-    transport.close()
+#: After a 408 or 431 the connection is half-closed and what the client still sends is read
+#: and dropped until it closes its side, for at most this long (nginx's lingering close).
+LINGER_S = 2.0
 
 
 def bounded_httptools(
@@ -68,6 +64,8 @@ def bounded_httptools(
             self._deadline = 0.0  # head: its end; body: the rate allowance's end
             self._idle_until = 0.0  # body: the end of the current stall allowance
             self._timer: asyncio.TimerHandle | None = None
+            self._lingering = False  # answered with an error: reading only to close cleanly
+            self._linger_timer: asyncio.TimerHandle | None = None
 
         # -- the clocks --------------------------------------------------------------
         def _arm(self, at: float) -> None:
@@ -105,16 +103,39 @@ def bounded_httptools(
             if now < due:
                 self._arm(due)
                 return
-            if cycle is not None and not cycle.response_started:
-                cycle.disconnected = True  # the app sees a client that left (a counted disconnect)
-                cycle.message_event.set()
             self._cut("body", body_idle_timeout_s)
 
         def _cut(self, part: str, seconds: float) -> None:
             log.info("slow client cut off", extra={"part": part, "limit_s": seconds})
             body = error_body(408, request_timeout_message(part, seconds), code=REQUEST_TIMEOUT)
-            _close_with(self.transport, b"408 Request Timeout", body)
+            self._close_with(b"408 Request Timeout", body)
             self._disarm()
+
+        def _close_with(self, status: bytes, body: bytes) -> None:
+            """Answers ``status`` and ends the connection with a lingering close: the write side
+            is shut (FIN after the answer), then what the client still sends is read and dropped
+            until it closes its side, for at most ``LINGER_S``. Closing a socket that holds
+            unread bytes, or that the client still writes to, makes the kernel reset the
+            connection, and the reset can reach the client before it has read the answer: it
+            sees "connection reset", not the 408 or 431."""
+            head = (
+                b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            )
+            transport = self.transport
+            transport.write(head + body)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # the app sees a client that left (a counted disconnect)
+                cycle.message_event.set()  # and writes nothing more, as after connection_lost
+            if not transport.can_write_eof():  # no half-close (TLS): a plain close
+                transport.close()
+                return
+            self._lingering = True
+            transport.write_eof()
+            self.flow.resume_reading()
+            # abort, not close: a client that reads nothing would keep close() waiting to flush
+            self._linger_timer = self.loop.call_later(LINGER_S, transport.abort)
 
         # -- uvicorn's protocol, with the clocks and the head cap ---------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -123,6 +144,8 @@ def bounded_httptools(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
@@ -149,6 +172,8 @@ def bounded_httptools(
             self._disarm()  # until the next request's first byte (uvicorn's keep-alive meanwhile)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # dropped; the client's EOF (uvicorn's eof_received) closes the connection
             if self._in_head:
                 if self._head_bytes > max_head_bytes:
                     return  # already refused; the transport is closing
@@ -159,8 +184,14 @@ def bounded_httptools(
 
         def _refuse(self) -> None:
             body = error_body(431, head_too_large_message(max_head_bytes), code=HEAD_TOO_LARGE)
-            _close_with(self.transport, b"431 Request Header Fields Too Large", body)
+            self._close_with(b"431 Request Header Fields Too Large", body)
             self._disarm()
+
+        def shutdown(self) -> None:
+            if self._lingering:  # a stopping server waits for no client
+                self.transport.close()
+            else:
+                super().shutdown()
 
     return BoundedHttpToolsProtocol
 

@@ -9,6 +9,7 @@ asserts the server closed the connection before the client finished, not a durat
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -110,6 +111,44 @@ def test_a_head_sent_one_header_at_a_time_is_cut_off(server: Server) -> None:
     sent, answer = _trickle(server, lines, LIMIT_S / 5)  # 10 lines a limit: 40 take 8 limits
     _assert_408(answer)
     assert sent < len(lines) // 2
+
+
+def _read_to_end(sock: socket.socket) -> bytes:
+    """Everything the server sends until its orderly close (a reset raises)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_client_still_sending_when_cut_off_reads_the_408(server: Server) -> None:
+    """A client that writes its whole request before it reads (as most do) can still be
+    sending when its head runs out of time. The server half-closes after the 408 and reads on
+    for a moment, so those late bytes are taken and the client reads the answer and an
+    orderly end, not a reset (sending into a closed connection gets one)."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        lines, late = 0, -1
+        while late < 5:  # header lines 10 ms apart, and five more once the answer is in
+            sock.sendall(b"X-Slow-%d: y\r\n" % lines)
+            lines += 1
+            assert lines < 5 * LIMIT_S / 0.01, "the server never answered"
+            if late >= 0 or select.select([sock], [], [], 0.01)[0]:
+                late += 1
+                time.sleep(0.01)
+        _assert_408(_read_to_end(sock))
+
+
+def test_a_head_over_the_cap_in_one_write_reads_the_431(server: Server) -> None:
+    """The server answers 431 after the first read past the cap, with most of a 1 MB head
+    still unread in the socket: it reads on and discards it, so the client's write completes
+    and the client reads the 431 (closing on unread bytes would reset the connection)."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 2**20 + b"\r\n\r\n"
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(head)
+        answer = _read_to_end(sock)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_header_fields_too_large"
 
 
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
