@@ -3,6 +3,7 @@ GPU memory peak and the target's prefix-cache hit rate recorded next to its thro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -23,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 UNIQUE_INPUT_FLAGS = ("--unique", "--unique-inputs")  # inputs no prefix cache can serve
 RAW_ENGINE_IDS_FLAGS = ("--raw-engine", "--ids-to-engine")  # token ids sent on purpose
 INPUT_TYPE_FLAGS = ("--input-type",)  # query | document
+BUILD_WORKERS_FLAGS = ("--build-workers",)  # processes that build inputs ahead
 
 
 @functools.cache
@@ -50,10 +52,11 @@ class Load:
     warmup: float = 3.0
     input_type: str | None = None  # "query": the gateway adds the model's instruction prefix
     repeated_content: bool = False  # labelled scenario: inputs may repeat on purpose
+    build_workers: int | None = None  # loadtest --build-workers; None: its default
 
     def scaled(self, factor: float) -> Load:
-        return Load(self.mix, self.conc, self.inputs, max(2.0, round(self.seconds * factor, 1)),
-                    max(0.0, round(self.warmup * factor, 1)), self.input_type, self.repeated_content)
+        return dataclasses.replace(self, seconds=max(2.0, round(self.seconds * factor, 1)),
+                                   warmup=max(0.0, round(self.warmup * factor, 1)))
 
 
 @dataclass
@@ -82,6 +85,8 @@ def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
         argv += ["--input", "ids"]
         if flag := supported(RAW_ENGINE_IDS_FLAGS):
             argv.append(flag)
+    if load.build_workers is not None and supported(BUILD_WORKERS_FLAGS):
+        argv += ["--build-workers", str(load.build_workers)]
     if not load.repeated_content and (flag := supported(UNIQUE_INPUT_FLAGS)):
         argv.append(flag)
     if load.input_type:
@@ -118,6 +123,24 @@ def find_hit_rate(doc: dict[str, Any]) -> float | None:
     return None
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU time of the waited-for child processes (and theirs)."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def host_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole host from /proc/stat (None elsewhere)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of one process, from /proc (None elsewhere)."""
     try:
@@ -137,6 +160,7 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
     out = runs_dir / name
     before = cachestats.snapshot(t.engine_urls) if t.engine_urls else None
     cpu0, t0 = (cpu_seconds(t.gateway_pid) if t.gateway_pid else None), time.monotonic()
+    client0, host0 = children_cpu_seconds(), host_cpu_ticks()
     with PeakSampler() as peak:
         if client == "crosscheck":
             row = run_crosscheck(t, load, seed)
@@ -156,6 +180,11 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
         row["prefix_cache_hit_rate"] = cachestats.hit_rate(before, after)
     if cpu0 is not None and t.gateway_pid and (cpu1 := cpu_seconds(t.gateway_pid)) is not None:
         row["gateway_cpu_pct"] = round(100 * (cpu1 - cpu0) / (time.monotonic() - t0), 1)
+    # the client's own CPU (its build processes included) and the whole host's: a client or
+    # host out of cores caps a row as surely as the server does
+    row["client_cpu_pct"] = round(100 * (children_cpu_seconds() - client0) / (time.monotonic() - t0), 1)
+    if host0 and (host1 := host_cpu_ticks()):
+        row["host_cpu_busy_pct"] = round(100 * (host1[0] - host0[0]) / max(host1[1] - host0[1], 1), 1)
     row = {"name": name, **(tags or {}), "client": client, "mix": load.mix, "inputs": load.inputs,
            "conc": load.conc, **row, "gpu_used_gb": peak.peak, "gpu_used_per_gpu_gb": peak.per_gpu}
     if load.repeated_content:

@@ -37,7 +37,7 @@ class Host:
     vllm_site: str = "/tmp/site-vllm"  # vLLM 0.26.0's own folder (bundle vllm/pNN)
     vllm_cmd: tuple[str, ...] = ()  # replaces `python3 -m vllm.entrypoints.cli.main` (a stub)
     vllm_kv_tokens: int | None = None  # vLLM's KV pool; default: embedserve's engine's
-    embedserve_variants: tuple[str, ...] = ("graphs",)  # the vllm scenario's sides beyond the defaults
+    embedserve_variants: tuple[str, ...] = ()  # the vllm scenario's sides beyond the defaults
 
     @property
     def cpu(self) -> bool:

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     ap.add_argument("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's "
                                                          "engine's, 16,384 at cap 8,192)")
-    ap.add_argument("--embedserve-variants", default="graphs",
+    ap.add_argument("--embedserve-variants", default="",
                     help="the vllm scenario's embedserve sides beyond the defaults, comma-separated, of: "
                          f"{', '.join(vllm_peer.VARIANTS)} (joined by + for several at once; '' for none)")
     a = ap.parse_args(argv)

@@ -9,9 +9,10 @@ measured alone in turn:
 - ``embedserve VARIANT``: the same with one of :data:`VARIANTS` (``--embedserve-variants``):
   more or fewer engines per GPU, SGLang's ``tc_piecewise`` prefill graphs compiled by inductor,
   more tokenizer-manager workers;
-- ``vllm``: `vllm serve CKPT --runner pooling` with vLLM's defaults, except the KV pool: the
-  same number of tokens as embedserve's engine (``--kv-cache-memory-bytes``), so that all
-  servers fit on the GPU and memory is compared for the same pool;
+- ``vllm``: `vllm serve CKPT --runner pooling` with vLLM's defaults, except the KV pool
+  (``--kv-cache-memory-bytes``), so that all servers fit on the GPU: by default the same number
+  of tokens as embedserve's engine, so that memory is compared for the same pool
+  (``--vllm-kv-tokens`` gives it more);
 - ``vllm tuned``: plus what vLLM's issues recommend for embedding throughput:
   ``--max-num-batched-tokens`` = embedserve's batch budget and ``--api-server-count`` > 1
   (request parsing, tokenisation and responses spread over processes).
@@ -24,6 +25,7 @@ transformers forward pass on the same texts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -36,7 +38,7 @@ from typing import Any
 
 import profile_engine
 import stacks
-from loadgen import Load, Target
+from loadgen import Load, Target, measure
 from procs import child_env, http_post_json, log_tail, port_busy
 from scenarios import Case, alternate, engine_memory, runs_dir
 from stacks import Host
@@ -336,25 +338,61 @@ def step_vectors(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str
 
 def step_load(host: Host, budget_end: float, shape: str = "0.6b", part: int = 1) -> dict[str, Any]:
     """This part's cases on every running side, same seeds (so the same texts), the sides'
-    order reversed every other case and round; the last part adds one crosscheck.py run per
-    side and each server's GPU memory after the runs."""
+    order reversed every other case and round; a side that answers nothing in a case has
+    stalled and is stopped, so it does not hold up the rest. The last part adds one
+    crosscheck.py run per side and each server's GPU memory after the runs; on the 0.6B,
+    part 1 also measures the client itself (loadtest building inputs on one thread)."""
     running = sides(host, shape)
     if len(running) < 2:
         return {"skipped": f"fewer than two sides running for {shape}: {[s for s, _ in running]}"}
     warm = Case("warm-up", Load("uniform:16-512", 32, seconds=6, warmup=0))
     alternate(host, running, warm, f"vllm-warm-{shape}-{part}", 600)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"shape": shape, "rows": rows, "stalled": {}}
     for i, case in enumerate(VLLM_PARTS[part]):
         order = running if i % 2 == 0 else running[::-1]
-        rows += alternate(host, order, case, f"vllm-{shape}", 610 + 10 * i + 100 * part,
-                          tags={"shape": shape})
-    out: dict[str, Any] = {"shape": shape, "rows": rows}
-    if part == max(VLLM_PARTS):
+        case_rows = alternate(host, order, case, f"vllm-{shape}", 610 + 10 * i + 100 * part,
+                              tags={"shape": shape})
+        rows += case_rows
+        for side in stalled_sides(case_rows):
+            out["stalled"][side] = f"no answer in {case.name!r}: stopped"
+            host.work.stop(tag(side, shape), 30)
+            host.work.state.setdefault("vllm_failed_sides", []).append(tag(side, shape))
+        running = [(s, t) for s, t in running if s not in out["stalled"]]
+    if part == 1 and shape == "0.6b":
+        out["client_rows"] = client_check(host, dict(running).get("embedserve"))
+    if part == max(VLLM_PARTS) and running:
         out["crosscheck_rows"] = alternate(host, running, Case(CROSSCHECKED.name, CROSSCHECKED.load),
                                            f"vllm-cross-{shape}", 690, tags={"shape": shape},
                                            client="crosscheck")
         out["gpu_gb_after"] = engine_memory(host, [tag(s, shape) for s in side_ports(host, shape)])
     return out
+
+
+def stalled_sides(rows: list[dict[str, Any]]) -> list[str]:
+    """Sides with no answered request in any round of a case."""
+    answered: dict[str, int] = {}
+    for r in rows:
+        answered[r["side"]] = answered.get(r["side"], 0) + (r.get("requests") or 0)
+    return [side for side, n in answered.items() if n == 0]
+
+
+def client_check(host: Host, target: Target | None) -> list[dict[str, Any]]:
+    """The seed mix on embedserve's defaults with loadtest building inputs on one thread and
+    with its default build processes, alternating: what the client alone caps."""
+    if target is None:
+        return []
+    sides = [(f"client {label}", target) for label in ("one build thread", "build processes")]
+    rows = []
+    for rnd in range(2):
+        for label, t in (sides if rnd % 2 == 0 else sides[::-1]):
+            load = VLLM_CASES[2].load.scaled(host.time_scale)
+            if "thread" in label:
+                load = dataclasses.replace(load, build_workers=0)
+            rows.append(measure(f"vllm-client-{label.replace(' ', '-')}-{rnd}", t, load, runs_dir(host),
+                                seed=720 + rnd, tags={"case": "seed mix", "side": label, "round": rnd,
+                                                      "shape": "0.6b"}))
+    return rows
 
 
 def step_stop(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:

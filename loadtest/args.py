@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send this encoding_format (default: omit the field)")
     g.add_argument("--dimensions", type=int, help="send this dimensions value")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--build-workers", type=int, metavar="N",
+                   help="processes that build requests ahead (default: none on 4 cores or "
+                        "fewer, else a quarter of the cores, at most 4); one build thread "
+                        "makes about 500 inputs/s of exact lengths with Qwen3's tokenizer")
     r = ap.add_argument_group(
         "repeated content (a scenario of its own: labelled in the report, its cache benefit "
         "reported apart from the headline figures)")
@@ -209,7 +213,8 @@ def check_numbers(a: argparse.Namespace) -> None:
                                ("--max-connections", a.max_connections, 1),
                                ("--max-in-flight", a.max_in_flight, 1),
                                ("--retries-429", a.retries_429, 0),
-                               ("--dimensions", a.dimensions, 1)):
+                               ("--dimensions", a.dimensions, 1),
+                               ("--build-workers", a.build_workers, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     for flag, secs in (("--duration", a.duration), ("--warmup", a.warmup),

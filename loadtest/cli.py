@@ -51,7 +51,7 @@ from embedserve.loadtest.mixes import BucketMix, FileMix, parse_count, parse_mix
 from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
 from embedserve.loadtest.sampling import GaugeSampler, MemorySampler, ProcessSampler
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
-from embedserve.loadtest.traffic import RequestFactory
+from embedserve.loadtest.traffic import RequestFactory, auto_build_workers
 
 
 async def discover_model(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
@@ -164,7 +164,8 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
                     warmup_requests=a.warmup_requests, timeout_s=a.timeout,
                     max_connections=a.max_connections, max_in_flight=a.max_in_flight,
                     retries_429=a.retries_429, max_run_s=a.max_run_time, headers=headers,
-                    seed=a.seed)
+                    seed=a.seed, build_workers=auto_build_workers()
+                    if a.build_workers is None else a.build_workers)
     shared = None
     if prefix or prefix_ids:
         n = len(builder.prefix_ids) if a.tokenizer else len(prefix.split())
@@ -251,7 +252,8 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
                 "inputs_per_request": a.inputs, "input_kind": a.input_kind, "seed": a.seed,
                 "tokenizer": info["tokenizer"], "max_tokens": a.max_tokens,
                 "server_max_seq_len": card.get("max_seq_len"), "truncation_warning": warning,
-                "content": content, "started_at": t0_wall, "argv": sys.argv[1:]}
+                "content": content, "started_at": t0_wall, "argv": sys.argv[1:],
+                "build_workers": cfg.build_workers if factory.chunkable else 0}
         cache = cachehits.hit_rate(before, after, urls,
                                    content["scenario"] == "repeated content")
         if after is None and urls:
@@ -275,7 +277,7 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, runner.stop, "interrupted")
     try:
-        outcome = await runner.run(factory.make, side)
+        outcome = await runner.run(factory, side)
     finally:
         progress.close()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -17,7 +17,7 @@ import orjson
 
 from embedserve.loadtest import records as R
 from embedserve.loadtest.records import Recorder
-from embedserve.loadtest.traffic import Planned, Prefetcher, poisson_arrivals
+from embedserve.loadtest.traffic import Planned, RequestFactory, poisson_arrivals, prefetcher
 
 
 @dataclass
@@ -45,6 +45,7 @@ class RunConfig:
     drain_s: float | None = None
     headers: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    build_workers: int = 0  # processes building requests ahead; 0: one thread
 
     def __post_init__(self) -> None:
         if self.duration_s is None and self.requests is None:
@@ -279,12 +280,12 @@ class Runner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 0.5)
 
-    async def run(self, make: Callable[[], Planned],
+    async def run(self, make: Callable[[], Planned] | RequestFactory,
                   extra: Callable[[aiohttp.ClientSession, asyncio.Event],
                                   list[Awaitable[Any]]] | None = None) -> RunOutcome:
         """Run to the limits. ``extra`` starts side tasks (samplers) on the same session."""
         c = self.cfg
-        prefetch = Prefetcher(make)
+        prefetch = prefetcher(make, c.build_workers)
         await prefetch.prime()
         self.t0 = time.perf_counter()
         connector = aiohttp.TCPConnector(limit=c.connection_limit, force_close=False)

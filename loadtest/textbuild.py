@@ -197,6 +197,13 @@ class TextBuilder:
         self._starts = [i for i, (s, _) in enumerate(self._offsets)
                         if s == 0 or text[s - 1] == " " or text[s] == " "]
 
+    def reserve(self, n_tokens: int) -> None:
+        """Grow the corpus now for inputs of up to ``n_tokens``, so that it never grows
+        mid-run: what an input is then depends on the seed and its serial alone, whichever
+        process builds it."""
+        if n_tokens + 64 > len(self._offsets):
+            self._grow(2 * n_tokens)
+
     def count(self, text: str) -> int:
         """Tokens the server will embed for this text (special tokens included)."""
         return len(self._ids(text))

@@ -188,6 +188,20 @@ def test_replay_hits_at_most_one_percent(which: str, kind: str, n_inputs: int, q
     assert rate <= MAX_HIT_RATE, f"{which} {kind}: {rate:.2%} of tokens from the cache"
 
 
+@pytest.mark.parametrize("kind,n_inputs", [("ids", 20_000), ("text", 5_000)])
+def test_chunks_built_apart_hit_at_most_one_percent(kind: str, n_inputs: int, qwen_tok: Any) -> None:
+    """Build processes make a run's requests in chunks, each from its own random stream:
+    their inputs must stay as unique as one factory's."""
+    f = _factory(qwen_tok, kind, seed=11).for_chunks()
+    inputs: list[Any] = []
+    chunk = 0
+    while len(inputs) < n_inputs:
+        inputs += [x for p in f.make_chunk(chunk)[0] for x in json.loads(p.body)["input"]]
+        chunk += 1
+    rate = replay(as_ids(inputs, qwen_tok))
+    assert rate <= MAX_HIT_RATE, f"{kind}: {rate:.2%} of tokens from the cache"
+
+
 def old_cut_ids(b: TextBuilder, n: int, rng: random.Random) -> list[int]:
     """How ids were cut before markers: a corpus slice, nothing else, from a start drawn
     among the tokens right after a space (with byte-level offsets, which hold the space,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -22,7 +23,15 @@ from embedserve.loadtest.records import Recorder
 from embedserve.loadtest.runner import retry_after_s
 from embedserve.loadtest.stats import aggregate, auto_window, columns, percentiles, window_edges, windows
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
-from embedserve.loadtest.traffic import RequestFactory, poisson_arrivals
+from embedserve.loadtest.traffic import (
+    Planned,
+    Prefetcher,
+    ProcessPrefetcher,
+    RequestFactory,
+    auto_build_workers,
+    poisson_arrivals,
+    prefetcher,
+)
 from embedserve.loadtest.verdict import Targets, evaluate, growth, p95_drift
 from embedserve.runtime.synth_model import EOS, build_tokenizer
 
@@ -133,6 +142,47 @@ def test_factory_is_deterministic_and_counts(builder: TextBuilder) -> None:
         assert doc["model"] == "m" and len(doc["input"]) == n_inputs
         assert sum(len(x) for x in doc["input"]) == tokens
         assert max(len(x) for x in doc["input"]) <= 2048
+
+
+def test_build_processes_send_the_same_requests_as_chunks_built_in_process(tok: Any) -> None:
+    """Requests come out in order and the same whichever process built them, and the
+    factory's counters add up what was taken."""
+    def factory() -> RequestFactory:
+        return RequestFactory(parse_mix("seed"), TextBuilder(tok, seed=3), "text", (1, 3), "m", 9,
+                              2048)
+
+    local = factory().for_chunks()
+    expected = [p for c in range(5) for p in local.make_chunk(c)[0]]
+
+    async def taken(workers: int) -> tuple[list[Planned], RequestFactory]:
+        f = factory()
+        source = prefetcher(f, workers)
+        assert isinstance(source, ProcessPrefetcher)
+        try:
+            await source.prime()
+            return [await source.get() for _ in range(len(expected))], f
+        finally:
+            source.close()
+
+    got, f = asyncio.run(taken(2))
+    assert [p.body for p in got] == [p.body for p in expected]
+    assert [p.index for p in got] == list(range(len(expected)))
+    assert f.stats.inputs == sum(p.n_inputs for p in expected)
+    assert f.stats.tokens == sum(p.tokens for p in expected)
+    bodies = [x for p in got for x in json.loads(p.body)["input"]]
+    assert len(set(bodies)) == len(bodies)  # serials do not repeat across chunks
+
+
+def test_requests_that_depend_on_earlier_ones_are_built_on_one_thread(tok: Any) -> None:
+    repeats = RequestFactory(parse_mix("seed"), WordBuilder(), repeat_rate=0.2)
+    assert not repeats.chunkable
+    assert isinstance(prefetcher(repeats, 4), Prefetcher)
+    assert isinstance(prefetcher(RequestFactory(parse_mix("seed"), WordBuilder()), 0), Prefetcher)
+
+
+@pytest.mark.parametrize("cores,workers", [(1, 0), (2, 0), (4, 0), (8, 2), (16, 4), (128, 4)])
+def test_build_processes_by_default_only_where_cores_are_spare(cores: int, workers: int) -> None:
+    assert auto_build_workers(cores) == workers
 
 
 def test_ids_need_a_tokenizer() -> None:
