@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redo", nargs="*", default=[], help="forget these steps' results first")
     ap.add_argument("--until", metavar="STEP", help="stop after this step (exit 3): e.g. vllm-start "
                                                      "starts servers while later bundles are staged")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="STEP",
+                    help="leave these steps out of this run (e.g. a profile measured before)")
     ap.add_argument("--work", type=Path, help="state, logs, models (default: /tmp/embedserve-bench)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cap", type=int, help="max sequence length (default 8192; 512 on cpu)")
@@ -309,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
     steps = plan(selected, vllm_shapes)
-    if a.until and a.until not in {s.name for s in steps}:
-        ap.error(f"--until {a.until}: not a step of this run")
+    for name in [*a.skip, *([a.until] if a.until else [])]:
+        if name not in {s.name for s in steps}:
+            ap.error(f"{name}: not a step of this run")
+    steps = [s for s in steps if s.name not in a.skip]
     return run(host, steps, a.out, a.budget_s, a.redo, a.until)
 
 

@@ -29,6 +29,7 @@ def test_vllm_gets_the_same_kv_pool_and_the_tuned_side_the_batch_budget(tmp_path
     assert plain[plain.index("--max-model-len") + 1] == "8192"
     assert plain[plain.index("--served-model-name") + 1] == "4b" and "--api-server-count" not in plain
     assert plain[plain.index("--kv-cache-memory-bytes") + 1] == str(2_415_919_104)
+    assert "--no-enable-chunked-prefill" in plain
     tuned = vllm_peer.vllm_argv(host, "4b", 8721, tuned=True)
     assert tuned[tuned.index("--max-num-batched-tokens") + 1] == "16384"
     assert int(tuned[tuned.index("--api-server-count") + 1]) > 1

@@ -12,7 +12,8 @@ measured alone in turn:
 - ``vllm``: `vllm serve CKPT --runner pooling` with vLLM's defaults, except the KV pool
   (``--kv-cache-memory-bytes``), so that all servers fit on the GPU: by default the same number
   of tokens as embedserve's engine, so that memory is compared for the same pool
-  (``--vllm-kv-tokens`` gives it more);
+  (``--vllm-kv-tokens`` gives it more); and chunked prefill off, the workaround vLLM's issue
+  tracker gives for Qwen3-Embedding hanging with it on (it hung here too);
 - ``vllm tuned``: plus what vLLM's issues recommend for embedding throughput:
   ``--max-num-batched-tokens`` = embedserve's batch budget and ``--api-server-count`` > 1
   (request parsing, tokenisation and responses spread over processes).
@@ -46,6 +47,7 @@ from stacks import Host
 HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count
+NO_CHUNKED_PREFILL = ["--no-enable-chunked-prefill"]  # both vLLM sides: see vllm_argv
 SHAPES = ("0.6b", "4b")
 # per shape: embedserve sides on BASE + 10 k (its engines on that + 22000, + 1, ...), vLLM on VLLM_BASE + 0/1
 UP_BASE = {"0.6b": 8600, "4b": 8650}
@@ -149,7 +151,10 @@ def vllm_argv(host: Host, shape: str, port: int, tuned: bool) -> list[str]:
             # the same KV pool as embedserve's engine; the utilisation only gates the start-up
             # check of free memory, which a dozen servers on one GPU would otherwise fail
             "--kv-cache-memory-bytes", str(kv_pool_bytes(model, kv_tokens)),
-            "--gpu-memory-utilization", "0.1"]
+            "--gpu-memory-utilization", "0.1",
+            # chunked prefill (vLLM's default) hangs Qwen3-Embedding under mixed lengths
+            # (vllm-project/vllm#47971; here: 1 request running, 63 waiting, 0 tokens/s)
+            *NO_CHUNKED_PREFILL]
     if tuned:
         argv += ["--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-count", str(API_SERVERS)]
     return argv
