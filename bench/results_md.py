@@ -362,6 +362,16 @@ def vllm_sections(st: dict[str, Any]) -> list[str]:
                           [("case", "case"), ("side", "side"), ("loadtest_tok_s", "loadtest tok/s"),
                            ("crosscheck_tok_s", "crosscheck tok/s"), ("deviation", "deviation"),
                            ("errors", "errors"), ("agree", "within 5%")]), ""]
+        if client := rows_of(st, f"vllm-load-{shape}-", "client_rows"):
+            md += [f"The client alone, {shape}: `embedserve loadtest` building inputs on one thread "
+                   "against its build processes, same side, alternating:", "",
+                   *table(client, [("side", "client"), ("round", "round"), ("tok_s", "tok/s"),
+                                   ("req_s", "req/s"), ("p50_ms", "P50 ms"),
+                                   ("host_cpu_busy_pct", "host CPU busy %")]), ""]
+        for step in (s for k, s in st.items() if k.startswith(f"vllm-load-{shape}-")):
+            md += [f"- {side} stopped: {why}" for side, why in (step.get("stalled") or {}).items()]
+            if step.get("recorded_from_log"):
+                md += [f"- {step.get('shape')}: {step['recorded_from_log']}"]
         prof = st.get(f"vllm-profile-{shape}", {})
         if prof.get("torch_trace") or prof.get("pyspy"):
             keys = ("row", "torch_trace", "pyspy", "torch_error")

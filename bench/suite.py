@@ -109,7 +109,7 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
             Step(f"vllm-ready-{shape}", ("vllm",), partial(vllm_peer.step_ready, shape=shape), 150),
             Step(f"vllm-vectors-{shape}", ("vllm",), partial(vllm_peer.step_vectors, shape=shape), 40),
             Step(f"vllm-profile-{shape}", ("vllm",), partial(vllm_peer.step_profile, shape=shape), 45),
-            Step(f"vllm-load-{shape}-1", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=1), 330),
+            Step(f"vllm-load-{shape}-1", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=1), 450),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(vllm_peer.step_load, shape=shape, part=2), 380),
             Step(f"vllm-stop-{shape}", ("vllm",), partial(vllm_peer.step_stop, shape=shape), 20),
         ]

@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--build-workers", type=int, metavar="N",
                    help="processes that build requests ahead (default: none on 4 cores or "
-                        "fewer, else a quarter of the cores, at most 4); one build thread "
-                        "makes about 500 inputs/s of exact lengths with Qwen3's tokenizer")
+                        "fewer, else a quarter of the cores, at most 4; 0: one thread, which "
+                        "shares the client's event loop under the GIL)")
     r = ap.add_argument_group(
         "repeated content (a scenario of its own: labelled in the report, its cache benefit "
         "reported apart from the headline figures)")

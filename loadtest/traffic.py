@@ -233,9 +233,10 @@ def _build_chunk(chunk: int) -> tuple[list[Planned], ContentStats]:
 class ProcessPrefetcher:
     """Builds requests ahead in ``workers`` processes, a chunk each, handed out in order.
 
-    Building a text of an exact length tokenises it once or more: with Qwen3's tokenizer
-    about 2 ms of one core per input, so a single build thread caps a client near 500
-    inputs/s, under what one GPU serves. The factory's counters grow as chunks are taken."""
+    Building a text of an exact length tokenises it once or more: with Qwen3's tokenizer about
+    1 ms of a core per seed-mix input on a 2-core VM, which a build thread shares with the
+    client's event loop under the GIL. Processes take that off the loop, for targets that
+    answer thousands of requests a second. The factory's counters grow as chunks are taken."""
 
     def __init__(self, factory: RequestFactory, workers: int) -> None:
         self._factory = factory
@@ -275,7 +276,7 @@ class ProcessPrefetcher:
 def auto_build_workers(cores: int | None = None) -> int:
     """Build processes when ``--build-workers`` is not given: none on a small machine,
     where they would take cores from the server under test; else a quarter of the cores,
-    at most 4 (about 2,000 inputs/s with Qwen3's tokenizer)."""
+    at most 4."""
     cores = cores or os.cpu_count() or 1
     return 0 if cores <= 4 else min(4, cores // 4)
 
