@@ -83,6 +83,20 @@ def test_unique_inputs_hit_next_to_nothing_and_metrics_urls_add_up(tok_dir: Path
     assert "Target prefix cache hits: " in md and "WARNING" not in md
 
 
+def test_build_processes_send_unique_texts_of_the_counted_lengths(tok_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """Texts built in other processes: the server counts the tokens the client counted,
+    its cache serves next to nothing, and the report says how they were built."""
+    with FakeServer(FakeConfig(), load_tokenizer(tok_dir)) as srv:
+        rc, res, _ = _run([srv.url, "--tokenizer", str(tok_dir), "--build-workers", "2",
+                           "--concurrency", "8", "--requests", "200", "--inputs", "1-3",
+                           "--mix", "uniform:16-256"], tmp_path)
+        seen = srv.counters
+    assert rc == 0 and res["meta"]["build_workers"] == 2
+    assert res["prefix_cache"]["prompt_tokens"] == seen.prompt_tokens == res["totals"]["tokens_sent"]
+    assert res["prefix_cache"]["hit_rate"] <= 0.01
+
+
 def test_repeated_content_is_labelled_and_its_cache_benefit_reported_apart(
         tok_dir: Path, tmp_path: Path) -> None:
     with FakeServer(FakeConfig(), load_tokenizer(tok_dir)) as srv:
@@ -146,6 +160,7 @@ def test_a_file_mix_that_repeats_its_texts_is_labelled(tmp_path: Path) -> None:
     (["--mix", "zipf:1-2"], "unknown mix"),
     (["--requests", "-5"], "--requests must be >= 1"),
     (["--warmup-requests", "-1"], "--warmup-requests must be >= 0"),
+    (["--build-workers", "-1"], "--build-workers must be >= 0"),
     (["--inputs", "-1"], "bad --inputs"),
     (["--duration", "-3"], "--duration must be > 0"),
     (["--shared-prefix", "preset:nope"], "unknown --shared-prefix preset"),
