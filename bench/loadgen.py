@@ -106,7 +106,8 @@ def row_from(doc: dict[str, Any]) -> dict[str, Any]:
             "req_s": round(float(m.get("requests_per_s") or 0.0), 2),
             "p50_ms": lat.get("p50"), "p95_ms": lat.get("p95"), "p99_ms": lat.get("p99"),
             "errors": m.get("errors", 0), "throttled_429": m.get("throttled_429", 0),
-            "prefix_cache_hit_rate": find_hit_rate(doc)}
+            "prefix_cache_hit_rate": find_hit_rate(doc),
+            "answered_with_warmup": (doc.get("totals") or {}).get("ok")}
 
 
 def find_hit_rate(doc: dict[str, Any]) -> float | None:
@@ -180,6 +181,8 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
         row["prefix_cache_hit_rate"] = cachestats.hit_rate(before, after)
     if cpu0 is not None and t.gateway_pid and (cpu1 := cpu_seconds(t.gateway_pid)) is not None:
         row["gateway_cpu_pct"] = round(100 * (cpu1 - cpu0) / (time.monotonic() - t0), 1)
+        if answered := row.get("answered_with_warmup"):
+            row["gateway_cpu_ms_per_request"] = round(1000 * (cpu1 - cpu0) / answered, 3)
     # the client's own CPU (its build processes included) and the whole host's: a client or
     # host out of cores caps a row as surely as the server does
     row["client_cpu_pct"] = round(100 * (children_cpu_seconds() - client0) / (time.monotonic() - t0), 1)

@@ -121,6 +121,7 @@ def create_app(
         metrics,
         executor,
         load,
+        settings.inline_tokenize_limit(engine_kind),
     )
 
     if starting:

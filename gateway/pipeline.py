@@ -78,9 +78,11 @@ class EmbeddingPipeline:
         metrics: GatewayMetrics,
         executor: Executor,
         load: LoadSignal,
+        inline_tokenize_chars: int = 0,
     ) -> None:
         """``load``: the load signal, whose capacity (the engines' measured tokens per
-        second) also bounds what one request may ask for."""
+        second) also bounds what one request may ask for. Requests of at most
+        ``inline_tokenize_chars`` characters are tokenised on the loop, others on ``executor``."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
@@ -90,6 +92,7 @@ class EmbeddingPipeline:
         self.metrics = metrics
         self.executor = executor
         self.load = load
+        self.inline_tokenize_chars = inline_tokenize_chars
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -199,7 +202,7 @@ class EmbeddingPipeline:
         if texts is not None:
             self._check_texts(texts)
             texts = self._apply_instruction(req, texts)
-            if sum(map(len, texts)) <= self.settings.inline_tokenize_chars:
+            if sum(map(len, texts)) <= self.inline_tokenize_chars:
                 inputs = self.tokenizer.encode_texts(texts)
             else:
                 loop = asyncio.get_running_loop()

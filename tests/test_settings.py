@@ -21,6 +21,16 @@ def test_admission_default_follows_the_engine_kind() -> None:
     assert explicit.tokens_in_flight_limit("cpu") == explicit.tokens_in_flight_limit("sglang") == 1000
 
 
+def test_inline_tokenising_default_follows_the_engine_kind() -> None:
+    """In front of SGLang every text goes to the tokenizer threads, keeping the one event
+    loop free; the CPU engine keeps short texts on the loop."""
+    s = settings()
+    assert s.inline_tokenize_limit("sglang") == s.inline_tokenize_limit("external") == 0
+    assert s.inline_tokenize_limit("cpu") == 2048
+    explicit = settings(gateway={"inline_tokenize_chars": 512})
+    assert explicit.inline_tokenize_limit("cpu") == explicit.inline_tokenize_limit("sglang") == 512
+
+
 def test_one_sequence_cap(tmp_path: Path) -> None:
     """sentence-transformers' max_seq_length wins; else positions, capped at 8192."""
     assert ModelInfo.load(settings().model).max_seq_len == 256  # bundled MiniLM
