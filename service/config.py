@@ -223,8 +223,8 @@ class GatewaySettings(BaseModel):
         ge=0,
         description="requests with at most this many characters are tokenised on the event loop "
         "instead of a tokenizer thread. Default: 0 (all to the threads) in front of SGLang, whose "
-        "small models' rates the one loop caps (with Qwen3's tokenizer inline tokenising took 18-30% "
-        "more loop time per request, and P50 at one in flight was no lower); 2,048 for the CPU engine",
+        "small models' rates the one loop caps (with Qwen3's tokenizer the threads cut the loop's time "
+        "per request by 18-30%, and P50 at one in flight was no higher); 2,048 for the CPU engine",
     )
     normalize: bool = True
     accept_token_ids: bool = Field(
