@@ -28,7 +28,9 @@ from typing import Any
 
 import psutil
 
-from bench.cpu.gateway_cpu import wait_http
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_cpu import wait_http
 
 MIXES = {"short 16-512": "uniform:16-512", "seed mix": "seed"}
 
