@@ -3,7 +3,7 @@ at once: the loop is one thread, so 1 / (loop CPU per request) is the most reque
 one gateway process can carry, whatever the GPU behind it does. A benchmark that prints
 numbers, not a test.
 
-    python -m bench.cpu.gateway_loop --model qwen3=DIR --model stand-in=DIR2 \
+    python bench/cpu/gateway_loop.py --model qwen3=DIR --model stand-in=DIR2 \
         --seconds 10 --out results/gateway-loop-cpu
 
 For each model folder (its tokenizer is what differs), each ``gateway.inline_tokenize_chars``
