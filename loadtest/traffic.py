@@ -187,29 +187,45 @@ class RequestFactory:
 CHUNK = 16  # requests a build process makes per task
 
 
+Built = tuple[list[Planned], ContentStats | None]  # a task's requests, and its counters if kept apart
+
+
 class Prefetcher:
     """Builds requests ahead on one worker thread, in order, so the event loop never
     blocks on tokenisation (the tokenizer releases the GIL) and the sequence stays fixed."""
 
     def __init__(self, make: Callable[[], Planned], depth: int = 64) -> None:
-        self._make = make
-        self._depth = depth
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="loadtest-build")
-        self._futs: deque[asyncio.Future[Planned]] = deque()
+        self._start(ThreadPoolExecutor(1, thread_name_prefix="loadtest-build"),
+                    lambda _task: ([make()], None), depth)
+
+    def _start(self, pool: Executor, task: Callable[[int], Built], ahead: int,
+               stats: ContentStats | None = None) -> None:
+        """``task(i)`` builds the i-th batch of requests on ``pool``, ``ahead`` tasks at a time;
+        counters a task returns are added to ``stats`` as its requests are taken."""
+        self._pool, self._task, self._ahead, self._stats = pool, task, ahead, stats
+        self._futs: deque[asyncio.Future[Built]] = deque()
+        self._next_task = 0
+        self._ready: deque[Planned] = deque()
 
     def _fill(self) -> None:
         loop = asyncio.get_running_loop()
-        while len(self._futs) < self._depth:
-            self._futs.append(loop.run_in_executor(self._pool, self._make))
+        while len(self._futs) < self._ahead:
+            self._futs.append(loop.run_in_executor(self._pool, self._task, self._next_task))
+            self._next_task += 1
 
     async def prime(self) -> None:
-        """Build the first ``depth`` requests before the clock starts."""
+        """Build the first tasks' requests before the clock starts."""
         self._fill()
         await asyncio.gather(*self._futs)
 
     async def get(self) -> Planned:
-        self._fill()
-        return await self._futs.popleft()
+        if not self._ready:
+            self._fill()
+            planned, stats = await self._futs.popleft()
+            if stats is not None and self._stats is not None:
+                self._stats.add(stats)
+            self._ready.extend(planned)
+        return self._ready.popleft()
 
     def close(self) -> None:
         for f in self._futs:
@@ -225,12 +241,12 @@ def _init_build_worker(factory: RequestFactory) -> None:
     _worker_factory = factory
 
 
-def _build_chunk(chunk: int) -> tuple[list[Planned], ContentStats]:
+def _build_chunk(chunk: int) -> Built:
     assert _worker_factory is not None
     return _worker_factory.make_chunk(chunk)
 
 
-class ProcessPrefetcher:
+class ProcessPrefetcher(Prefetcher):
     """Builds requests ahead in ``workers`` processes, a chunk each, handed out in order.
 
     Building a text of an exact length tokenises it once or more: with Qwen3's tokenizer about
@@ -239,38 +255,9 @@ class ProcessPrefetcher:
     answer thousands of requests a second. The factory's counters grow as chunks are taken."""
 
     def __init__(self, factory: RequestFactory, workers: int) -> None:
-        self._factory = factory
-        self._ahead = 4 * workers
-        self._pool: Executor = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_build_worker, initargs=(factory.for_chunks(),))
-        self._futs: deque[asyncio.Future[tuple[list[Planned], ContentStats]]] = deque()
-        self._next_chunk = 0
-        self._ready: deque[Planned] = deque()
-
-    def _fill(self) -> None:
-        loop = asyncio.get_running_loop()
-        while len(self._futs) < self._ahead:
-            self._futs.append(loop.run_in_executor(self._pool, _build_chunk, self._next_chunk))
-            self._next_chunk += 1
-
-    async def prime(self) -> None:
-        """Build the first chunks before the clock starts (and the processes with them)."""
-        self._fill()
-        await asyncio.gather(*self._futs)
-
-    async def get(self) -> Planned:
-        if not self._ready:
-            self._fill()
-            planned, stats = await self._futs.popleft()
-            self._factory.stats.add(stats)
-            self._ready.extend(planned)
-        return self._ready.popleft()
-
-    def close(self) -> None:
-        for f in self._futs:
-            f.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_build_worker, initargs=(factory.for_chunks(),))
+        self._start(pool, _build_chunk, 4 * workers, factory.stats)
 
 
 def auto_build_workers(cores: int | None = None) -> int:
