@@ -78,7 +78,7 @@ class EmbeddingPipeline:
         metrics: GatewayMetrics,
         executor: Executor,
         load: LoadSignal,
-        inline_tokenize_chars: int = 0,
+        inline_tokenize_chars: int,
     ) -> None:
         """``load``: the load signal, whose capacity (the engines' measured tokens per
         second) also bounds what one request may ask for. Requests of at most
