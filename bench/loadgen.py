@@ -179,13 +179,14 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
     after = cachestats.snapshot(t.engine_urls) if t.engine_urls else None
     if row.get("prefix_cache_hit_rate") is None:
         row["prefix_cache_hit_rate"] = cachestats.hit_rate(before, after)
+    wall = time.monotonic() - t0
     if cpu0 is not None and t.gateway_pid and (cpu1 := cpu_seconds(t.gateway_pid)) is not None:
-        row["gateway_cpu_pct"] = round(100 * (cpu1 - cpu0) / (time.monotonic() - t0), 1)
+        row["gateway_cpu_pct"] = round(100 * (cpu1 - cpu0) / wall, 1)
         if answered := row.get("answered_with_warmup"):
             row["gateway_cpu_ms_per_request"] = round(1000 * (cpu1 - cpu0) / answered, 3)
     # the client's own CPU (its build processes included) and the whole host's: a client or
     # host out of cores caps a row as surely as the server does
-    row["client_cpu_pct"] = round(100 * (children_cpu_seconds() - client0) / (time.monotonic() - t0), 1)
+    row["client_cpu_pct"] = round(100 * (children_cpu_seconds() - client0) / wall, 1)
     if host0 and (host1 := host_cpu_ticks()):
         row["host_cpu_busy_pct"] = round(100 * (host1[0] - host0[0]) / max(host1[1] - host0[1], 1), 1)
     row = {"name": name, **(tags or {}), "client": client, "mix": load.mix, "inputs": load.inputs,
