@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,26 +119,39 @@ def wait_http(url: str, timeout: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+@contextlib.contextmanager
+def instant_gateway(engine_port: int, gw_port: int, env: dict[str, str], *gateway_args: str,
+                    dim: int | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A gateway process (``env``'s settings, ``gateway_args`` on its command line) in front
+    of ``embedserve.loadtest.instant_engine`` (``dim``-sized vectors), both ready; stopped after."""
+    engine = subprocess.Popen([sys.executable, "-m", "embedserve.loadtest.instant_engine", str(engine_port),
+                               *([str(dim)] if dim else [])])
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "embedserve.runtime.cli", "gateway", *gateway_args,
+         "--engine-url", f"http://127.0.0.1:{engine_port}"],
+        env={**os.environ, "EMBEDSERVE_GATEWAY__PORT": str(gw_port), **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{engine_port}/health")
+        wait_http(f"http://127.0.0.1:{gw_port}/health/ready")
+        yield gateway
+    finally:
+        for p in (gateway, engine):
+            p.terminate()
+            p.wait(10)
+
+
 def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
     engine_port, gw_port = 30991, 8991
     env = {
-        **os.environ,
-        "EMBEDSERVE_GATEWAY__PORT": str(gw_port),
         "EMBEDSERVE_LOG_LEVEL": "WARNING",
         "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
         "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS": "true",  # one scenario sends the model's own ids
     }
-    engine = subprocess.Popen([sys.executable, "-m", "embedserve.loadtest.instant_engine", str(engine_port)])
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "embedserve.runtime.cli", "gateway", "--engine-url", f"http://127.0.0.1:{engine_port}"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     results: dict[str, dict[str, float]] = {}
-    try:
-        wait_http(f"http://127.0.0.1:{engine_port}/health")
-        wait_http(f"http://127.0.0.1:{gw_port}/health/ready")
+    with instant_gateway(engine_port, gw_port, env) as gateway:
         proc = psutil.Process(gateway.pid)
         for name, fields in SCENARIOS.items():
             body = orjson.dumps({"model": "all-MiniLM-L6-v2", **fields})
@@ -156,10 +170,6 @@ def http_runs(seconds: float, concurrency: int) -> dict[str, dict[str, float]]:
                 "req_per_gateway_cpu_s": round(ok / cpu, 1) if cpu else float("nan"),
                 "gateway_cpu_ms_per_req": round(1000 * cpu / max(ok, 1), 3),
             }
-    finally:
-        for p in (gateway, engine):
-            p.terminate()
-            p.wait(10)
     return results
 
 

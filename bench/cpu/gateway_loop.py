@@ -30,7 +30,7 @@ import psutil
 
 # bench's scripts import each other by file name, as mypy names them (bench has no packages)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_cpu import wait_http
+from gateway_cpu import instant_gateway
 
 MIXES = {"short 16-512": "uniform:16-512", "seed mix": "seed"}
 
@@ -45,42 +45,29 @@ def loop_and_process_cpu(pid: int) -> tuple[float, float]:
 
 def one_run(model: str, inline_chars: int, mix: str, seconds: float, concurrency: int,
             dim: int) -> dict[str, Any]:
-    engine_port, gw_port = 30993, 8993
-    env = {**os.environ, "EMBEDSERVE_GATEWAY__PORT": str(gw_port),
-           "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
+    env = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
            "EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": str(inline_chars)}
-    engine = subprocess.Popen([sys.executable, "-m", "embedserve.loadtest.instant_engine",
-                               str(engine_port), str(dim)])
-    gateway = subprocess.Popen([sys.executable, "-m", "embedserve.runtime.cli", "gateway", "--model", model,
-                                "--engine-url", f"http://127.0.0.1:{engine_port}"],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http(f"http://127.0.0.1:{engine_port}/health")
-        wait_http(f"http://127.0.0.1:{gw_port}/health/ready")
-        with tempfile.TemporaryDirectory() as out:
-            loop0, proc0 = loop_and_process_cpu(gateway.pid)
-            subprocess.run([sys.executable, "-m", "embedserve.runtime.cli", "loadtest",
-                            f"http://127.0.0.1:{gw_port}", "--tokenizer", model, "--mix", mix,
-                            "--concurrency", str(concurrency), "--duration", f"{seconds:g}",
-                            "--warmup", "0", "--seed", "7", "--out", out, "--no-progress", "--no-plots",
-                            "--health-url", "none", "--metrics-url", "none", "--build-workers", "0"],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            loop1, proc1 = loop_and_process_cpu(gateway.pid)
-            measured = json.loads((Path(out) / "results.json").read_text())["measured"]
-        ok = measured.get("ok", 0)
-        lat = measured.get("latency_ms") or {}
-        return {"concurrency": concurrency, "requests": ok, "p50_ms": lat.get("p50"),
-                "p95_ms": lat.get("p95"), "errors": measured.get("errors", 0),
-                "req_per_s_wall": round(float(measured.get("requests_per_s") or 0), 1),
-                "tokens_per_request": round(float(measured.get("tokens_per_s") or 0)
-                                            / max(float(measured.get("requests_per_s") or 1), 1e-9)),
-                "loop_cpu_ms_per_request": round(1000 * (loop1 - loop0) / max(ok, 1), 3),
-                "process_cpu_ms_per_request": round(1000 * (proc1 - proc0) / max(ok, 1), 3),
-                "loop_limit_req_per_s": round(ok / (loop1 - loop0)) if loop1 > loop0 else None}
-    finally:
-        for p in (gateway, engine):
-            p.terminate()
-            p.wait(10)
+    with instant_gateway(30993, 8993, env, "--model", model, dim=dim) as gateway, \
+            tempfile.TemporaryDirectory() as out:
+        loop0, proc0 = loop_and_process_cpu(gateway.pid)
+        subprocess.run([sys.executable, "-m", "embedserve.runtime.cli", "loadtest",
+                        "http://127.0.0.1:8993", "--tokenizer", model, "--mix", mix,
+                        "--concurrency", str(concurrency), "--duration", f"{seconds:g}",
+                        "--warmup", "0", "--seed", "7", "--out", out, "--no-progress", "--no-plots",
+                        "--health-url", "none", "--metrics-url", "none", "--build-workers", "0"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        loop1, proc1 = loop_and_process_cpu(gateway.pid)
+        measured = json.loads((Path(out) / "results.json").read_text())["measured"]
+    ok = measured.get("ok", 0)
+    lat = measured.get("latency_ms") or {}
+    return {"concurrency": concurrency, "requests": ok, "p50_ms": lat.get("p50"),
+            "p95_ms": lat.get("p95"), "errors": measured.get("errors", 0),
+            "req_per_s_wall": round(float(measured.get("requests_per_s") or 0), 1),
+            "tokens_per_request": round(float(measured.get("tokens_per_s") or 0)
+                                        / max(float(measured.get("requests_per_s") or 1), 1e-9)),
+            "loop_cpu_ms_per_request": round(1000 * (loop1 - loop0) / max(ok, 1), 3),
+            "process_cpu_ms_per_request": round(1000 * (proc1 - proc0) / max(ok, 1), 3),
+            "loop_limit_req_per_s": round(ok / (loop1 - loop0)) if loop1 > loop0 else None}
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
