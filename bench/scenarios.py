@@ -94,14 +94,16 @@ def vector_check(raw: Target, gateway: Target) -> dict[str, Any]:
 
 
 def alternate(host: Host, sides: list[tuple[str, Target]], case: Case, prefix: str, seed: int,
-              tags: dict[str, Any] | None = None, client: str = "loadtest") -> list[dict[str, Any]]:
+              tags: dict[str, Any] | None = None, client: str = "loadtest",
+              loads: dict[str, Load] | None = None) -> list[dict[str, Any]]:
     """``case.rounds`` rounds, the sides' order flipped every round; same seed per round on
-    each side, so both get inputs of the same token counts."""
+    each side, so both get inputs of the same token counts. ``loads`` replaces the case's load
+    for the sides it names (one target measured with two client settings)."""
     rows = []
-    load = case.load.scaled(host.time_scale)
     for rnd in range(case.rounds):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for side, target in order:
+            load = (loads or {}).get(side, case.load).scaled(host.time_scale)
             slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{prefix}-{case.name}-{side}-{rnd}")
             rows.append(measure(slug, target, load, runs_dir(host), seed=seed + rnd, client=client,
                                 tags={"case": case.name, "side": side, "round": rnd, **(tags or {})}))

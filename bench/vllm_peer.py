@@ -39,7 +39,7 @@ from typing import Any
 
 import profile_engine
 import stacks
-from loadgen import Load, Target, measure
+from loadgen import Load, Target
 from procs import child_env, http_post_json, log_tail, port_busy
 from scenarios import Case, alternate, engine_memory, runs_dir
 from stacks import Host
@@ -387,17 +387,11 @@ def client_check(host: Host, target: Target | None) -> list[dict[str, Any]]:
     with its default build processes, alternating: what the client alone caps."""
     if target is None:
         return []
-    sides = [(f"client {label}", target) for label in ("one build thread", "build processes")]
-    rows = []
-    for rnd in range(2):
-        for label, t in (sides if rnd % 2 == 0 else sides[::-1]):
-            load = VLLM_CASES[2].load.scaled(host.time_scale)
-            if "thread" in label:
-                load = dataclasses.replace(load, build_workers=0)
-            rows.append(measure(f"vllm-client-{label.replace(' ', '-')}-{rnd}", t, load, runs_dir(host),
-                                seed=720 + rnd, tags={"case": "seed mix", "side": label, "round": rnd,
-                                                      "shape": "0.6b"}))
-    return rows
+    seed_mix = VLLM_CASES[2].load
+    return alternate(host, [("client one build thread", target), ("client build processes", target)],
+                     Case(VLLM_CASES[2].name, seed_mix, rounds=2), "vllm-client", 720,
+                     tags={"shape": "0.6b"},
+                     loads={"client one build thread": dataclasses.replace(seed_mix, build_workers=0)})
 
 
 def step_stop(host: Host, budget_end: float, shape: str = "0.6b") -> dict[str, Any]:
