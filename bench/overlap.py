@@ -61,7 +61,9 @@ UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",
             "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300",
             "EMBEDSERVE_HEALTH__REPLACE_ENGINES": "false"}
 KNOB_EXTRA = {"-b32k": {"EMBEDSERVE_ENGINE__BATCH_TOKEN_BUDGET": "32768",
-                        "EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_ENGINE_CALL": "32768"}}
+                        "EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_ENGINE_CALL": "32768"},
+              "-inline": {"EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": "2048"},
+              "-uvloop": {"EMBEDSERVE_GATEWAY__EVENT_LOOP": "uvloop"}}
 CASES = [
     Case("short", Load("uniform:16-512", 64, seconds=10, warmup=2)),
     Case("seed mix", Load("seed", 64, seconds=10, warmup=2)),

@@ -214,6 +214,7 @@ def render(res: dict[str, Any]) -> str:
                                                   ("errors", "errors")]), "", *every_run(scale_rows)]
     md += fp8_sections(st)
     md += overlap_sections(st)
+    md += small_model_sections(st)
     md += vllm_sections(st)
     md += drill_section(st.get("drill", {}).get("summary"))
     skipped = [f"- {name}: {s['skipped']}" for name, s in st.items() if s.get("skipped")]
@@ -438,4 +439,61 @@ def overlap_sections(st: dict[str, Any]) -> list[str]:
             md += [f"## Profile, one engine: {group}", "", "```json",
                    json.dumps({k: prof.get(k) for k in ("row", "torch_trace", "pyspy", "torch_error")
                                if prof.get(k)}, indent=1), "```", ""]
+    return md
+
+
+def per_side(rows: list[dict[str, Any]], sides: list[str]) -> list[dict[str, Any]]:
+    """Per case, each side's median tok/s (and every round's), median P50 and the stack's GPU
+    memory; ``vs_first``: its median tok/s over the first side's."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for side in sides:
+            runs = [r for r in rows if r["case"] == case and r["side"] == side]
+            if not runs:
+                continue
+            first = _median([r for r in rows if r["case"] == case and r["side"] == sides[0]], "tok_s")
+            tok = _median(runs, "tok_s")
+            out.append({"case": case, "side": side, "tok_s": tok,
+                        "rounds": " / ".join(fmt(r.get("tok_s")) for r in runs),
+                        "vs_first": round(tok / first, 3) if tok and first else None,
+                        "p50_ms": _median(runs, "p50_ms"), "p95_ms": _median(runs, "p95_ms"),
+                        "gpu_busy_pct": _median(runs, "gpu_busy_pct"),
+                        "stack_gpu_gb": _max(runs, "stack_gpu_gb"),
+                        "gateway_ms": _median(runs, "gateway_cpu_ms_per_request"),
+                        "hits": _max(runs, "prefix_cache_hit_rate"),
+                        "errors": sum(int(r.get("errors") or 0) for r in runs)})
+    return out
+
+
+PER_SIDE_COLS = [("case", "case"), ("side", "stack"), ("tok_s", "tok/s"), ("rounds", "each round"),
+                 ("vs_first", "vs first"), ("p50_ms", "P50 ms"), ("p95_ms", "P95 ms"),
+                 ("gpu_busy_pct", "GPU busy %"), ("stack_gpu_gb", "stack GPU GB"),
+                 ("gateway_ms", "gateway CPU ms/request"), ("hits", "cache hits"), ("errors", "errors")]
+
+
+def small_model_sections(st: dict[str, Any]) -> list[str]:
+    """The small-model scenario: the 0.6B matrix (with FP8), the gateway's settings side by
+    side, the cross-check and the profile."""
+    md: list[str] = []
+    matrix = rows_of(st, "small-matrix-")
+    if matrix:
+        sides = list(dict.fromkeys(r["side"] for r in matrix))
+        md += ["## The 0.6B: raw SGLang, the default stack and FP8", "",
+               "`vs first`: tok/s over raw SGLang's (the default stack's first engine, sent token ids).",
+               "", *table(per_side(matrix, sides), PER_SIDE_COLS), ""]
+    gateway = rows_of(st, "small-gateway-")
+    if gateway:
+        sides = list(dict.fromkeys(r["side"] for r in gateway if r.get("round") == 0))
+        md += ["## The 0.6B: the gateway's settings side by side", "",
+               "Two rounds, the order turned in the second; `vs first`: median tok/s over the default "
+               "stack's (x2).", "", *table(per_side(gateway, sides), PER_SIDE_COLS), ""]
+    cross = st.get("small-crosscheck", {}).get("rows", [])
+    if cross:
+        md += ["Cross-check of the seed mix (same load, two clients, back to back):", "",
+               *table(cross, RUN_COLS), ""]
+    prof = st.get("small-profile", {})
+    if prof.get("torch_trace") or prof.get("pyspy"):
+        md += ["## Profile, the default 0.6B stack", "", "```json",
+               json.dumps({k: prof.get(k) for k in ("row", "torch_trace", "pyspy", "torch_error")
+                           if prof.get(k)}, indent=1), "```", ""]
     return md

@@ -6,10 +6,10 @@
     python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
 
 Scenarios (--only): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale, drill, fp8,
-attention, vllm. Each is a list of named steps; state (finished steps, processes started with setsid
-and their pids) lives in the work dir, so a run cut by --budget-s resumes where it stopped.
-Writes results.json and results.md to --out after every step. bench/README.md says what each
-scenario measures.
+attention, engines-per-gpu, engines-per-gpu-detail, small-model, vllm. Each is a list of named
+steps; state (finished steps, processes started with setsid and their pids) lives in the work
+dir, so a run cut by --budget-s resumes where it stopped. Writes results.json and results.md to
+--out after every step. bench/README.md says what each scenario measures.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ import peers
 import results_md
 import scaleout
 import scenarios
+import small_model
 import stacks
 import vllm_peer
 from gpu_memory import gpu_description
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 
 SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-             "attention", "engines-per-gpu", "engines-per-gpu-detail", "vllm")
+             "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm")
 StepFn = Callable[[stacks.Host, float], dict[str, Any]]
 
 
@@ -119,6 +120,8 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
 def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b")) -> list[Step]:
     both = {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"}
     shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
+    if "small-model" in selected:
+        shapes = ("0.6b",) if set(selected) == {"small-model"} else tuple(dict.fromkeys((*shapes, "0.6b")))
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     engines_for = ("raw-vs-gateway", "kv-pool", "radix", "peers")
@@ -169,6 +172,16 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = ("0.6b", "4b"
         Step("detail-latency", ("engines-per-gpu-detail",), overlap.step_detail_latency, 150),
         Step("detail-knobs", ("engines-per-gpu-detail",), overlap.step_detail_knobs, 140),
         Step("detail-stop", ("engines-per-gpu-detail",), overlap.step_detail_stop, 30, always=True),
+        # the 0.6B: the gateway's settings side by side, and FP8; every stack starts at once
+        Step("small-start", ("small-model",), small_model.step_start, 150,
+             holds=tuple(c.tag for c in small_model.CONFIGS.values())),
+        Step("small-profile", ("small-model",), small_model.step_profile, 45),
+        Step("small-matrix-1", ("small-model",), small_model.step_matrix, 160),
+        Step("small-matrix-2", ("small-model",), partial(small_model.step_matrix, part=2), 160),
+        Step("small-gateway-1", ("small-model",), small_model.step_gateway, 160),
+        Step("small-gateway-2", ("small-model",), partial(small_model.step_gateway, rnd=1), 160),
+        Step("small-crosscheck", ("small-model",), small_model.step_crosscheck, 60),
+        Step("small-stop", ("small-model",), small_model.step_stop, 30, always=True),
         # vLLM's pooling runner: servers of its own, the 0.6B first (the 4B where time is left)
         *vllm_steps(vllm_shapes),
         Step("finish", SCENARIOS, step_finish, 20, always=True),

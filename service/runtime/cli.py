@@ -115,9 +115,9 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     setup_logging(settings.log_level, settings.log_format)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
         parser.error("--drill-leak needs engines that up starts (not --engine-url)")
-    import asyncio
+    from embedserve.runtime.event_loop import run_on
 
-    return asyncio.run(run_stack(settings, drill_leak=leak))
+    return run_on(settings.gateway.event_loop, run_stack(settings, drill_leak=leak))
 
 
 def _up(argv: list[str]) -> int:
