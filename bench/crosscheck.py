@@ -5,6 +5,10 @@ N tokens (the gateway). Tokens are counted from the server's `usage`. Prints one
 
     python3 bench/crosscheck.py URL --model M --ids 16-512 --concurrency 64 --seconds 20
     python3 bench/crosscheck.py URL --model M --text 16-512 --tokenizer MODEL_DIR
+    python3 bench/crosscheck.py URL --model M --text 0.92:8-512,0.06:513-1024,0.02:1025-32768 --cap 8192
+
+Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn),
+clamped to --cap.
 """
 
 from __future__ import annotations
@@ -28,9 +32,20 @@ def vocab_words(model_dir: str) -> list[str]:
             and w[1:].islower()]
 
 
+def length_buckets(spec: str) -> list[tuple[float, int, int]]:
+    """``A-B`` or ``W:A-B,W:A-B,...`` as (weight, lo, hi) triples."""
+    out = []
+    for part in spec.split(","):
+        weight, _, span = part.rpartition(":")
+        lo, hi = (int(x) for x in span.split("-"))
+        out.append((float(weight or 1), lo, hi))
+    return out
+
+
 def make_input(a: argparse.Namespace, rng: random.Random, words: list[str]) -> list[int] | str:
-    lo, hi = (int(x) for x in (a.ids or a.text).split("-"))
-    n = rng.randint(lo, hi)
+    buckets = length_buckets(a.ids or a.text)
+    _, lo, hi = rng.choices(buckets, weights=[b[0] for b in buckets])[0]
+    n = min(rng.randint(lo, hi), a.cap) if a.cap else rng.randint(lo, hi)
     if a.ids:
         return [rng.randrange(1000, a.vocab) for _ in range(n)]
     return " ".join(rng.choice(words) for _ in range(n))
@@ -83,8 +98,9 @@ if __name__ == "__main__":
     ap.add_argument("url", help="full /v1/embeddings URL")
     ap.add_argument("--model", required=True)
     kind = ap.add_mutually_exclusive_group(required=True)
-    kind.add_argument("--ids", help="token ids per input, A-B (raw engines)")
-    kind.add_argument("--text", help="texts of about A-B tokens per input (the gateway)")
+    kind.add_argument("--ids", help="token ids per input, A-B or W:A-B,... (raw engines)")
+    kind.add_argument("--text", help="texts of about A-B (or W:A-B,...) tokens per input (the gateway)")
+    ap.add_argument("--cap", type=int, help="no input longer than this many tokens")
     ap.add_argument("--tokenizer", help="model folder (texts from its vocabulary, ids below its size)")
     ap.add_argument("--batch", type=int, default=1, help="inputs per request")
     ap.add_argument("--concurrency", type=int, default=64)

@@ -17,6 +17,8 @@ import cachestats
 from gpu_memory import PeakSampler
 from procs import child_env, embedserve_cmd
 
+from embedserve.loadtest.mixes import SEED_BUCKETS
+
 HERE = Path(__file__).resolve().parent
 
 # Flags of `embedserve loadtest` that newer releases have; each is passed only when
@@ -197,16 +199,29 @@ def measure(name: str, t: Target, load: Load, runs_dir: Path, *, seed: int = 0,
     return row
 
 
+def crosscheck_lengths(mix: str) -> str:
+    """A loadtest length mix as bench/crosscheck.py's weighted ranges; a mix it cannot send
+    (real texts from a file) is refused rather than replaced by another."""
+    kind, _, rest = mix.partition(":")
+    if kind == "seed" and not rest:
+        return ",".join(f"{w}:{lo}-{hi}" for w, lo, hi in SEED_BUCKETS)
+    if kind == "uniform":
+        return f"1:{rest}"
+    if kind == "fixed":
+        return f"1:{rest}-{rest}"
+    if kind == "buckets":
+        return rest
+    raise ValueError(f"bench/crosscheck.py cannot send the mix {mix!r}")
+
+
 def run_crosscheck(t: Target, load: Load, seed: int) -> dict[str, Any]:
-    """bench/crosscheck.py with the same lengths, inputs per request and in-flight count."""
-    lo, hi = (int(x) for x in (load.mix.split(":", 1)[1] if load.mix.startswith("uniform:")
-                               else "16-512").split("-"))
-    lo_hi = f"{min(lo, t.cap)}-{min(hi, t.cap)}"  # as loadtest's --max-tokens clamps them
+    """bench/crosscheck.py with the same lengths (clamped to the cap, as loadtest's
+    --max-tokens does), inputs per request and in-flight count."""
     argv = [sys.executable, str(HERE / "crosscheck.py"), t.url.rstrip("/") + "/v1/embeddings",
             "--model", Path(t.model_dir).name, "--concurrency", str(load.conc),
             "--seconds", f"{load.seconds:g}", "--warmup", f"{load.warmup:g}", "--seed", str(seed + 1000),
-            "--batch", load.inputs.split("-")[-1]]
-    argv += ["--ids" if t.raw else "--text", lo_hi, "--tokenizer", t.model_dir]
+            "--batch", load.inputs.split("-")[-1], "--cap", str(t.cap)]
+    argv += ["--ids" if t.raw else "--text", crosscheck_lengths(load.mix), "--tokenizer", t.model_dir]
     if load.input_type:
         argv += ["--input-type", load.input_type]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=load.seconds + 300,

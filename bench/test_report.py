@@ -92,7 +92,7 @@ def test_only_selects_a_scenario_and_the_steps_it_needs() -> None:
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines")  # the stack's GPUs are free before
     everything = [s.name for s in suite.plan(suite.SCENARIOS)]
-    assert len(set(everything)) == len(everything) == 53
+    assert len(set(everything)) == len(everything) == 61
     assert "raw-vs-gateway-0.6b-3" in everything and "raw-vs-gateway-0.6b-3" not in names
 
 
@@ -206,3 +206,47 @@ def test_vllm_section_shows_how_each_side_ran_and_what_did_not() -> None:
     assert "| vllm vs sglang | 0.9991 | 0.9999, 0.9991 | yes |" in md
     assert "idle embedserve-0.6b 5.5 GB, vllm-0.6b 7.25 GB; after the runs vllm-0.6b 7.5 GB" in md
     assert "| short | vllm | 40,000 | 41,000 | 0.025 | 0 | yes |" in md
+
+
+def test_the_crosscheck_client_is_given_the_same_length_mix_or_refuses() -> None:
+    assert loadgen.crosscheck_lengths("seed") == "0.92:8-512,0.06:513-1024,0.02:1025-32768"
+    assert loadgen.crosscheck_lengths("uniform:16-512") == "1:16-512"
+    assert loadgen.crosscheck_lengths("fixed:300") == "1:300-300"
+    assert loadgen.crosscheck_lengths("buckets:3:8-64,1:65-128") == "3:8-64,1:65-128"
+    with pytest.raises(ValueError, match="cannot send"):
+        loadgen.crosscheck_lengths("file:/tmp/texts.jsonl")
+
+
+def test_the_crosscheck_client_draws_weighted_lengths_clamped_to_the_cap() -> None:
+    import argparse
+    import random
+
+    import crosscheck
+
+    a = argparse.Namespace(ids="0.9:8-512,0.1:9000-10000", text=None, cap=8192, vocab=50_000)
+    rng = random.Random(3)
+    lengths = [len(crosscheck.make_input(a, rng, [])) for _ in range(4000)]
+    long = [n for n in lengths if n > 512]
+    assert max(lengths) == 8192 and set(long) == {8192}  # clamped, as loadtest's --max-tokens
+    assert 0.07 < len(long) / len(lengths) < 0.13
+    assert min(lengths) >= 8
+
+
+def test_small_model_sections_put_each_stack_beside_the_first() -> None:
+    rows = [row("short", "x2", 200_000, 60, round=0, stack_gpu_gb=11.6),
+            row("short", "x2, uvloop", 220_000, 55, round=0),
+            row("short", "x2", 240_000, 62, round=1), row("short", "x2, uvloop", 180_000, 70, round=1)]
+    table = results_md.per_side(rows, ["x2", "x2, uvloop"])
+    assert [r["tok_s"] for r in table] == [220_000, 200_000]
+    assert table[1]["vs_first"] == pytest.approx(0.909, abs=1e-3)
+    assert table[0]["rounds"] == "200,000 / 240,000" and table[0]["stack_gpu_gb"] == 11.6
+    md = results_md.render({"steps": {"small-gateway-1": {"ok": True, "rows": rows}}})
+    assert "the gateway's settings side by side" in md and "| short | x2, uvloop | 200,000 |" in md
+
+
+def test_the_small_model_scenario_builds_the_0_6b_only() -> None:
+    steps = suite.plan(("small-model",))
+    assert [s.name for s in steps][:3] == ["models", "small-start", "small-profile"]
+    assert steps[-2].name == "small-stop" and steps[-1].name == "finish"
+    assert steps[0].run.keywords["shapes"] == ("0.6b",)  # type: ignore[attr-defined]
+    assert suite.plan(("small-model", "fp8"))[0].run.keywords["shapes"] == ("4b", "0.6b")  # type: ignore[attr-defined]

@@ -28,6 +28,8 @@ from embedserve.settings_errors import ConfigError
         ({"EMBEDSERVE_LOG_FORMAT": "xml"}, {},
          "EMBEDSERVE_LOG_FORMAT must be one of 'auto', 'json', 'text', got 'xml'"),
         ({"EMBEDSERVE_ENGINE__QUANTIZATION": "int4"}, {}, "EMBEDSERVE_ENGINE__QUANTIZATION must be one of"),
+        ({"EMBEDSERVE_GATEWAY__EVENT_LOOP": "trio"}, {},
+         "EMBEDSERVE_GATEWAY__EVENT_LOOP must be one of 'asyncio', 'uvloop', got 'trio'"),
         ({"EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "-1"}, {},
          "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S must be a number above 0, got '-1'"),
         ({}, {"model": {"max_seq_len": "4"}},
