@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,10 +115,12 @@ def step_start(host: Host, budget_end: float) -> dict[str, Any]:
 
 
 class BusySampler:
-    """NVML's utilisation of GPU 0 (the share of time a kernel ran), every 0.5 s."""
+    """NVML's utilisation of GPU 0 (the share of time a kernel ran), every 0.5 s, with the
+    time of each sample: a run's figure is taken over its last ``seconds`` (``median_last``),
+    the measured window, not over the load generator's start-up."""
 
     def __init__(self) -> None:
-        self.samples: list[int] = []
+        self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -131,7 +134,8 @@ class BusySampler:
             return
         while not self._stop.wait(0.5):
             with contextlib.suppress(Exception):
-                self.samples.append(int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+                busy = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                self.samples.append((time.monotonic(), busy))
 
     def __enter__(self) -> BusySampler:
         self._thread.start()
@@ -141,9 +145,13 @@ class BusySampler:
         self._stop.set()
         self._thread.join(timeout=2)
 
-    @property
-    def median(self) -> float | None:
-        return statistics.median(self.samples) if self.samples else None
+    def median_last(self, seconds: float) -> float | None:
+        """The median of the samples in the last ``seconds`` before the sampler stopped."""
+        if not self.samples:
+            return None
+        end = self.samples[-1][0]
+        window = [busy for t, busy in self.samples if t >= end - seconds]
+        return statistics.median(window)
 
 
 def targets(host: Host, group: str) -> list[tuple[str, Target]]:
@@ -175,7 +183,7 @@ def step_measure(host: Host, budget_end: float, group: str = "0.6b") -> dict[str
             with BusySampler() as busy:
                 row = measure(name, target, load, runs_dir(host), seed=40,
                               tags={"group": group, "case": case.name, "side": side})
-            row["gpu_busy_pct"] = busy.median
+            row["gpu_busy_pct"] = busy.median_last(load.seconds)
             if side in configs:
                 row["stack_gpu_gb"] = stack_memory(configs[side])["stack_gb"]
             rows.append(row)
@@ -263,7 +271,7 @@ def step_detail_knobs(host: Host, budget_end: float) -> dict[str, Any]:
                     row = measure(f"knob-{case.name}-{side}-{rnd}".replace(" ", "-").replace(",", ""),
                                   detail_target(host, c), load, runs_dir(host), seed=70 + rnd,
                                   tags={"group": "0.6b", "case": case.name, "side": side, "round": rnd})
-                row["gpu_busy_pct"] = busy.median
+                row["gpu_busy_pct"] = busy.median_last(load.seconds)
                 rows.append(row)
     return {"rows": rows}
 

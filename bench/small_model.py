@@ -57,7 +57,7 @@ def one_row(host: Host, name: str, side: str, load: Load, seed: int, tags: dict[
     with BusySampler() as busy:
         row = measure(name, side_target(host, side), load, runs_dir(host), seed=seed, client=client,
                       tags={"group": "0.6b", "side": side, **tags})
-    row["gpu_busy_pct"] = busy.median
+    row["gpu_busy_pct"] = busy.median_last(load.seconds)
     memory = stack_memory(CONFIGS[side if side in CONFIGS else "x2"])
     row["stack_gpu_gb"] = memory["stack_gb"]
     row["engine_gpu_gb"] = memory["engine_gb"]

@@ -250,3 +250,14 @@ def test_the_small_model_scenario_builds_the_0_6b_only() -> None:
     assert steps[-2].name == "small-stop" and steps[-1].name == "finish"
     assert steps[0].run.keywords["shapes"] == ("0.6b",)  # type: ignore[attr-defined]
     assert suite.plan(("small-model", "fp8"))[0].run.keywords["shapes"] == ("4b", "0.6b")  # type: ignore[attr-defined]
+
+
+def test_the_gpu_busy_share_is_taken_over_the_measured_window_only() -> None:
+    import overlap
+
+    sampler = overlap.BusySampler()
+    # the load generator's start-up (idle GPU), then 6 s of load
+    sampler.samples = [(t * 0.5, 0) for t in range(16)] + [(8 + t * 0.5, 90) for t in range(13)]
+    assert sampler.median_last(6) == 90
+    assert sampler.median_last(60) == 0  # over the whole run, as before: diluted
+    assert overlap.BusySampler().median_last(6) is None
