@@ -43,8 +43,8 @@ def length_buckets(spec: str) -> list[tuple[float, int, int]]:
 
 
 def make_input(a: argparse.Namespace, rng: random.Random, words: list[str]) -> list[int] | str:
-    buckets = length_buckets(a.ids or a.text)
-    _, lo, hi = rng.choices(buckets, weights=[b[0] for b in buckets])[0]
+    """One input; ``a.lengths``: ``length_buckets`` of --ids or --text, parsed once."""
+    _, lo, hi = rng.choices(a.lengths, weights=[b[0] for b in a.lengths])[0]
     n = min(rng.randint(lo, hi), a.cap) if a.cap else rng.randint(lo, hi)
     if a.ids:
         return [rng.randrange(1000, a.vocab) for _ in range(n)]
@@ -53,6 +53,7 @@ def make_input(a: argparse.Namespace, rng: random.Random, words: list[str]) -> l
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(a.seed)
+    a.lengths = length_buckets(a.ids or a.text)
     words = vocab_words(a.tokenizer) if a.text else []
     a.vocab = 100_000  # token ids below the model's vocabulary size
     if a.tokenizer and (config := Path(a.tokenizer) / "config.json").exists():

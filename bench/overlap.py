@@ -154,6 +154,15 @@ class BusySampler:
         return statistics.median(window)
 
 
+def measure_busy(name: str, target: Target, load: Load, runs: Any, *, seed: int, tags: dict[str, Any],
+                 client: str = "loadtest") -> dict[str, Any]:
+    """One run (loadgen's ``measure``) with the GPU's busy share over its measured window."""
+    with BusySampler() as busy:
+        row = measure(name, target, load, runs, seed=seed, client=client, tags=tags)
+    row["gpu_busy_pct"] = busy.median_last(load.seconds)
+    return row
+
+
 def targets(host: Host, group: str) -> list[tuple[str, Target]]:
     """raw SGLang (the one-engine stack's engine) first, then each stack's gateway."""
     procs = host.work.state["procs"]
@@ -180,10 +189,8 @@ def step_measure(host: Host, budget_end: float, group: str = "0.6b") -> dict[str
         load = case.load.scaled(host.time_scale)
         for side, target in sides:
             name = f"{group}-{case.name}-{side}".replace(" ", "-").replace(",", "")
-            with BusySampler() as busy:
-                row = measure(name, target, load, runs_dir(host), seed=40,
-                              tags={"group": group, "case": case.name, "side": side})
-            row["gpu_busy_pct"] = busy.median_last(load.seconds)
+            row = measure_busy(name, target, load, runs_dir(host), seed=40,
+                               tags={"group": group, "case": case.name, "side": side})
             if side in configs:
                 row["stack_gpu_gb"] = stack_memory(configs[side])["stack_gb"]
             rows.append(row)
@@ -267,12 +274,10 @@ def step_detail_knobs(host: Host, budget_end: float) -> dict[str, Any]:
         load = case.load.scaled(host.time_scale)
         for rnd in range(2):
             for side, c in [("x2", base), ("x2, budget 32768", big)][:: 1 if rnd % 2 == 0 else -1]:
-                with BusySampler() as busy:
-                    row = measure(f"knob-{case.name}-{side}-{rnd}".replace(" ", "-").replace(",", ""),
-                                  detail_target(host, c), load, runs_dir(host), seed=70 + rnd,
-                                  tags={"group": "0.6b", "case": case.name, "side": side, "round": rnd})
-                row["gpu_busy_pct"] = busy.median_last(load.seconds)
-                rows.append(row)
+                rows.append(measure_busy(
+                    f"knob-{case.name}-{side}-{rnd}".replace(" ", "-").replace(",", ""),
+                    detail_target(host, c), load, runs_dir(host), seed=70 + rnd,
+                    tags={"group": "0.6b", "case": case.name, "side": side, "round": rnd}))
     return {"rows": rows}
 
 

@@ -447,11 +447,11 @@ def per_side(rows: list[dict[str, Any]], sides: list[str]) -> list[dict[str, Any
     memory; ``vs_first``: its median tok/s over the first side's."""
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
+        first = _median([r for r in rows if r["case"] == case and r["side"] == sides[0]], "tok_s")
         for side in sides:
             runs = [r for r in rows if r["case"] == case and r["side"] == side]
             if not runs:
                 continue
-            first = _median([r for r in rows if r["case"] == case and r["side"] == sides[0]], "tok_s")
             tok = _median(runs, "tok_s")
             out.append({"case": case, "side": side, "tok_s": tok,
                         "rounds": " / ".join(fmt(r.get("tok_s")) for r in runs),

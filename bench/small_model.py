@@ -1,7 +1,7 @@
 """The 0.6B through `embedserve up` on one GPU: the ``small-model`` scenario.
 
-The 0.6B is the shape whose rate the gateway's one event loop caps, so this scenario measures
-what moves that loop, side by side in one run, and the 0.6B in FP8:
+The 0.6B is the shape whose request rate the gateway's one event loop could cap, so this
+scenario measures what moves that loop, side by side in one run, and the 0.6B in FP8:
 
 - ``matrix``: raw SGLang (the first engine of the default stack, sent token ids), the default
   stack (two engines), and FP8 stacks with one and two engines; short, seed mix with 1 and 1-16
@@ -23,8 +23,8 @@ from typing import Any
 
 import profile_engine
 import stacks
-from loadgen import Load, Target, measure
-from overlap import CASES, BusySampler, Config, stack_memory, start, wait
+from loadgen import Load, Target
+from overlap import CASES, Config, measure_busy, stack_memory, start, wait
 from scenarios import Case, runs_dir
 from stacks import Host
 
@@ -53,11 +53,10 @@ def side_target(host: Host, side: str) -> Target:
 
 def one_row(host: Host, name: str, side: str, load: Load, seed: int, tags: dict[str, Any],
             client: str = "loadtest") -> dict[str, Any]:
-    """One measured run with the GPU's busy share and, for a stack, its GPU memory."""
-    with BusySampler() as busy:
-        row = measure(name, side_target(host, side), load, runs_dir(host), seed=seed, client=client,
-                      tags={"group": "0.6b", "side": side, **tags})
-    row["gpu_busy_pct"] = busy.median_last(load.seconds)
+    """One measured run with the GPU's busy share and its stack's GPU memory (raw SGLang's:
+    the default stack's)."""
+    row = measure_busy(name, side_target(host, side), load, runs_dir(host), seed=seed, client=client,
+                       tags={"group": "0.6b", "side": side, **tags})
     memory = stack_memory(CONFIGS[side if side in CONFIGS else "x2"])
     row["stack_gpu_gb"] = memory["stack_gb"]
     row["engine_gpu_gb"] = memory["engine_gb"]

@@ -223,7 +223,8 @@ def test_the_crosscheck_client_draws_weighted_lengths_clamped_to_the_cap() -> No
 
     import crosscheck
 
-    a = argparse.Namespace(ids="0.9:8-512,0.1:9000-10000", text=None, cap=8192, vocab=50_000)
+    a = argparse.Namespace(ids="0.9:8-512,0.1:9000-10000", text=None, cap=8192, vocab=50_000,
+                           lengths=crosscheck.length_buckets("0.9:8-512,0.1:9000-10000"))
     rng = random.Random(3)
     lengths = [len(crosscheck.make_input(a, rng, [])) for _ in range(4000)]
     long = [n for n in lengths if n > 512]
