@@ -22,7 +22,8 @@ from embedserve.engines.client import EngineClient
 from embedserve.engines.pool import EnginePool
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
-from embedserve.gateway.errors import install_error_handlers
+from embedserve.gateway.engine_call import EngineCaller, ServingGate
+from embedserve.gateway.errors import APIError, install_error_handlers
 from embedserve.gateway.load import LoadCollector, LoadSignal
 from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics
 from embedserve.gateway.middleware import (
@@ -32,8 +33,11 @@ from embedserve.gateway.middleware import (
     RequestContextMiddleware,
     RouteFastPath,
 )
-from embedserve.gateway.pipeline import EmbeddingPipeline, ServingGate
+from embedserve.gateway.pipeline import EmbeddingPipeline
 from embedserve.gateway.routes import add_routes, embeddings_handler
+from embedserve.gateway.score_routes import add_score_routes
+from embedserve.gateway.scorers import CosineScorer
+from embedserve.gateway.scoring import ScoredModel, ScorePipeline
 from embedserve.gateway.tokenize import ModelTokenizer
 from embedserve.health import EngineView, create_health
 from embedserve.model_info import ModelInfo
@@ -112,20 +116,26 @@ def create_app(
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
     admission = TokenAdmission(settings.tokens_in_flight_limit(engine_kind))
     load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
+    caller = EngineCaller(coalescer, admission, metrics, load, gw.request_timeout_s)
+    gate = ServingGate()
+    tokenizer = ModelTokenizer(info.path, info.max_seq_len)
     pipeline = EmbeddingPipeline(
-        gw,
-        info,
-        ModelTokenizer(info.path, info.max_seq_len),
-        coalescer,
-        admission,
-        metrics,
-        executor,
-        load,
-        settings.inline_tokenize_limit(engine_kind),
+        gw, info, tokenizer, caller, gate, metrics, executor, settings.inline_tokenize_limit(engine_kind)
     )
+    scored = ScoredModel(info, CosineScorer(info, tokenizer), caller)
+
+    def scoring_model(name: str | None, param: str) -> ScoredModel:
+        if name is None or info.serves(name):
+            return scored
+        raise APIError(
+            404, f"The model '{name}' does not exist; this server has '{info.name}'",
+            param=param, code="model_not_found",
+        )
+
+    scoring = ScorePipeline(gw, settings.served.rerank, scoring_model, gate, metrics, executor)
 
     if starting:
-        pipeline.gate.close("warming up")
+        gate.close("warming up")
 
     def process_pids() -> dict[str, int]:
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
@@ -133,7 +143,7 @@ def create_app(
     registry.register(EngineCacheCollector(pool))
     registry.register(LoadCollector(load))
     health = create_health(
-        settings, registry, lambda: engine_view(pool, pipeline.gate, supervisor), process_pids
+        settings, registry, lambda: engine_view(pool, gate, supervisor), process_pids
     )
 
     @contextlib.asynccontextmanager
@@ -155,15 +165,17 @@ def create_app(
     app.state.metrics = metrics
     app.state.load = load
     app.state.info = info
-    app.state.gate = pipeline.gate
+    app.state.gate = gate
     app.state.health = health
     install_error_handlers(app)
     app.include_router(health.router)
     embeddings = embeddings_handler(pipeline, metrics)
     add_routes(app, embeddings, info, pool, coalescer, metrics, registry)
+    add_score_routes(app, scoring, metrics)
 
+    api = ("/v1", "/v2/", "/rerank", "/score")  # the score routes keep vLLM's and TEI's paths
     protected = (
-        ("/v1",) + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
+        api + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
     )
     # added first, so innermost: CORS, keys, size caps and request ids still apply to it
     app.add_middleware(RouteFastPath, method="POST", path="/v1/embeddings", handler=embeddings)

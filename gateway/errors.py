@@ -60,7 +60,8 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
 INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-def _what(value: Any) -> str:
+def what(value: Any) -> str:
+    """A JSON value's kind, for messages: 'a number', 'an object'."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -83,17 +84,17 @@ def input_problem(value: Any) -> str | None:
         return None
     first = value[0]
     if not (isinstance(first, str) or _is_id(first) or isinstance(first, list)):
-        return f"input[0] is {_what(first)}; input must be {INPUT_SHAPES}"
+        return f"input[0] is {what(first)}; input must be {INPUT_SHAPES}"
     for i, item in enumerate(value):
         if isinstance(first, list) and isinstance(item, list):
             bad = next((j for j, x in enumerate(item) if not _is_id(x)), None)
             if bad is not None:
-                return f"input[{i}][{bad}] is {_what(item[bad])}; a token-id list holds whole numbers only"
+                return f"input[{i}][{bad}] is {what(item[bad])}; a token-id list holds whole numbers only"
             continue
         same = isinstance(item, str) if isinstance(first, str) else _is_id(item)
         if not same:
             return (
-                f"input[{i}] is {_what(item)}, but input[0] is {_what(first)}: a list input holds "
+                f"input[{i}] is {what(item)}, but input[0] is {what(first)}: a list input holds "
                 "only strings, only token ids, or only token-id lists"
             )
     return None

@@ -71,6 +71,19 @@ class GatewayMetrics:
             "Engines `up` replaced before they ran out of memory",
             registry=registry,
         )
+        self.score_requests = Counter(
+            "embedserve_score_requests",
+            "Rerank (/v1/rerank, /rerank, /v2/rerank) and score (/v1/score, /score) requests by HTTP status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.score_seconds = Histogram(
+            "embedserve_score_request_seconds",
+            "End-to-end latency of the rerank and score routes",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "embedserve_client_disconnects",
             "Requests abandoned by their client",

@@ -11,11 +11,8 @@ from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import encode_base64
-from embedserve.engines.pool import EngineError, EngineTimeout
-from embedserve.gateway.admission import TokenAdmission
-from embedserve.gateway.coalesce import Coalescer
+from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
-from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
@@ -49,49 +46,27 @@ def _as_batch(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
     return None, [list(x) for x in raw]
 
 
-class ServingGate:
-    """Closed while the stack starts: requests get an immediate 503 with Retry-After
-    instead of waiting behind the engines' start and warm-up."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self.reason is None
-
-    def close(self, reason: str) -> None:
-        self.reason = reason
-
-    def open(self) -> None:
-        self.reason = None
-
-
 class EmbeddingPipeline:
     def __init__(
         self,
         settings: GatewaySettings,
         info: ModelInfo,
         tokenizer: ModelTokenizer,
-        coalescer: Coalescer,
-        admission: TokenAdmission,
+        caller: EngineCaller,
+        gate: ServingGate,
         metrics: GatewayMetrics,
         executor: Executor,
-        load: LoadSignal,
         inline_tokenize_chars: int,
     ) -> None:
-        """``load``: the load signal, whose capacity (the engines' measured tokens per
-        second) also bounds what one request may ask for. Requests of at most
-        ``inline_tokenize_chars`` characters are tokenised on the loop, others on ``executor``."""
+        """Requests of at most ``inline_tokenize_chars`` characters are tokenised on the loop,
+        others on ``executor``."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
-        self.gate = ServingGate()
-        self.coalescer = coalescer
-        self.admission = admission
+        self.caller = caller
+        self.gate = gate
         self.metrics = metrics
         self.executor = executor
-        self.load = load
         self.inline_tokenize_chars = inline_tokenize_chars
 
     # -- validation ------------------------------------------------------------------
@@ -189,13 +164,7 @@ class EmbeddingPipeline:
 
     # -- the pipeline ------------------------------------------------------------------
     async def run(self, req: EmbeddingRequest) -> EmbeddingResult:
-        if not self.gate.is_open:
-            raise APIError(
-                503,
-                f"The service is starting ({self.gate.reason}); retry shortly",
-                code="warming_up",
-                headers={"Retry-After": "2"},
-            )
+        self.gate.check()
         self._check_request(req)
         texts, id_batch = _as_batch(req.input)
         t0 = time.perf_counter()
@@ -231,55 +200,9 @@ class EmbeddingPipeline:
                 param="input",
                 code="max_tokens_per_request",
             )
-        self._check_capacity(total)
-        self.load.offered(total)
-        if not self.admission.try_acquire(total):
-            self.metrics.rejected.labels("tokens_in_flight").inc()
-            self.load.refused(total)
-            raise APIError(
-                429,
-                "The server is at capacity; retry shortly",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
-        self.metrics.tokens_in_flight.set(self.admission.in_flight)
-        self.load.in_flight(self.admission.in_flight)
-        try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
-                vectors, times = await self.coalescer.embed([x.ids for x in inputs])
-        except TimeoutError as exc:
-            raise APIError(
-                504, "The engine did not answer within the deadline", code="engine_timeout"
-            ) from exc
-        except EngineTimeout as exc:
-            raise APIError(504, str(exc), code="engine_timeout") from exc
-        except EngineError as exc:
-            headers = {"Retry-After": "5"} if exc.status == 503 else None
-            code = "engine_unavailable" if exc.status == 503 else "engine_rejected"
-            raise APIError(exc.status, str(exc), code=code, headers=headers) from exc
-        finally:
-            self.admission.release(total)
-            self.metrics.tokens_in_flight.set(self.admission.in_flight)
-            self.load.in_flight(self.admission.in_flight)
+        vectors, times = await self.caller.run([x.ids for x in inputs])
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
-
-    def _check_capacity(self, total: int) -> None:
-        """Refuse at once what the engines could not embed before the deadline, rather
-        than compute it and answer 504 after the work was done."""
-        rate = self.load.capacity()
-        deadline = self.settings.request_timeout_s
-        if rate is None or total <= rate * deadline:
-            return
-        self.metrics.rejected.labels("capacity").inc()
-        raise APIError(
-            413,
-            f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s, "
-            f"so it would need about {total / rate:,.0f} s, longer than the {deadline:g} s deadline. "
-            f"Send at most {int(rate * deadline / 2):,} tokens per request.",
-            param="input",
-            code="request_exceeds_capacity",
-        )
 
     def _check_truncation(self, req: EmbeddingRequest, inputs: list[TokenizedInput]) -> None:
         cut = [i for i, x in enumerate(inputs) if x.truncated]

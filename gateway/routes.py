@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from embedserve.http_server import wait_disconnect
 from embedserve.model_info import ModelInfo
 
 Handler = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -37,6 +38,41 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
+class ClientGone(Exception):
+    """The client left before its answer was ready (mid-upload or while its work ran)."""
+
+
+async def read_object(request: Request, metrics: GatewayMetrics) -> dict[str, Any]:
+    """The JSON object of the body; ``APIError`` 400 / 415, ``ClientGone`` mid-upload."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise APIError(
+            415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
+        )
+    try:
+        raw = await request.body()
+    except ClientDisconnect as exc:  # gone mid-upload: nobody to answer, nothing to log as an error
+        metrics.client_disconnects.inc()
+        raise ClientGone from exc
+    return parse_object(raw)
+
+
+async def unless_gone(request: Request, work: Awaitable[T], metrics: GatewayMetrics) -> T:
+    """``work``'s result, or ``ClientGone`` as soon as the client leaves (the work cancelled,
+    so its queued inputs are dropped and nobody is answered)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        metrics.client_disconnects.inc()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone
+    watch.cancel()
+    return task.result()
+
+
 def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> Handler:
     """POST /v1/embeddings: OpenAI's endpoint (and ``truncate``, ``input_type``, ``instruction``)."""
 
@@ -46,36 +82,18 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
                 response = await _embeddings(request)
             except APIError as err:
                 response = error_response(err)
+            except ClientGone:
+                response = Response(status_code=499)
         metrics.requests.labels(str(response.status_code)).inc()
         return response
 
     async def _embeddings(request: Request) -> Response:
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
-        if ctype != "application/json" and not ctype.endswith("+json"):
-            raise APIError(
-                415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
-            )
-        try:
-            raw = await request.body()
-        except ClientDisconnect:  # gone mid-upload: nobody to answer, nothing to log as an error
-            metrics.client_disconnects.inc()
-            return Response(status_code=499)
-        obj = parse_object(raw)
+        obj = await read_object(request, metrics)
         try:
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:
             raise validation_error(exc, obj) from exc
-        work = asyncio.ensure_future(pipeline.run(req))
-        watch = asyncio.ensure_future(wait_disconnect(request))
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client went away: drop its queued inputs, answer nobody
-            work.cancel()
-            metrics.client_disconnects.inc()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            return Response(status_code=499)
-        watch.cancel()
-        result = work.result()
+        result = await unless_gone(request, pipeline.run(req), metrics)
         return json_response(result.body, headers=result.headers)
 
     return embeddings

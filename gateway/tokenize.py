@@ -75,13 +75,11 @@ class ModelTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or str(token_id)
 
-    @property
-    def content_budget(self) -> int:
-        return self.max_seq_len - len(self.prefix) - len(self.suffix)
-
-    def encode_texts(self, texts: list[str]) -> list[TokenizedInput]:
-        """Batched (parallel in Rust, releases the GIL); truncates every input to the cap."""
-        budget = self.content_budget
+    def encode_texts(self, texts: list[str], max_seq_len: int | None = None) -> list[TokenizedInput]:
+        """Batched (parallel in Rust, releases the GIL); truncates every input to the cap (or to
+        ``max_seq_len``, when a request asks for less)."""
+        cap = self.max_seq_len if max_seq_len is None else min(self.max_seq_len, max_seq_len)
+        budget = max(cap - len(self.prefix) - len(self.suffix), 1)
         frame = len(self.prefix) + len(self.suffix)
         out: list[TokenizedInput] = []
         for enc in self._tok.encode_batch_fast(texts, add_special_tokens=False):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
+from embedserve.served_settings import ServedSettings
 from embedserve.settings_errors import ConfigError, bad_json, describe
 
 #: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
@@ -374,6 +375,7 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     controller: ControllerSettings = Field(default_factory=ControllerSettings)
+    served: ServedSettings = Field(default_factory=ServedSettings)
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="auto: readable lines on a terminal, JSON lines otherwise"
