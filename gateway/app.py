@@ -20,6 +20,7 @@ import embedserve
 from embedserve.config import GatewaySettings, Settings
 from embedserve.engines.client import EngineClient
 from embedserve.engines.pool import EnginePool
+from embedserve.engines.protocols import protocol_for
 from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
@@ -36,7 +37,7 @@ from embedserve.gateway.middleware import (
 from embedserve.gateway.pipeline import EmbeddingPipeline
 from embedserve.gateway.routes import add_routes, embeddings_handler
 from embedserve.gateway.score_routes import add_score_routes
-from embedserve.gateway.scorers import CosineScorer
+from embedserve.gateway.scorers import scorer_for
 from embedserve.gateway.scoring import ScoredModel, ScorePipeline
 from embedserve.gateway.tokenize import ModelTokenizer
 from embedserve.health import EngineView, create_health
@@ -105,6 +106,7 @@ def create_app(
         base64_vectors=eng.base64_vectors,
         capacity_call_tokens=settings.engine_call_tokens(engine_kind) // 4,
         gpus=settings.engine_gpus() if engine_kind == "sglang" else None,
+        protocol=protocol_for(info),
     )
     coalescer = Coalescer(
         pool.embed,
@@ -122,7 +124,7 @@ def create_app(
     pipeline = EmbeddingPipeline(
         gw, info, tokenizer, caller, gate, metrics, executor, settings.inline_tokenize_limit(engine_kind)
     )
-    scored = ScoredModel(info, CosineScorer(info, tokenizer), caller)
+    scored = ScoredModel(info, scorer_for(info, tokenizer), caller)
 
     def scoring_model(name: str | None, param: str) -> ScoredModel:
         if name is None or info.serves(name):

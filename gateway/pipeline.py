@@ -78,6 +78,14 @@ class EmbeddingPipeline:
                 param="model",
                 code="model_not_found",
             )
+        if not self.info.embeds:
+            raise APIError(
+                400,
+                f"The model '{req.model}' is a reranker ({self.info.scoring}): it answers /v1/rerank and "
+                "/v1/score, not /v1/embeddings",
+                param="model",
+                code="model_not_embedding",
+            )
         if req.dimensions is not None:
             allowed = self.info.matryoshka_dimensions
             if not 1 <= req.dimensions <= self.info.dimension or (allowed and req.dimensions not in allowed):

@@ -6,6 +6,10 @@ become one score per pair. No HTTP here; ``gateway/scoring.py`` runs the steps.
   a pair scores the cosine of the two vectors: what vLLM's score API does for embedding models.
   The query is embedded once however many documents it is paired with.
 
+- ``PairScorer``: a reranker. Each pair is one input (``gateway/pairs.py`` frames and cuts it),
+  and the engine answers its logit: a cross-encoder's one label, or Qwen3-Reranker's "yes" over
+  "no"; the relevance score is its sigmoid.
+
 A scorer's ``prepare`` is CPU-heavy (it tokenises): call it off the event loop.
 """
 
@@ -19,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedserve.contracts.wire import Matrix
+from embedserve.gateway.pairs import CrossEncoderPairs, PairIds, YesNoPrompts
 from embedserve.gateway.tokenize import ModelTokenizer
 from embedserve.model_info import ModelInfo
 
@@ -88,9 +93,9 @@ class CosineScorer:
 
     def prepare(self, job: PairJob) -> PreparedPairs:
         queries = self.tokenizer.encode_texts(self._query_texts(job), job.max_pair_tokens)
-        doc_cap = min(
-            c for c in (job.max_pair_tokens, job.max_document_tokens, self.tokenizer.max_seq_len) if c
-        )
+        frame = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
+        own = job.max_document_tokens + frame if job.max_document_tokens else None
+        doc_cap = min(c for c in (job.max_pair_tokens, own, self.tokenizer.max_seq_len) if c)
         documents = self.tokenizer.encode_texts(job.documents, doc_cap)
         pairs = [
             PairTokens(queries[q].original_tokens + d.original_tokens, len(queries[q].ids) + len(d.ids))
@@ -106,3 +111,45 @@ class CosineScorer:
             return cos
 
         return PreparedPairs([x.ids for x in queries + documents], pairs, combine)
+
+
+class PairScorer:
+    """A reranker's logit per pair: a cross-encoder, or Qwen3-Reranker (its prompt and ``instruction``)."""
+
+    score_kind = "logit"
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.pairs = (
+            CrossEncoderPairs(info.path, info.max_seq_len)
+            if info.scoring == "cross-encoder"
+            else YesNoPrompts(info.path, info.max_seq_len)
+        )
+
+    def _encode(self, job: PairJob) -> list[PairIds]:
+        if isinstance(self.pairs, CrossEncoderPairs):
+            return self.pairs.encode(
+                job.queries, job.documents, job.query_of, job.max_pair_tokens, job.max_document_tokens
+            )
+        return self.pairs.encode(
+            job.queries,
+            job.documents,
+            job.query_of,
+            job.instruction,
+            job.max_pair_tokens,
+            job.max_document_tokens,
+        )
+
+    def prepare(self, job: PairJob) -> PreparedPairs:
+        encoded = self._encode(job)
+        pairs = [PairTokens(p.original_tokens, len(p.ids)) for p in encoded]
+
+        def combine(rows: Matrix) -> Scores:
+            logits: Scores = rows[:, 0].astype(np.float64)
+            return logits
+
+        return PreparedPairs([p.ids for p in encoded], pairs, combine)
+
+
+def scorer_for(info: ModelInfo, tokenizer: ModelTokenizer) -> Scorer:
+    return CosineScorer(info, tokenizer) if info.embeds else PairScorer(info)

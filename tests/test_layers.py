@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("embedserve.config", "embedserve.served_settings", "embedserve.settings_errors",
                 "embedserve.model_info", "embedserve.logs", "embedserve.nvml", "embedserve.http_server")),
     ("core", ("embedserve.gateway.tokenize", "embedserve.gateway.admission", "embedserve.gateway.coalesce",
-              "embedserve.gateway.vectors", "embedserve.gateway.scorers")),
+              "embedserve.gateway.vectors", "embedserve.gateway.scorers", "embedserve.gateway.pairs")),
     ("engines", ("embedserve.engines",)),
     ("health", ("embedserve.health",)),
     ("api", ("embedserve.gateway",)),

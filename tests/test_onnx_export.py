@@ -31,7 +31,7 @@ def test_exported_once_then_reused(
     folder, meta = ensure_export(s)  # in a child process, as the engine does it
     assert folder == export_folder(s) and folder.parent == tmp_path
     assert (folder / MODEL_FILE).stat().st_size > 0
-    assert meta.quantization == "none" and meta.min_cosine_vs_torch >= 0.9999
+    assert meta.quantization == "none" and (meta.min_cosine_vs_torch or 0) >= 0.9999
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temporary folder left
 
     def no_export(*args: object, **kwargs: object) -> None:

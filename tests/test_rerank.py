@@ -149,7 +149,8 @@ def test_request_caps_cut_pairs_shorter(client: TestClient) -> None:
     r = client.post(
         "/v2/rerank", json={"query": QUERY, "documents": ["word " * 50], "max_tokens_per_doc": 12}
     )
-    assert r.json()["truncated_inputs"][0]["kept_tokens"] == 12 + len(TOKENIZER.encode_texts([QUERY])[0].ids)
+    query = len(TOKENIZER.encode_texts([QUERY])[0].ids)
+    assert r.json()["truncated_inputs"][0]["kept_tokens"] == query + 12 + 2  # the document's [CLS] and [SEP]
 
 
 def test_documents_and_tokens_per_request_limits(engine: FakeEngine) -> None:

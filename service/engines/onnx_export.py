@@ -1,10 +1,12 @@
 """The ONNX export of a sentence-transformers model folder: made once, checked, cached.
 
 The graph holds the whole model as sentence-transformers runs it (transformer, the folder's
-pooling, normalisation): token ids and attention mask in, unit vectors out. It is traced by
-torch.onnx on a padded batch, then checked on padded batches of mixed lengths against torch
-run on each input alone; an fp32 graph whose vectors fall below ``MIN_FP32_COSINE`` is
-refused, never cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
+pooling, normalisation): token ids and attention mask in, unit vectors out; for a reranker, its
+module from ``score_modules`` (ids and mask in, one raw score out). It is traced by torch.onnx on
+a padded batch, then checked on padded batches of mixed lengths against torch run on each input
+alone; an fp32 graph whose vectors fall below ``MIN_FP32_COSINE`` (whose scores differ by more
+than ``MAX_FP32_SCORE_DIFF``) is refused, never cached. int8 is ONNX Runtime's dynamic
+quantisation of the fp32 graph.
 
 Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
 the model's files, the exporter, the quantisation and the library versions, and appears
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 EXPORTER = "torchscript"
 OPSET = 17
 MIN_FP32_COSINE = 0.9999
+#: a reranker's fp32 graph: the most its raw score (a logit) may differ from torch's
+MAX_FP32_SCORE_DIFF = 1e-3
 #: Bump when the graph's construction changes, so old exports are not reused.
 FORMAT = 1
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
@@ -136,7 +140,8 @@ def ensure_export(settings: Settings) -> tuple[Path, OnnxExport]:
             "set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch) to serve it on torch"
         )
     log.info("onnx export ready", extra={"folder": str(folder), "export_s": found.export_seconds,
-                                          "min_cosine_vs_torch": found.min_cosine_vs_torch})
+                                          "min_cosine_vs_torch": found.min_cosine_vs_torch,
+                                          "max_score_diff_vs_torch": found.max_score_diff_vs_torch})
     return folder, found
 
 
@@ -151,17 +156,40 @@ class Exporter:
         self.settings = settings
         self.info = ModelInfo.load(settings.model)
         self._model: Any = None
+        self._module: Any = None
 
     @property
     def model(self) -> Any:
+        """An embedding model as sentence-transformers runs it."""
         if self._model is None:
             from sentence_transformers import SentenceTransformer
 
             self._model = SentenceTransformer(str(self.info.path), device="cpu", local_files_only=True).eval()
         return self._model
 
+    @property
+    def module(self) -> Any:
+        """What the graph holds: (ids, mask) to unit vectors, or to a reranker's raw score."""
+        if self._module is None:
+            from embedserve.engines.score_modules import load_score_module
+
+            self._module = pooled(self.model) if self.info.embeds else load_score_module(self.info)
+        return self._module
+
     def vocab_size(self) -> int:
-        return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
+        if self.info.embeds:
+            return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
+        from embedserve.engines.score_modules import vocab_size
+
+        return vocab_size(self.module)
+
+    def sep_id(self) -> int | None:
+        """A BERT cross-encoder's [SEP], which the check batches carry to exercise its segments."""
+        return getattr(self.module, "sep_id", None)
+
+    def check(self, graph: Path) -> float:
+        """Embeddings: the lowest cosine to torch's vectors; rerankers: the largest score difference."""
+        return self.min_cosine(graph) if self.info.embeds else self.max_score_diff(graph)
 
     def build(self, quantization: str) -> tuple[Path, OnnxExport]:
         """The export for ``quantization``, from the cache or made now (int8 from the fp32 one)."""
@@ -178,17 +206,16 @@ class Exporter:
                 quantize_int8(base / MODEL_FILE, work / MODEL_FILE)
             else:
                 self.trace(work / MODEL_FILE)
-            cosine = self.min_cosine(work / MODEL_FILE)
-            if quantization == "none" and cosine < MIN_FP32_COSINE:
-                raise ExportMismatch(
-                    f"the ONNX graph's vectors differ from torch's (min cosine {cosine:.6f} < "
-                    f"{MIN_FP32_COSINE}); set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch)"
-                )
+            agreement = self.check(work / MODEL_FILE)
+            if quantization == "none":
+                refuse_mismatch(self.info.embeds, agreement)
             meta = OnnxExport(
                 key=export_key(self.info.path, quantization), model_path=str(self.info.path),
                 exporter=EXPORTER, quantization=quantization, opset=OPSET, versions=library_versions(),
                 dimension=self.info.dimension, vocab_size=self.vocab_size(),
-                export_seconds=round(time.monotonic() - t0, 2), min_cosine_vs_torch=round(cosine, 7),
+                export_seconds=round(time.monotonic() - t0, 2),
+                min_cosine_vs_torch=round(agreement, 7) if self.info.embeds else None,
+                max_score_diff_vs_torch=None if self.info.embeds else float(f"{agreement:.3g}"),
             )
             (work / META_FILE).write_text(meta.model_dump_json(indent=2))
             publish(work, folder)
@@ -200,14 +227,15 @@ class Exporter:
         """torch.onnx's tracer on a padded batch, so the graph keeps the masked path."""
         import torch
 
-        ids, mask = _padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0))
+        ids, mask = _padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
+        output = "embedding" if self.info.embeds else "score"
         axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-                "embedding": {0: "batch"}}
+                output: {0: "batch"}}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
             torch.onnx.export(
-                pooled(self.model), (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
-                input_names=["input_ids", "attention_mask"], output_names=["embedding"],
+                self.module, (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
+                input_names=["input_ids", "attention_mask"], output_names=[output],
                 dynamic_axes=axes, opset_version=OPSET, dynamo=False,
             )
 
@@ -235,6 +263,39 @@ class Exporter:
         return worst
 
 
+    def max_score_diff(self, graph: Path) -> float:
+        """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
+        import onnxruntime as ort
+        import torch
+
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(1)
+        cap = min(self.info.max_seq_len, 512)
+        worst = 0.0
+        for lengths in ([4, cap, 1 + cap // 7, 17], [5, 9, 30]):
+            ids, mask = _padded_batch(lengths, self.vocab_size(), rng, self.sep_id())
+            got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0][:, 0]
+            with torch.inference_mode():
+                alone = [(torch.from_numpy(ids[i : i + 1, :n]), torch.from_numpy(mask[i : i + 1, :n]))
+                         for i, n in enumerate(lengths)]
+                want = np.array([float(self.module(*x)) for x in alone])
+            worst = max(worst, float(np.abs(got - want).max()))
+        return worst
+
+
+def refuse_mismatch(embeds: bool, agreement: float) -> None:
+    """An fp32 graph whose answers are not torch's is never cached."""
+    if embeds and agreement < MIN_FP32_COSINE:
+        why = f"vectors differ from torch's (min cosine {agreement:.6f} < {MIN_FP32_COSINE})"
+    elif not embeds and agreement > MAX_FP32_SCORE_DIFF:
+        why = f"scores differ from torch's (by up to {agreement:.2g} > {MAX_FP32_SCORE_DIFF})"
+    else:
+        return
+    raise ExportMismatch(
+        f"the ONNX graph's {why}; set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch)"
+    )
+
+
 def pooled(st: Any) -> Any:
     """A sentence-transformers model as a torch module from (ids, mask) to unit vectors."""
     import torch
@@ -251,12 +312,17 @@ def pooled(st: Any) -> Any:
     return Pooled().eval()
 
 
-def _padded_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Random ids, right-padded to the longest, as the engine pads."""
+def _padded_batch(
+    lengths: list[int], vocab: int, rng: np.random.Generator, sep: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random ids, right-padded to the longest, as the engine pads; with ``sep``, a pair's
+    separators in the middle and at the end."""
     ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
     mask = np.zeros_like(ids)
     for row, n in enumerate(lengths):
         ids[row, :n] = rng.integers(min(1000, vocab // 2), vocab, n)
+        if sep is not None and n >= 3:
+            ids[row, [n // 2, n - 1]] = sep
         mask[row, :n] = 1
     return ids, mask
 

@@ -136,6 +136,26 @@ def engine_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def model_mode(info: ModelInfo) -> list[str]:
+    """``--is-embedding`` for embedding models and cross-encoders (their pooled logit comes back
+    from ``/encode``); none for Qwen3-Reranker, which SGLang scores in generation mode
+    (``/v1/score`` reads the "yes" and "no" logprobs; with ``--is-embedding`` it refuses).
+    ``LaunchConfigError`` for a cross-encoder that reads segment types: SGLang 0.5.17 takes token
+    type ids only from text it tokenises itself, and token ids come with none."""
+    if info.scoring == "qwen3-reranker":
+        return []
+    if info.scoring == "cross-encoder":
+        config = json.loads((info.path / "config.json").read_text())
+        if int(config.get("type_vocab_size") or 1) > 1:
+            raise LaunchConfigError(
+                f"{info.path} is a cross-encoder that reads token type ids (type_vocab_size "
+                f"{config['type_vocab_size']}), which SGLang 0.5.17 takes only from text it tokenises "
+                "itself, not with token ids: serve it on the CPU engine (engine.kind=cpu), or choose one "
+                "with a single segment type (the XLM-R bge-rerankers)"
+            )
+    return ["--is-embedding"]
+
+
 def build_launch(
     settings: Settings,
     *,
@@ -178,7 +198,7 @@ def build_launch(
         "--served-model-name", model.served_name,
         "--host", eng.host,
         "--port", str(eng.port),
-        "--is-embedding",
+        *model_mode(info),
         "--skip-tokenizer-init",
         "--attention-backend", backend,
         "--dtype", eng.dtype,

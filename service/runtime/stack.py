@@ -17,7 +17,9 @@ import httpx
 import uvicorn
 
 from embedserve.config import Settings
+from embedserve.engines.client import JSON
 from embedserve.engines.launch import engine_launch
+from embedserve.engines.protocols import protocol_for
 from embedserve.engines.sglang import LaunchConfigError, plan_engines
 from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
@@ -47,12 +49,13 @@ async def warm_up(
     and seconds: the engines' first measured capacity."""
     cap = info.max_seq_len
     n = max(1, settings.engine_call_tokens(kind) // cap)
-    body = {"model": info.name, "input": [[1] * cap for _ in range(n)]}
+    protocol = protocol_for(info)  # a reranker's call, for a reranker
+    body = protocol.encode(info.name, [[1] * cap for _ in range(n)], False)
     timings = []
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
         for url in urls:
             t0 = time.monotonic()
-            r = await client.post(url + "/v1/embeddings", json=body)
+            r = await client.post(url + protocol.path, content=body, headers=JSON)
             if r.status_code != 200:
                 raise EngineStartError(f"warm-up of {url} failed: {r.status_code} {r.text[:300]}")
             timings.append((n * cap, time.monotonic() - t0))
