@@ -99,7 +99,6 @@ class EngineCaller:
             self._in_flight_changed()
 
     def _in_flight_changed(self) -> None:
-        self.metrics.tokens_in_flight.set(self.admission.in_flight)
         self.load.in_flight(self.admission.in_flight)
 
     def _check_capacity(self, total: int, param: str) -> None:

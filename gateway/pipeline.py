@@ -244,6 +244,8 @@ class EmbeddingPipeline:
         m.stage_seconds.labels("queue").observe(times.queue_s)
         m.stage_seconds.labels("engine").observe(times.engine_s)
         m.tokens.inc(total)
+        m.model_tokens.labels(self.info.name).inc(total)
+        m.model_requests.labels(self.info.name, "embeddings").inc()
         m.inputs.inc(len(inputs))
         m.request_tokens.observe(total)
         if truncated:

@@ -15,15 +15,13 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from embedserve.engines.pool import EnginePool
-from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import APIError, error_response, validation_error
 from embedserve.gateway.jsonbody import parse_object
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.pipeline import EmbeddingPipeline
+from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.schemas import EmbeddingRequest
+from embedserve.gateway.served import ModelRuntime
 from embedserve.http_server import wait_disconnect
-from embedserve.model_info import ModelInfo
 
 Handler = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
@@ -73,8 +71,11 @@ async def unless_gone(request: Request, work: Awaitable[T], metrics: GatewayMetr
     return task.result()
 
 
-def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> Handler:
-    """POST /v1/embeddings: OpenAI's endpoint (and ``truncate``, ``input_type``, ``instruction``)."""
+def embeddings_handler(
+    run: Callable[[EmbeddingRequest], Awaitable[EmbeddingResult]], metrics: GatewayMetrics
+) -> Handler:
+    """POST /v1/embeddings: OpenAI's endpoint (and ``truncate``, ``input_type``, ``instruction``);
+    ``run``: the request's model's pipeline."""
 
     async def embeddings(request: Request) -> Response:
         with metrics.request_seconds.time():
@@ -93,7 +94,7 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:
             raise validation_error(exc, obj) from exc
-        result = await unless_gone(request, pipeline.run(req), metrics)
+        result = await unless_gone(request, run(req), metrics)
         return json_response(result.body, headers=result.headers)
 
     return embeddings
@@ -102,9 +103,7 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
 def add_routes(
     app: FastAPI,
     embeddings: Handler,
-    info: ModelInfo,
-    pool: EnginePool,
-    coalescer: Coalescer,
+    runtimes: list[ModelRuntime],
     metrics: GatewayMetrics,
     registry: CollectorRegistry,
 ) -> None:
@@ -118,32 +117,36 @@ def add_routes(
         },
     )
 
-    def model_entry(model_id: str) -> dict[str, Any]:
+    def model_entry(model_id: str, r: ModelRuntime) -> dict[str, Any]:
+        info = r.info
         return {
             "id": model_id,
             "object": "model",
             "created": info.created,
             "owned_by": "embedserve",
+            "kind": r.kind,  # embed: /v1/embeddings and rerank by cosine; rerank: /v1/rerank and /v1/score
             "dimension": info.dimension,
             "max_seq_len": info.max_seq_len,
         }
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        data = [model_entry(name) for name in (info.name, *info.aliases)]
+        data = [model_entry(name, r) for r in runtimes for name in (r.info.name, *r.info.aliases)]
         return json_response({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
-        if not info.serves(model_id):
+        found = next((r for r in runtimes if r.info.serves(model_id)), None)
+        if found is None:
             raise APIError(
                 404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
             )
-        return json_response(model_entry(model_id))
+        return json_response(model_entry(model_id, found))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        for e in pool.engines:
-            metrics.engine_ready.labels(e.url).set(1 if e.ready else 0)
-        metrics.queue_inputs.set(coalescer.queued_inputs)
+        for r in runtimes:
+            for e in r.pool.engines:
+                metrics.engine_ready.labels(e.url).set(1 if e.ready else 0)
+        metrics.queue_inputs.set(sum(r.coalescer.queued_inputs for r in runtimes))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -154,7 +154,7 @@ async def vllm_score(
     first, second, query_of = _pairs(body)
     cap = body.truncate_prompt_tokens if body.truncate_prompt_tokens not in (None, -1, 0) else None
     job = PairJob(first, second, query_of, body.instruction, max_pair_tokens=cap)
-    req = ScoreRequest(body.model, job, body.truncate, fields=("text_1", "text_2"))
+    req = ScoreRequest(body.model, job, body.truncate, fields=("text_1", "text_2"), route="score")
     result = await unless_gone(request, pipeline.run(req), metrics)
     scores = result.activated(body.use_activation is False).tolist()
     shaped = {

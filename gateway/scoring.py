@@ -36,6 +36,7 @@ class ScoreRequest:
     job: PairJob
     truncate: bool = True
     fields: tuple[str, str] = ("query", "documents")
+    route: str = "rerank"  # for the per-model metrics: rerank or score
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class ScorePipeline:
             raise APIError(503, "the engine returned a score that is not a number", code="engine_unavailable")
         scores = sigmoid(raw) if model.scorer.score_kind == "logit" else raw
         self._count(prepared, total, tokenize_s, times)
+        self.metrics.model_tokens.labels(model.info.name).inc(total)
+        self.metrics.model_requests.labels(model.info.name, req.route).inc()
         cut = sum(p.truncated for p in prepared.pairs)
         headers = {
             "x-embedserve-tokenize-ms": f"{tokenize_s * 1000:.2f}",

@@ -1,12 +1,16 @@
-"""What the gateway serves beyond ``/v1/embeddings``: the limits of the rerank and score routes
-(``EMBEDSERVE_SERVED__RERANK__<FIELD>``).
+"""What the gateway serves: the limits of the rerank and score routes
+(``EMBEDSERVE_SERVED__RERANK__<FIELD>``), and several models behind one gateway
+(``EMBEDSERVE_SERVED__MODELS``, a JSON list).
 
 One field of ``Settings`` (``served``) holds it, so the main configuration module stays as it is.
+``service/catalog.py`` turns the list into one ``Settings`` per model.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class RerankLimits(BaseModel):
@@ -26,7 +30,36 @@ class RerankLimits(BaseModel):
     )
 
 
+class ServedModel(BaseModel):
+    """One model of several: what it is, where it lies, its cap and its engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["embed", "rerank"] = Field(
+        description="embed: /v1/embeddings (and rerank by cosine); rerank: a cross-encoder or "
+        "Qwen3-Reranker, /v1/rerank and /v1/score only"
+    )
+    path: str = Field(description="its folder (or bundled:all-MiniLM-L6-v2)")
+    name: str | None = Field(None, description="the id clients send; default: the folder's name")
+    aliases: list[str] = Field(default_factory=list)
+    max_seq_len: int | None = Field(None, ge=8, description="its cap (default: from the folder)")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="its engines: any engine.* setting (kind, port, urls, replicas, engines_per_gpu, "
+        "batch_token_budget, kv_pool_tokens, ...), over the engine section's. Ports default to the "
+        "next free ones after the model before",
+    )
+    max_tokens_in_flight: int | None = Field(
+        None, ge=1, description="its admission bound (default: gateway.max_tokens_in_flight's rule)"
+    )
+
+
 class ServedSettings(BaseModel):
-    """The routes beside ``/v1/embeddings`` and their limits."""
+    """The routes beside ``/v1/embeddings``, their limits, and the models."""
 
     rerank: RerankLimits = Field(default_factory=RerankLimits)
+    models: list[ServedModel] = Field(
+        default_factory=list,
+        description="several models behind one gateway, routed by the request's model; empty: the "
+        "one of the model and engine sections. Rerank requests without a model go to the first rerank one",
+    )

@@ -14,8 +14,9 @@ from tests.__main__ import installed_layout
 # lowest first; a module may import its own layer and any layer before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", ("embedserve.contracts",)),
-    ("config", ("embedserve.config", "embedserve.served_settings", "embedserve.settings_errors",
-                "embedserve.model_info", "embedserve.logs", "embedserve.nvml", "embedserve.http_server")),
+    ("config", ("embedserve.config", "embedserve.served_settings", "embedserve.catalog",
+                "embedserve.settings_errors", "embedserve.model_info", "embedserve.logs", "embedserve.nvml",
+                "embedserve.http_server")),
     ("core", ("embedserve.gateway.tokenize", "embedserve.gateway.admission", "embedserve.gateway.coalesce",
               "embedserve.gateway.vectors", "embedserve.gateway.scorers", "embedserve.gateway.pairs")),
     ("engines", ("embedserve.engines",)),

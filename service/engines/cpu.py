@@ -111,7 +111,7 @@ def create_engine_app(
     ``embedder``: the model loaded already (else the app loads it as it starts)."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine")
     state: dict[str, Any] = {}
-    stats = EngineStats(source="cpu")
+    stats = EngineStats(source="cpu", model=settings.model.served_name)
     proc = psutil.Process()
 
     async def publish_stats(stats_dir: str) -> None:

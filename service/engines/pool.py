@@ -153,6 +153,10 @@ class EnginePool:
 
     # -- state -------------------------------------------------------------------------
     @property
+    def model(self) -> str:
+        return self._model
+
+    @property
     def any_ready(self) -> bool:
         return any(e.ready for e in self.engines)
 
@@ -171,6 +175,7 @@ class EnginePool:
         return [
             EngineStatus(
                 url=e.url,
+                model=self._model,
                 gpu=e.gpu,
                 ready=e.ready,
                 outstanding_tokens=e.outstanding_tokens,

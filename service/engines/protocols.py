@@ -31,7 +31,8 @@ SMALLEST_PROBABILITY = 1e-30
 
 
 class EngineProtocol(Protocol):
-    path: str
+    @property
+    def path(self) -> str: ...
 
     def encode(self, model: str, batch: list[list[int]], base64_vectors: bool) -> bytes: ...
 

@@ -81,5 +81,5 @@ def load_score_module(info: ModelInfo) -> torch.nn.Module:
 
 
 def vocab_size(module: torch.nn.Module) -> int:
-    inner = module.model if isinstance(module, CrossEncoderScore) else module.body
+    inner: Any = module.model if isinstance(module, CrossEncoderScore) else module.body
     return int(inner.get_input_embeddings().num_embeddings)

@@ -34,8 +34,11 @@ def build_cross_encoder(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, out / name)
-    config = BertConfig(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, num_labels=1,
-                        **CROSS_ENCODER_SHAPES[shape])
+    dims: dict[str, Any] = dict(
+        vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, num_labels=1,
+        **CROSS_ENCODER_SHAPES[shape],
+    )
+    config = BertConfig(**dims)
     config.architectures = ["BertForSequenceClassification"]
     torch.manual_seed(seed)
     model: Any = BertForSequenceClassification(config)
