@@ -173,29 +173,48 @@ def test_results_readme_lists_every_measurement() -> None:
 # -- the README's Clients snippets -------------------------------------------------------------
 
 
-def _clients_block() -> str:
+def _python_block(title: str) -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
-@pytest.mark.slow
-def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningStack) -> None:
-    """Each paragraph of the block runs as written, but for the URL; a client library that
-    is not installed here (LlamaIndex) is reported, not failed."""
-    code = _clients_block().replace("http://127.0.0.1:8000", minilm_stack.url)
-    chunks = [c for c in code.split("\n\n") if c.strip()]
+def _run_paragraphs(code: str, title: str) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Each paragraph as written; one whose client library is not installed (LlamaIndex) is
+    reported, not failed."""
     namespace: dict[str, Any] = {}
     ran, missing = [], []
-    for chunk in chunks:
-        title = chunk.strip().splitlines()[0]
+    for chunk in (c for c in code.split("\n\n") if c.strip()):
+        first = chunk.strip().splitlines()[0]
         try:
-            exec(compile(chunk, f"README Clients: {title}", "exec"), namespace)
+            exec(compile(chunk, f"README {title}: {first}", "exec"), namespace)
         except ModuleNotFoundError as exc:
             assert exc.name and exc.name.split(".")[0] in ("llama_index",), exc
             missing.append(exc.name)
             continue
-        ran.append(title)
+        ran.append(first)
     print(f"ran: {ran}; not installed: {missing}")
+    return namespace, ran, missing
+
+
+@pytest.mark.slow
+def test_the_rerank_client_snippets_rank_as_the_server_does(minilm_stack: RunningStack) -> None:
+    import httpx
+
+    code = _python_block("Rerank clients").replace("http://127.0.0.1:8000", minilm_stack.url)
+    namespace, ran, _ = _run_paragraphs(code, "Rerank clients")
+    body = {"model": namespace["model"], "query": namespace["query"], "documents": namespace["docs"],
+            "top_n": 2}
+    server = [r["index"] for r in httpx.post(minilm_stack.url + "/v1/rerank", json=body).json()["results"]]
+    orders = {k: v for k, v in namespace.items() if k.endswith("_order")}
+    assert {"cohere_order", "langchain_order", "haystack_order"} <= orders.keys() and len(ran) >= 4
+    assert all(order == server for order in orders.values()), (server, orders)
+
+
+@pytest.mark.slow
+def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningStack) -> None:
+    """Each paragraph of the block runs as written, but for the URL."""
+    code = _python_block("Clients").replace("http://127.0.0.1:8000", minilm_stack.url)
+    namespace, ran, _ = _run_paragraphs(code, "Clients")
     assert namespace["model"] == minilm_stack.model_name  # taken from /v1/models
     assert len(ran) >= 4, ran
