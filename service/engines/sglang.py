@@ -222,7 +222,9 @@ def build_launch(
     if not eng.prefix_cache:
         argv.append("--disable-radix-cache")
     if kv_cache == "none":
-        argv.append("--prefill-only-disable-kv-cache")
+        # SGLang sizes its prefill CUDA graphs from --chunked-prefill-size, which is -1 here:
+        # without the budget it captured none, and small batches ran eagerly
+        argv += ["--prefill-only-disable-kv-cache", "--cuda-graph-max-bs-prefill", str(budget)]
     if eng.quantization != "none":
         argv += ["--quantization", eng.quantization]
     if model.matryoshka_dimensions:
