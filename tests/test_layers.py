@@ -163,3 +163,12 @@ def test_the_cycle_check_can_fail(tmp_path: Path) -> None:
     second.write_text("from embedserve.probe.first import f\n")
     graph = {m: runtime_imports(tmp_path / f"{m.rsplit('.', 1)[1]}.py", known) for m in known}
     assert sorted(set(import_cycle(graph))) == sorted(known)
+
+
+#: Small modules with one job each.
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_over_the_line_limit() -> None:
+    long = {m: n for m, path in ALL.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"over {MAX_MODULE_LINES} lines, split by job: {long}"
