@@ -73,6 +73,7 @@ def engine_view(
         detail=(sup.detail + "; " if sup and sup.detail else "") + pool.detail(),
         engines=tuple(pool.statuses()),
         replacements=sup.replacements if sup else 0,
+        closed_for=gate.reason,
     )
 
 

@@ -78,6 +78,14 @@ class EngineSettings(BaseModel):
         "the cache; queries with Qwen3's instruction prefix ran 6.6% faster with it (12.6% of "
         "their tokens came from the cache): turn it on for query-heavy traffic",
     )
+    kv_cache: Literal["auto", "paged", "none"] = Field(
+        "paged",
+        description="paged: SGLang's paged KV cache (every layer writes its K/V to a pool of "
+        "kv_pool_tokens). none: SGLang's embedding-only prefill (--prefill-only-disable-kv-cache, "
+        "--chunked-prefill-size -1): attention reads the batch's own K/V, nothing is written and "
+        "no pool is allocated; needs the fa3 or fa4 attention backend and prefix_cache off. "
+        "auto: none where it can, else paged",
+    )
     dtype: str = "auto"
     flashinfer_cache_dir: str | None = Field(
         None, description="FlashInfer JIT cache; put it on a volume (cold start 250-290 s)"

@@ -23,7 +23,8 @@ from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_count
-from embedserve.runtime.ports import PortInUse, check_free, check_owner
+from embedserve.runtime.ports import PortInUse, check_owner
+from embedserve.runtime.preflight import check_engine_kind, check_ports
 from embedserve.runtime.replace import EngineReplacer
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
@@ -86,18 +87,10 @@ class _StackServer(QuietServer):
 STARTING_ENGINE_GRACE_S = 2.0
 
 
-def check_ports(settings: Settings, local_engines: bool) -> None:
-    """Before anything starts: every port this stack will listen on is free."""
-    g, e = settings.gateway, settings.engine
-    check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
-    if local_engines:
-        for index in range(settings.local_engine_count()):
-            check_free(e.host, e.port + index, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
-
-
 async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
-    """Exit status: 0 after a clean stop, 1 when an engine failed to start, 2 when a port is
-    taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
+    """Exit status: 0 after a clean stop of a stack that was up, 130 (SIGINT) or 143 (SIGTERM)
+    when a signal stopped it before it was up, 1 when an engine failed to start, 2 when a port
+    is taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
     on purpose (a leak drill)."""
     try:
         return await _run_stack(settings, drill_leak)
@@ -134,16 +127,21 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     # before it serves, the engines stopped like any; once it serves, the server shuts down.
     loop = asyncio.get_running_loop()
     early_stop = asyncio.Event()
+    announced = asyncio.Event()
+    interrupted: list[int] = []  # a signal that came before the stack was up
     servers: list[_StackServer] = []
 
     def on_signal(sig: int) -> None:
         early_stop.set()
+        if not announced.is_set():
+            interrupted.append(sig)
         for srv in servers:
             srv.handle_exit(sig, None)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     kind = resolve_engine_kind(settings)
+    check_engine_kind(settings, kind)
     info = ModelInfo.load(settings.model)
     local = kind != "external"
     settings = resolve_engines_per_gpu(settings, info, kind)
@@ -184,7 +182,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         await sup.start()
     if early_stop.is_set():  # stopped while the engines started: no app to build
         await stop_engines()
-        return 0
+        return 128 + interrupted[0]
 
     def view() -> SupervisorView:
         dead = [s for s in supervisors if not s.alive]
@@ -275,7 +273,6 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         monitor = app.state.health.monitor
         await replacer.run(lambda: monitor.state.report if monitor.state else None)
 
-    announced = asyncio.Event()
     announcer = asyncio.create_task(announce())
     watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None
     replacing = (
@@ -294,4 +291,6 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         await stop_engines()
     if any(isinstance(f, PortInUse) for f in failure):
         raise failure[0]
+    if interrupted:  # a start cut short: as a shell reports a process a signal ended
+        return 128 + interrupted[0]
     return 1 if failure or any(s.failed for s in supervisors) else 0
