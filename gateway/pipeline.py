@@ -278,8 +278,8 @@ class EmbeddingPipeline:
             413,
             f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s "
             f"(measured over their recent work), so it would need about {total / rate:,.0f} s, "
-            f"longer than the {deadline:g} s deadline. Send at most {max(int(rate * deadline / 2), one_call):,} "
-            "tokens per request.",
+            f"longer than the {deadline:g} s deadline. Send at most "
+            f"{max(int(rate * deadline / 2), one_call):,} tokens per request.",
             param="input",
             code="request_exceeds_capacity",
         )

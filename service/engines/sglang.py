@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from embedserve.config import Settings, load_settings
-from embedserve.engines.launch import LaunchSpec
+from embedserve.contracts.launch import LaunchSpec
 from embedserve.engines.sizing import EnginesPlan, ModelShape, SizingError, plan_engines_per_gpu
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_compute_capability, gpu_total_bytes
