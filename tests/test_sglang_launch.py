@@ -302,7 +302,9 @@ def test_no_kv_cache_is_one_forward_per_request_with_sglangs_flag(model_dir: Pat
     ({"attention_backend": "flashinfer"}, "attention backend 'flashinfer' is not fa3 or fa4"),
     ({"attention_backend": "fa3", "prefix_cache": True}, "engine.prefix_cache is on"),
 ])
-def test_no_kv_cache_only_where_sglang_allows_it(model_dir: Path, engine: dict[str, object], why: str) -> None:
+def test_no_kv_cache_only_where_sglang_allows_it(
+    model_dir: Path, engine: dict[str, object], why: str
+) -> None:
     with pytest.raises(LaunchConfigError, match=why):
         build_launch(make(model_dir, kv_cache="none", **engine))
     spec = build_launch(make(model_dir, kv_cache="auto", **engine))

@@ -132,7 +132,9 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
         from embedserve.settings_errors import ConfigError
 
-        raise ConfigError("--drill-leak needs engines that up starts, not --engine-url or engine kind 'external'")
+        raise ConfigError(
+            "--drill-leak needs engines that up starts, not --engine-url or engine kind 'external'"
+        )
     from embedserve.runtime.event_loop import run_on
 
     return run_on(settings.gateway.event_loop, run_stack(settings, drill_leak=leak))
