@@ -14,6 +14,8 @@ pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extr
 
 from embedserve.loadtest.cli import main
 from embedserve.loadtest.fake_target import FakeConfig, FakeServer
+from embedserve.loadtest.plots import token_line
+from embedserve.loadtest.report import fmt
 from embedserve.loadtest.textbuild import load_tokenizer
 
 
@@ -182,7 +184,21 @@ def test_inputs_longer_than_the_server_embeds_are_flagged(
     assert f"{m['embedded_tokens_per_s']:.0f} tokens/s embedded ({m['tokens_per_s']:.0f} sent;" in err
     assert "cut off by the server's truncation" in err
     assert res["meta"]["server_max_seq_len"] == 256
-    assert "WARNING" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "WARNING" in summary
+    # the windows and throughput.png show what the server embedded; sent only where so labelled
+    assert "| start s | req/s | tokens/s embedded | tokens/s sent |" in summary
+    w = res["windows"][0]
+    assert w["embedded_tokens_per_s"] < w["tokens_per_s"] / 2
+    row = next(line for line in summary.splitlines() if line.startswith(f"| {w['t_start']:.0f} |"))
+    assert row.split(" | ")[2:4] == [fmt(w["embedded_tokens_per_s"]), fmt(w["tokens_per_s"])]
+    assert token_line(res["windows"]) == ("tokens/s embedded (server usage)",
+                                          [x["embedded_tokens_per_s"] for x in res["windows"]])
+
+
+def test_throughput_plot_says_sent_when_the_server_reports_no_usage() -> None:
+    wins = [{"ok": 3, "usage_reported": 0, "embedded_tokens_per_s": 0.0, "tokens_per_s": 90.0}]
+    assert token_line(wins) == ("tokens/s sent (the server reported no usage)", [90.0])
 
 
 def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
