@@ -52,6 +52,7 @@ from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
 from embedserve.loadtest.sampling import GaugeSampler, MemorySampler, ProcessSampler
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from embedserve.loadtest.traffic import RequestFactory, auto_build_workers
+from embedserve.loadtest.verdict import growth_caveats
 
 
 async def discover_model(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
@@ -295,6 +296,8 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
           f"p95 {m['latency_ms']['p95']} ms, errors {m['errors']}, 429 {m['throttled_429']}; "
           f"{cachehits.describe(pc)}{' (WARNING: above 1%)' if pc['flagged'] else ''}"
           f"\nreport: {mp}\nresults: {jp}", file=sys.stderr)
+    for caveat in growth_caveats(res["memory"]["growth_after_warmup"]):
+        print(f"WARNING: memory growth: {caveat}", file=sys.stderr)
     return 0 if res["verdict"]["passed"] else 1
 
 

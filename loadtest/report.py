@@ -11,7 +11,7 @@ import numpy as np
 from embedserve.loadtest.cachehits import describe as describe_cache
 from embedserve.loadtest.runner import RunOutcome
 from embedserve.loadtest.stats import aggregate, auto_window, columns, embedded_per_s, windows
-from embedserve.loadtest.verdict import Targets, evaluate, growth
+from embedserve.loadtest.verdict import Targets, evaluate, growth, growth_caveats
 
 
 def memory_series(memory: dict[str, Any] | None, processes: dict[str, Any]
@@ -148,9 +148,12 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         lines += ["| series | after warm-up | last | growth | per hour | samples |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {k} | {g['first_mib']} MiB | {g['last_mib']} MiB | {g['growth_mib']} MiB | "
-                  f"{g['growth_mib_per_hour']} MiB/h | {g['samples']} |"
+                  + (f"{g['growth_mib_per_hour']} MiB/h" if g.get("growth_mib_per_hour") is not None
+                     else "-") + f" | {g['samples']} |"
                   for k, g in growths.items() if g]
         lines.append("")
+        for caveat in growth_caveats(growths):
+            lines += [f"> **WARNING (memory growth): {caveat}.**", ""]
     fc = [s for s in hm.get("samples", []) if s.get("hours_to_oom") is not None]
     if fc:
         hrs = [s["hours_to_oom"] for s in fc]

@@ -215,3 +215,16 @@ def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
     assert g["measured"]["fake_requests_seen"]["max"] > 0
     assert g["measured"]["not_exported"]["median"] is None
     assert "Gauge `fake_requests_seen`" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_memory_slope_on_a_short_span_is_left_out_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with FakeServer() as srv:
+        _, res = _run([srv.url, "--concurrency", "2", "--duration", "2", "--mix", "fixed:5",
+                       "--no-plots"], tmp_path)
+    g = res["memory"]["growth_after_warmup"]["target host"]
+    assert g["growth_mib_per_hour"] is None and "under the 30 min a slope needs" in g["caveat"]
+    warning = f"WARNING (memory growth): {g['caveat']}."
+    assert warning in (tmp_path / "summary.md").read_text()
+    assert f"WARNING: memory growth: {g['caveat']}" in capsys.readouterr().err

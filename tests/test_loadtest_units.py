@@ -32,7 +32,7 @@ from embedserve.loadtest.traffic import (
     poisson_arrivals,
     prefetcher,
 )
-from embedserve.loadtest.verdict import Targets, evaluate, growth, p95_drift
+from embedserve.loadtest.verdict import MIB, Targets, evaluate, growth, growth_caveats, p95_drift
 from embedserve.runtime.synth_model import EOS, build_tokenizer
 
 
@@ -236,6 +236,22 @@ def test_growth_ignores_warmup_and_jitter() -> None:
     g2 = growth(ts, warm_spike, 100.0)
     assert g2 is not None and 700 < g2["growth_mib"] < 900
     assert growth(ts[:1], leak[:1], 0.0) is None
+
+
+def test_a_per_hour_slope_needs_half_an_hour_after_a_warm_up_of_five_minutes() -> None:
+    """60 s of samples from the first request (a server still warming up) scaled to an hour
+    made a one-off step of 60 MiB 3,600 MiB/h; now there is no per-hour figure, and a caveat
+    says why."""
+    ts = [float(t) for t in range(0, 61, 5)]
+    step = [1e9 if t < 30 else 1e9 + 60 * MIB for t in ts]
+    g = growth(ts, step, 0.0)
+    assert g is not None and g["growth_mib"] == 60.0 and g["growth_mib_per_hour"] is None
+    assert "60 s of samples after the warm-up, under the 30 min a slope needs" in g["caveat"]
+    assert "starts 0 s into the load" in g["caveat"] and "--warmup 5m" in g["caveat"]
+    long = [float(t) for t in range(300, 300 + 1801, 60)]
+    g = growth(long, [1e9 if t < 1200 else 1e9 + 60 * MIB for t in long], 300.0)
+    assert g is not None and g["growth_mib_per_hour"] == 120.0 and g["caveat"] is None
+    assert growth_caveats({"a": g, "b": None}) == []
 
 
 def _measured(errors: int = 0, attempts: int = 100, p95: float = 10.0) -> dict[str, Any]:
