@@ -11,7 +11,7 @@ import numpy as np
 from embedserve.loadtest.cachehits import describe as describe_cache
 from embedserve.loadtest.runner import RunOutcome
 from embedserve.loadtest.stats import aggregate, auto_window, columns, embedded_per_s, windows
-from embedserve.loadtest.verdict import Targets, evaluate, growth, growth_caveats
+from embedserve.loadtest.verdict import Targets, evaluate, growth, growth_caveats, verdict_label
 
 
 def memory_series(memory: dict[str, Any] | None, processes: dict[str, Any]
@@ -105,7 +105,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     """A one-page summary an operator can read at a glance."""
     m, meta, v = res["measured"], res["meta"], res["verdict"]
     lat = m["latency_ms"]
-    verdict = "PASS" if v["passed"] else "FAIL"
+    verdict = verdict_label(v)
     if str(meta.get("stop_reason", "")).startswith("running"):
         verdict = f"running, {meta['wall_s'] / 60:.0f} min in (checkpoint; so far: {verdict})"
     lines = [
@@ -133,14 +133,15 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         f"{res['totals']['tokens_sent']} tokens sent |",
         "",
     ]
-    if v["checks"]:
-        lines += ["## Verdict", "", "| check | value | target | result | detail |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {c['check']} | {fmt(c['value'])} | {fmt(c['target'])} | "
-                  f"{c['status'].upper()} | {c['detail']} |" for c in v["checks"]]
-        lines.append("")
-    else:
-        lines += ["No targets were given: the verdict only says the run completed.", ""]
+    lines += ["## Verdict", ""]
+    if not v.get("targets_given", True):
+        lines += ["No targets were given (`--max-p95-ms`, `--min-rps`, ...): the run fails on "
+                  "errors (`--max-error-rate` allows a share; 429s are throttling, not errors) "
+                  "or when nothing was sent, and never passes.", ""]
+    lines += ["| check | value | target | result | detail |", "|---|---|---|---|---|"]
+    lines += [f"| {c['check']} | {fmt(c['value'])} | {fmt(c['target'])} | "
+              f"{c['status'].upper()} | {c['detail']} |" for c in v["checks"]]
+    lines.append("")
     growths = res["memory"]["growth_after_warmup"]
     hm = res["memory"].get("health_memory") or {}
     lines += ["## Memory", "", f"`/health/memory`: {hm.get('status', 'not requested')}.", ""]

@@ -93,12 +93,13 @@ def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]]
     """The verdict: each requested check, and ``passed`` when none failed."""
     checks: list[dict[str, Any]] = []
     attempts = measured["attempts"]
-    if t.max_error_rate is not None:
-        v = measured["error_rate"] if attempts else None
-        checks.append(_check("error rate", v, t.max_error_rate,
-                             v is not None and v <= t.max_error_rate,
-                             f"{measured['errors']} errors in {attempts} attempts "
-                             "(429s counted apart)"))
+    # Errors fail every run unless --max-error-rate allows a share; a 429 is throttling.
+    allowed = 0.0 if t.max_error_rate is None else t.max_error_rate
+    v = measured["error_rate"] if attempts else None
+    checks.append(_check("error rate", v, allowed, v is not None and v <= allowed,
+                         f"{measured['errors']} errors in {attempts} attempts (429s counted "
+                         "apart)" + ("; any error fails without --max-error-rate"
+                                     if t.max_error_rate is None else "")))
     if t.max_throttle_rate is not None:
         v = round(measured["throttled_429"] / attempts, 6) if attempts else None
         checks.append(_check("429 rate", v, t.max_throttle_rate,
@@ -138,4 +139,12 @@ def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]]
     failed = [c["check"] for c in checks if c["status"] == "fail"]
     no_data = [c["check"] for c in checks if c["status"] == "no data"]
     return {"passed": not failed, "failed": failed, "no_data": no_data, "checks": checks,
-            "targets": asdict(t)}
+            "targets": asdict(t), "targets_given": t.any()}
+
+
+def verdict_label(verdict: Mapping[str, Any]) -> str:
+    """``PASS`` or ``FAIL``; a run without targets that did not fail says ``no targets``,
+    since it met nothing it was asked to meet."""
+    if not verdict["passed"]:
+        return "FAIL"
+    return "PASS" if verdict.get("targets_given", True) else "no targets"

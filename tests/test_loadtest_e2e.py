@@ -85,7 +85,7 @@ def test_timeouts_are_counted_and_health_404_skipped(tmp_path: Path) -> None:
     with FakeServer(cfg) as srv:
         rc, res = _run([srv.url, "--requests", "4", "--concurrency", "4", "--timeout", "0.2",
                         "--mix", "fixed:10"], tmp_path)
-    assert rc == 0  # no targets given
+    assert rc == 1 and res["verdict"]["failed"] == ["error rate"]  # no targets, but errors
     assert res["totals"]["by_status"] == {"timeout": 4}
     assert res["memory"]["health_memory"]["status"].startswith("absent (HTTP 404)")
     assert "timeout" in res["error_samples"]
@@ -228,3 +228,27 @@ def test_a_memory_slope_on_a_short_span_is_left_out_with_a_warning(
     warning = f"WARNING (memory growth): {g['caveat']}."
     assert warning in (tmp_path / "summary.md").read_text()
     assert f"WARNING: memory growth: {g['caveat']}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("fake", "allow", "rc", "label"), [
+    (FakeConfig(fail_every=11), [], 1, "FAIL"),  # 9% 503s
+    (FakeConfig(fail_every=11), ["--max-error-rate", "0.1"], 0, "PASS"),
+    (FakeConfig(throttle_every=5, retry_after_s=0.01), [], 0, "no targets"),  # 429s only
+])
+def test_without_targets_errors_fail_and_nothing_passes(
+    fake: FakeConfig, allow: list[str], rc: int, label: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run with no targets says "no targets", never PASS, and still fails on errors unless
+    --max-error-rate allows their share; a 429 with Retry-After is throttling, not an error."""
+    with FakeServer(fake) as srv:
+        got, res = _run([srv.url, "--concurrency", "2", "--requests", "60", "--mix", "fixed:5",
+                         "--no-plots", *allow], tmp_path)
+        seen = srv.counters
+    m = res["measured"]
+    assert got == rc
+    assert m["errors"] == seen.failed_503 and m["throttled_429"] == seen.throttled_429
+    assert (m["errors"] > 0) == (fake.fail_every > 0)
+    assert (m["throttled_429"] > 0) == (fake.throttle_every > 0)
+    assert (tmp_path / "summary.md").read_text().startswith(f"# Load test: {label}\n")
+    assert capsys.readouterr().err.startswith(f"{label}: ")

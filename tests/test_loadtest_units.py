@@ -32,7 +32,15 @@ from embedserve.loadtest.traffic import (
     poisson_arrivals,
     prefetcher,
 )
-from embedserve.loadtest.verdict import MIB, Targets, evaluate, growth, growth_caveats, p95_drift
+from embedserve.loadtest.verdict import (
+    MIB,
+    Targets,
+    evaluate,
+    growth,
+    growth_caveats,
+    p95_drift,
+    verdict_label,
+)
 from embedserve.runtime.synth_model import EOS, build_tokenizer
 
 
@@ -279,7 +287,10 @@ def test_verdict() -> None:
     v = evaluate(t, _measured(), [_win(0, 10.0)], {})
     assert v["passed"] and v["no_data"] == ["P95 drift", "memory growth MiB"]
     assert not evaluate(Targets(), _measured(attempts=0), [], {})["passed"]
-    assert evaluate(Targets(), _measured(), [], {})["passed"]
+    assert verdict_label(evaluate(t, _measured(), [], {})) == "PASS"
+    assert verdict_label(evaluate(Targets(), _measured(), [], {})) == "no targets"
+    v = evaluate(Targets(max_p95_ms=100), _measured(errors=9), [], {})  # errors fail any run
+    assert verdict_label(v) == "FAIL" and v["failed"] == ["error rate"]
 
 
 def test_urls_and_parsing() -> None:
@@ -321,7 +332,7 @@ def test_memory_series_filter() -> None:
     t = Targets(max_memory_growth_mib=100, memory_series="engine|gateway")
     v = evaluate(t, _measured(), [], mem)
     assert v["passed"] and [c["check"] for c in v["checks"]] == [
-        "memory growth MiB: target engine RSS"]
+        "error rate", "memory growth MiB: target engine RSS"]
 
 
 def test_a_shared_prefix_counts_in_the_exact_length(tok: Any) -> None:
