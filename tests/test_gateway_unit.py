@@ -272,6 +272,24 @@ def test_text_turned_into_unknown_tokens_is_reported(client: TestClient) -> None
     assert plain.headers["x-embedserve-unknown-token-inputs"] == "0"
 
 
+@pytest.mark.parametrize("accept_ids", [False, True])
+@pytest.mark.parametrize("bad", [5, {"text": "a"}, [1.5, 2.0], ["a", 1], [[1, 2], "a"], [None]])
+def test_a_wrong_input_type_says_what_this_server_accepts(
+    engine: FakeEngine, accept_ids: bool, bad: object
+) -> None:
+    """Token ids are named as accepted only where gateway.accept_token_ids is on (the
+    default refuses them)."""
+    with make_client(engine, accept_token_ids=accept_ids) as c:
+        wait_ready(c)
+        message = str(assert_error(post(c, {"model": MODEL, "input": bad}), 400, "input")["message"])
+    if accept_ids:
+        assert "only token ids" in message or "a list of token ids or a list of token-id lists" in message
+        assert "takes no token ids" not in message
+    else:
+        assert "token-id list" not in message and "only token ids" not in message
+        assert "takes no token ids" in message
+
+
 @pytest.mark.parametrize(("inline_chars", "on_thread"), [(0, True), (2048, False)])
 def test_short_texts_tokenise_on_the_loop_unless_configured_off(
     engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, inline_chars: int, on_thread: bool
