@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,12 @@ def throughput(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def token_line(wins: list[dict[str, Any]]) -> tuple[str, list[float | None]]:
-    """Tokens/s embedded (the server's usage, after its truncation) per window; tokens/s sent,
-    labelled so, only when the server reported no usage at all."""
+def token_line(wins: list[dict[str, Any]]) -> tuple[str, list[float]]:
+    """Tokens/s embedded (the server's usage, after its truncation) per window, NaN (a gap)
+    where it is unknown; tokens/s sent, labelled so, only when the server reported no usage."""
     if any(w["usage_reported"] for w in wins):
-        return "tokens/s embedded (server usage)", [embedded_per_s(w) for w in wins]
+        return "tokens/s embedded (server usage)", [
+            math.nan if (v := embedded_per_s(w)) is None else v for w in wins]
     return "tokens/s sent (the server reported no usage)", [w["tokens_per_s"] for w in wins]
 
 
