@@ -189,7 +189,7 @@ def test_ctrl_c_while_starting_exits_fast_with_130(tmp_path: Path) -> None:
         if moment == "loading":
             time.sleep(0.5)
         else:
-            wait_until(lambda s=stack: _answers(s.url), timeout=60, interval=0.05)  # type: ignore[misc]
+            wait_until(lambda s=stack: _answers(s.url), timeout=60, interval=0.05)
         was_up = "embedserve is up" in stack.log_text()
         t0 = time.monotonic()
         stack.proc.send_signal(signal.SIGINT)
