@@ -217,6 +217,26 @@ def _clients_block() -> str:
     return section.split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
+def test_the_clients_pip_command_installs_what_the_snippets_import() -> None:
+    """Each module the snippets import comes from a package the section's pip command names:
+    the installed distribution that provides it, or, for one not installed here (LlamaIndex),
+    the package its dotted name spells (llama_index.embeddings.openai:
+    llama-index-embeddings-openai)."""
+    import importlib.metadata
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+    pip = next(line for line in section.splitlines() if line.startswith("pip install "))
+    named = set(pip.split()[2:])
+    provides = importlib.metadata.packages_distributions()
+    modules = re.findall(r"^(?:from|import) ([\w.]+)", _clients_block(), re.M)
+    assert len(modules) >= 4
+    for module in modules:
+        installed = {d.lower() for d in provides.get(module.split(".")[0], [])}
+        wanted = installed or {module.replace("_", "-").replace(".", "-")}
+        assert wanted & named, (module, wanted, pip)
+
+
 @pytest.mark.slow
 def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningStack) -> None:
     """Each paragraph of the block runs as written, but for the URL; a client library that
