@@ -273,14 +273,13 @@ class EmbeddingPipeline:
         one_call = self.coalescer.token_budget
         if rate is None or total <= max(rate * deadline, one_call):
             return
-        advice = max(int(rate * deadline / 2), one_call)
         self.metrics.rejected.labels("capacity").inc()
         raise APIError(
             413,
             f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s "
             f"(measured over their recent work), so it would need about {total / rate:,.0f} s, "
-            f"longer than the {deadline:g} s deadline. Send at most {advice:,} "
-            "tokens per request.",
+            f"longer than the {deadline:g} s deadline. Send at most "
+            f"{max(int(rate * deadline / 2), one_call):,} tokens per request.",
             param="input",
             code="request_exceeds_capacity",
         )

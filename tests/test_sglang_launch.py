@@ -294,6 +294,7 @@ def test_no_kv_cache_is_one_forward_per_request_with_sglangs_flag(model_dir: Pat
     assert {"--prefill-only-disable-kv-cache", "--disable-radix-cache"} <= set(argv)
     assert [f for f in flags_of(argv) if f not in SGLANG_FLAGS] == []
     assert arg(argv, "--max-prefill-tokens") == "16384"  # the batch budget still bounds a batch
+    assert arg(argv, "--cuda-graph-max-bs-prefill") == "16384"  # graphs sized by it, not by -1
     paged = build_launch(make(model_dir), gpu_capability=(9, 0), fa3=True).argv
     assert "--prefill-only-disable-kv-cache" not in paged and arg(paged, "--chunked-prefill-size") == "16384"
 

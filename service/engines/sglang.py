@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from embedserve.config import Settings, load_settings
-from embedserve.engines.launch import LaunchSpec
+from embedserve.contracts.launch import LaunchSpec
 from embedserve.engines.sizing import EnginesPlan, ModelShape, SizingError, plan_engines_per_gpu
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_compute_capability, gpu_total_bytes
@@ -222,7 +222,9 @@ def build_launch(
     if not eng.prefix_cache:
         argv.append("--disable-radix-cache")
     if kv_cache == "none":
-        argv.append("--prefill-only-disable-kv-cache")
+        # SGLang sizes its prefill CUDA graphs from --chunked-prefill-size, which is -1 here:
+        # without the budget it captured none, and small batches ran eagerly
+        argv += ["--prefill-only-disable-kv-cache", "--cuda-graph-max-bs-prefill", str(budget)]
     if eng.quantization != "none":
         argv += ["--quantization", eng.quantization]
     if model.matryoshka_dimensions:
