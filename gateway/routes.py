@@ -64,7 +64,7 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
         try:
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:
-            raise validation_error(exc, obj) from exc
+            raise validation_error(exc, obj, pipeline.settings.accept_token_ids) from exc
         work = asyncio.ensure_future(pipeline.run(req))
         watch = asyncio.ensure_future(wait_disconnect(request))
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -8,26 +8,35 @@ refused, never cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 g
 
 Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
 the model's files, the exporter, the quantisation and the library versions, and appears
-there whole or not at all: it is written to a temporary folder and renamed into place, so two
-starts racing each other never leave a half-written model. Run as a module, it makes the
-export for the settings it inherits (``Settings.child_env``); the engine runs it in a child
-process so that torch never loads into the serving process.
+there whole or not at all: it is written to a temporary folder and renamed into place, so a
+start never finds a half-written model. One export at a time is made in a cache folder (a lock
+on the folder, which the kernel drops when its holder dies), so the lock's holder may delete
+any temporary folder it finds there: it was left by an export that was killed. One stopped by
+SIGTERM or SIGINT (``up`` stopping a starting engine, a Ctrl-C) deletes its own first. Run as a
+module, it makes the export for the settings it inherits (``Settings.child_env``); the engine
+runs it in a child process so that torch never loads into the serving process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -48,6 +57,8 @@ OPSET = 17
 MIN_FP32_COSINE = 0.9999
 #: Bump when the graph's construction changes, so old exports are not reused.
 FORMAT = 1
+#: A temporary export folder: ``.<export folder's name>.<tempfile.mkdtemp's 8 characters>``.
+_WORK_FOLDER = re.compile(r"\..+-[0-9a-f]{20}\.[a-z0-9_]{8}")
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
 
 
@@ -164,17 +175,27 @@ class Exporter:
         return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
 
     def build(self, quantization: str) -> tuple[Path, OnnxExport]:
-        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one)."""
+        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one),
+        holding the cache folder's lock; the leftovers of killed exports are deleted first."""
         folder = export_folder(self.settings, quantization)
         found = read_export(folder)
         if found is not None:
             return folder, found
-        t0 = time.monotonic()
         folder.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive(folder.parent):
+            remove_leftovers(folder.parent)
+            return self._build(quantization)
+
+    def _build(self, quantization: str) -> tuple[Path, OnnxExport]:
+        folder = export_folder(self.settings, quantization)
+        found = read_export(folder)  # made by the start that held the lock before us
+        if found is not None:
+            return folder, found
+        t0 = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
         try:
             if quantization == "int8":
-                base, _ = self.build("none")
+                base, _ = self._build("none")
                 quantize_int8(base / MODEL_FILE, work / MODEL_FILE)
             else:
                 self.trace(work / MODEL_FILE)
@@ -272,6 +293,30 @@ def quantize_int8(fp32: Path, out: Path) -> None:
     quantize_dynamic(fp32, out, weight_type=QuantType.QUInt8, per_channel=True)
 
 
+@contextlib.contextmanager
+def exclusive(root: Path) -> Iterator[None]:
+    """An exclusive lock on the cache folder itself (no lock file to leave behind)."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Temporary folders of exports that were killed; call only holding ``exclusive(root)``."""
+    for path in root.iterdir():
+        if _WORK_FOLDER.fullmatch(path.name) and path.is_dir():
+            log.info("removing an interrupted onnx export", extra={"folder": str(path)})
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT: unwind, so the temporary folder is deleted, then exit 128 + signal."""
+    raise SystemExit(128 + signum)
+
+
 def publish(work: Path, folder: Path) -> None:
     """Rename the finished folder into place; when another start got there first, keep its."""
     try:
@@ -284,6 +329,8 @@ def publish(work: Path, folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from embedserve.logs import setup_logging
 
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
