@@ -1,8 +1,9 @@
 """Benchmark: a burst after an idle spell, against a running stack.
 
 An evening of traffic (rounds of concurrent requests), then ``--idle-s`` with no request at
-all, then the morning's burst: eight concurrent requests of one engine call's size (~300
-tokens) and eight of several calls each (~3,000 tokens), every text unique. Target: every
+all, then the morning's burst: eight concurrent requests of one engine call's size (one
+input of at most one model length) and eight of several calls each (twelve such inputs),
+every text unique. Target: every
 request of the burst answered 200, none refused with 413, and the measured capacity
 (``embedserve_capacity_tokens_per_second``) the same before and after the idle spell.
 
@@ -30,6 +31,14 @@ _unique = itertools.count()
 def texts(count: int, words: int) -> list[str]:
     """Texts no cache has seen: every word carries a serial number."""
     return [" ".join(f"note{next(_unique)}" for _ in range(words)) for _ in range(count)]
+
+
+def tokens(replies: list[dict[str, Any]]) -> str:
+    """The tokens the server embedded per request (its usage), as a range."""
+    counts = sorted(r["tokens"] for r in replies if r["tokens"] is not None)
+    if not counts:
+        return "no usage"
+    return f"{counts[0]:,}" if counts[0] == counts[-1] else f"{counts[0]:,}-{counts[-1]:,}"
 
 
 def capacity(url: str) -> float | None:
@@ -77,13 +86,14 @@ def main() -> None:
     (a.out / "results.json").write_text(json.dumps(result, indent=1))
     rows = [("evening, last round", evening[-1]), ("after the idle spell", morning)]
     md = [f"# A burst after {a.idle_s / 3600:g} h idle ({model}, CPU stack)", "",
-          "| phase | 8 x one call (~300 tokens) | 8 x several calls (~3,000 tokens) |", "|---|---|---|"]
+          f"| phase | 8 x one call ({tokens(morning['one_call'])} tokens) | 8 x several calls "
+          f"({tokens(morning['several_calls'])} tokens) |", "|---|---|---|"]
     for name, p in rows:
         cells = [", ".join(f"{k}: {v}" for k, v in Counter(str(r["status"]) for r in p[key]).items())
                  for key in ("one_call", "several_calls")]
         md.append(f"| {name} | {cells[0]} | {cells[1]} |")
-    md += ["", f"Capacity (tokens/s): {before} before the idle spell, {after_idle} after it, "
-           f"{result['capacity_after_burst']} after the burst.", "",
+    md += ["", f"Capacity (tokens/s): {before:,.0f} before the idle spell, {after_idle:,.0f} after it, "
+           f"{result['capacity_after_burst']:,.0f} after the burst.", "",
            f"`python -m bench.cpu.idle_burst --url URL --idle-s {a.idle_s:g} --out OUT`, against "
            "`embedserve up` on the CPU stack."]
     (a.out / "README.md").write_text("\n".join(md) + "\n")
