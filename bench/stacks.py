@@ -38,6 +38,7 @@ class Host:
     vllm_cmd: tuple[str, ...] = ()  # replaces `python3 -m vllm.entrypoints.cli.main` (a stub)
     vllm_kv_tokens: int | None = None  # vLLM's KV pool; default: embedserve's engine's
     embedserve_variants: tuple[str, ...] = ()  # the vllm scenario's sides beyond the defaults
+    vllm_sides: tuple[str, ...] = ("vllm", "vllm tuned")  # the vllm scenario's vLLM sides
 
     @property
     def cpu(self) -> bool:

@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     ap.add_argument("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's "
                                                          "engine's, 16,384 at cap 8,192)")
+    ap.add_argument("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides "
+                    "(vllm: its defaults; vllm tuned: --max-num-batched-tokens 16384 --api-server-count 4)")
     ap.add_argument("--embedserve-variants", default="",
                     help="the vllm scenario's embedserve sides beyond the defaults, comma-separated, of: "
                          f"{', '.join(vllm_peer.VARIANTS)} (joined by + for several at once; '' for none)")
@@ -314,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
                        vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
                        vllm_kv_tokens=a.vllm_kv_tokens,
                        embedserve_variants=tuple(v for v in a.embedserve_variants.split(",") if v),
+                       vllm_sides=tuple(v.strip() for v in a.vllm_sides.split(",") if v.strip()),
                        quality_corpus=a.quality_corpus)
     vllm_shapes = tuple(a.vllm_shapes.split(","))
     if set(vllm_shapes) - set(vllm_peer.SHAPES):
         ap.error(f"--vllm-shapes takes {', '.join(vllm_peer.SHAPES)}")
+    if set(host.vllm_sides) - {"vllm", "vllm tuned"}:
+        ap.error("--vllm-sides takes vllm and vllm tuned, comma-separated")
     for variant in host.embedserve_variants:
         try:
             vllm_peer.variant_env(variant)

@@ -65,6 +65,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "x3": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"}, []),
     "graphs": ({}, TC_PIECEWISE),
     "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
+    "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),
 }
 UP_EXTRA = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",  # admission control off
             "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "300",
@@ -109,7 +110,8 @@ def side_ports(host: Host, shape: str) -> dict[str, int]:
     """Every side of a shape and its port: embedserve's first, then vLLM's."""
     ups = ["embedserve", *(f"embedserve {v}" for v in host.embedserve_variants)]
     out = {side: UP_BASE[shape] + 10 * k for k, side in enumerate(ups)}
-    return out | {"vllm": VLLM_BASE[shape], "vllm tuned": VLLM_BASE[shape] + 1}
+    vllm = {"vllm": VLLM_BASE[shape], "vllm tuned": VLLM_BASE[shape] + 1}
+    return out | {side: port for side, port in vllm.items() if side in host.vllm_sides}
 
 
 def is_vllm(side: str) -> bool:

@@ -78,6 +78,7 @@ def engine_view(
         detail=(sup.detail + "; " if sup and sup.detail else "") + "; ".join(p.detail() for p in pools),
         engines=tuple(e for p in pools for e in p.statuses()),
         replacements=sup.replacements if sup else 0,
+        closed_for=gate.reason,
     )
 
 
@@ -151,7 +152,7 @@ def create_app(
     app.state.health = health
     install_error_handlers(app)
     app.include_router(health.router)
-    embeddings = embeddings_handler(router.embed, metrics)
+    embeddings = embeddings_handler(router.embed, metrics, gw.accept_token_ids)
     add_routes(app, embeddings, runtimes, metrics, registry)
     add_score_routes(app, scoring, metrics)
 

@@ -103,17 +103,20 @@ class EngineCaller:
 
     def _check_capacity(self, total: int, param: str) -> None:
         """Refuse at once what the engines could not embed before the deadline, rather
-        than compute it and answer 504 after the work was done."""
+        than compute it and answer 504 after the work was done. A request that fits one
+        engine call is never refused here: it costs one call, whatever the estimate says."""
         rate = self.load.capacity()
         deadline = self.request_timeout_s
-        if rate is None or total <= rate * deadline:
+        one_call = self.coalescer.token_budget
+        if rate is None or total <= max(rate * deadline, one_call):
             return
         self.metrics.rejected.labels("capacity").inc()
         raise APIError(
             413,
-            f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s, "
-            f"so it would need about {total / rate:,.0f} s, longer than the {deadline:g} s deadline. "
-            f"Send at most {int(rate * deadline / 2):,} tokens per request.",
+            f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s "
+            f"(measured over their recent work), so it would need about {total / rate:,.0f} s, "
+            f"longer than the {deadline:g} s deadline. Send at most "
+            f"{max(int(rate * deadline / 2), one_call):,} tokens per request.",
             param=param,
             code="request_exceeds_capacity",
         )

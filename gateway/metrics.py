@@ -43,6 +43,16 @@ class GatewayMetrics:
         self.tokens_truncated = Counter(
             "embedserve_truncated_tokens", "Tokens dropped by truncation", registry=registry
         )
+        self.inputs_unknown = Counter(
+            "embedserve_inputs_with_unknown_tokens",
+            "Inputs with text the tokenizer turned into unknown tokens",
+            registry=registry,
+        )
+        self.unknown_chars = Counter(
+            "embedserve_unknown_token_chars",
+            "Characters the tokenizer turned into unknown tokens (the model sees none of them)",
+            registry=registry,
+        )
         self.request_tokens = Histogram(
             "embedserve_request_tokens",
             "Tokens per request",

@@ -239,6 +239,11 @@ class EmbeddingPipeline:
             for i, x in enumerate(inputs)
             if x.truncated
         ]
+        unknown = [
+            {"index": i, "unknown_tokens": x.unknown.tokens, "unknown_chars": x.unknown.chars}
+            for i, x in enumerate(inputs)
+            if x.unknown
+        ]
         m = self.metrics
         m.stage_seconds.labels("tokenize").observe(tokenize_s)
         m.stage_seconds.labels("queue").observe(times.queue_s)
@@ -251,18 +256,23 @@ class EmbeddingPipeline:
         if truncated:
             m.inputs_truncated.inc(len(truncated))
             m.tokens_truncated.inc(sum(t["original_tokens"] - t["kept_tokens"] for t in truncated))
+        if unknown:
+            m.inputs_unknown.inc(len(unknown))
+            m.unknown_chars.inc(sum(u["unknown_chars"] for u in unknown))
         body = {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
             "model": req.model,
             "usage": {"prompt_tokens": total, "total_tokens": total},
             "truncated_inputs": truncated,
+            "unknown_token_inputs": unknown,
         }
         headers = {
             "x-embedserve-tokenize-ms": f"{tokenize_s * 1000:.2f}",
             "x-embedserve-queue-ms": f"{times.queue_s * 1000:.2f}",
             "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
             "x-embedserve-truncated-inputs": str(len(truncated)),
+            "x-embedserve-unknown-token-inputs": str(len(unknown)),
         }
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"

@@ -72,10 +72,11 @@ async def unless_gone(request: Request, work: Awaitable[T], metrics: GatewayMetr
 
 
 def embeddings_handler(
-    run: Callable[[EmbeddingRequest], Awaitable[EmbeddingResult]], metrics: GatewayMetrics
+    run: Callable[[EmbeddingRequest], Awaitable[EmbeddingResult]], metrics: GatewayMetrics,
+    accept_token_ids: bool,
 ) -> Handler:
     """POST /v1/embeddings: OpenAI's endpoint (and ``truncate``, ``input_type``, ``instruction``);
-    ``run``: the request's model's pipeline."""
+    ``run``: the request's model's pipeline; ``accept_token_ids``: as the gateway is set."""
 
     async def embeddings(request: Request) -> Response:
         with metrics.request_seconds.time():
@@ -93,7 +94,7 @@ def embeddings_handler(
         try:
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:
-            raise validation_error(exc, obj) from exc
+            raise validation_error(exc, obj, accept_token_ids) from exc
         result = await unless_gone(request, run(req), metrics)
         return json_response(result.body, headers=result.headers)
 

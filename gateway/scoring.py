@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from embedserve.config import GatewaySettings
+from embedserve.config.served import RerankLimits
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.scorers import PairJob, PairTokens, PreparedPairs, Scorer, Scores, sigmoid
 from embedserve.model_info import ModelInfo
-from embedserve.served_settings import RerankLimits
 
 
 @dataclass(frozen=True)

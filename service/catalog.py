@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from embedserve.config import EngineSettings, Settings
+from embedserve.config.served import ServedModel
 from embedserve.model_info import ModelInfo
-from embedserve.served_settings import ServedModel
 from embedserve.settings_errors import ConfigError
 
 VARIABLE = "EMBEDSERVE_SERVED__MODELS"
@@ -76,6 +76,18 @@ def served_models(settings: Settings) -> list[CatalogEntry]:
         entries.append(entry)
         own = entry.settings
         port = own.engine.port + (0 if own.engine.urls else own.local_engine_count())
+    ports: dict[int, str] = {}
+    for entry in entries:
+        own = entry.settings
+        for i in range(0 if own.engine.urls else own.local_engine_count()):
+            port = own.engine.port + i
+            if port in ports:
+                raise ConfigError(
+                    f"{VARIABLE}: the models '{ports[port]}' and '{entry.name}' would both start an "
+                    f"engine on port {port}; give one another engine.port (ports default to the next "
+                    "after the model before)"
+                )
+            ports[port] = entry.name
     seen: dict[str, str] = {}
     for entry in entries:
         for name in (entry.name, *entry.settings.model.aliases):

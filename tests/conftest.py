@@ -146,7 +146,7 @@ def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Qwen3 causal LM with Qwen3's tokenizer, as Qwen3-Reranker ships."""
-    from embedserve.runtime.synth_rerank import build_qwen3_reranker
+    from embedserve.runtime.synth_model import build_qwen3_reranker
 
     return build_qwen3_reranker(tmp_path_factory.mktemp("tiny-rr") / "tiny-qwen3-reranker")
 

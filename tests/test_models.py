@@ -20,7 +20,8 @@ from embedserve.catalog import served_models
 from embedserve.config import BUNDLED_MODEL, Settings
 from embedserve.engines.sglang import LaunchConfigError
 from embedserve.gateway.app import create_app
-from embedserve.runtime.model_plan import plan_models
+from embedserve.model_info import ModelInfo
+from embedserve.runtime.model_plan import PlannedModel, check_shared_gpus, plan_models
 from embedserve.runtime.synth_model import SHAPES
 from embedserve.settings_errors import ConfigError
 from tests.conftest import RunningStack, metric, start_stack, wait_until
@@ -189,10 +190,14 @@ def test_the_models_sglang_engines_must_fit_one_gpu_together(tmp_path: Path) -> 
         {"kind": "rerank", "path": str(reranker), "engine": sglang},
     ]
     settings = Settings(_env_file=None, served={"models": models})
-    _, planned = plan_models(settings, gpu_bytes=141_000_000_000)  # one H200: both fit
-    assert [p.kind for p in planned] == ["sglang", "sglang"]
+    # SGLang itself is not needed to size its engines: the plan as `up` makes it on a GPU host
+    planned = [
+        PlannedModel(e.settings, ModelInfo.load(e.settings.model), "sglang") for e in served_models(settings)
+    ]
+    assert [p.info.scoring for p in planned] == ["cosine", "qwen3-reranker"]
+    check_shared_gpus(planned, 141_000_000_000)  # one H200: both fit
     with pytest.raises(LaunchConfigError) as refused:
-        plan_models(settings, gpu_bytes=24_000_000_000)  # a 24 GB card: refused before anything starts
+        check_shared_gpus(planned, 24_000_000_000)  # a 24 GB card: refused before anything starts
     said = str(refused.value)
     found = re.search(
         r"need ([\d.]+) GB on GPU 0 \(Qwen3-Embedding-4B ([\d.]+) GB, Qwen3-Reranker-4B ([\d.]+) GB\)", said

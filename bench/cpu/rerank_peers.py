@@ -32,9 +32,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.cpu.cpu_peers import MODEL, Server, embedserve, infinity
 from embedserve.loadtest.textbuild import WordBuilder
 from embedserve.runtime.synth_rerank import build_cross_encoder
+
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_peers import MODEL, Server, embedserve, infinity
 
 CE_NAME = "ms-marco-MiniLM-L-6-shape"
 

@@ -4,32 +4,40 @@ The graph holds the whole model as sentence-transformers runs it (transformer, t
 pooling, normalisation): token ids and attention mask in, unit vectors out; for a reranker, its
 module from ``score_modules`` (ids and mask in, one raw score out). It is traced by torch.onnx on
 a padded batch, then checked on padded batches of mixed lengths against torch run on each input
-alone; an fp32 graph whose vectors fall below ``MIN_FP32_COSINE`` (whose scores differ by more
-than ``MAX_FP32_SCORE_DIFF``) is refused, never cached. int8 is ONNX Runtime's dynamic
-quantisation of the fp32 graph.
+alone; an fp32 graph whose answers are not torch's is refused (``export_check``), never cached.
+int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
 
 Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
 the model's files, the exporter, the quantisation and the library versions, and appears
-there whole or not at all: it is written to a temporary folder and renamed into place, so two
-starts racing each other never leave a half-written model. Run as a module, it makes the
-export for the settings it inherits (``Settings.child_env``); the engine runs it in a child
-process so that torch never loads into the serving process.
+there whole or not at all: it is written to a temporary folder and renamed into place, so a
+start never finds a half-written model. One export at a time is made in a cache folder (a lock
+on the folder, which the kernel drops when its holder dies), so the lock's holder may delete
+any temporary folder it finds there: it was left by an export that was killed. One stopped by
+SIGTERM or SIGINT (``up`` stopping a starting engine, a Ctrl-C) deletes its own first. Run as a
+module, it makes the export for the settings it inherits (``Settings.child_env``); the engine
+runs it in a child process so that torch never loads into the serving process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -37,6 +45,7 @@ from pydantic import ValidationError
 
 from embedserve.config import Settings, load_settings
 from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
+from embedserve.engines.export_check import ExportMismatch, padded_batch, refuse_mismatch
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
 
@@ -47,11 +56,10 @@ log = logging.getLogger(__name__)
 #: (bench/cpu/onnx_variants.py compares the two).
 EXPORTER = "torchscript"
 OPSET = 17
-MIN_FP32_COSINE = 0.9999
-#: a reranker's fp32 graph: the most its raw score (a logit) may differ from torch's
-MAX_FP32_SCORE_DIFF = 1e-3
 #: Bump when the graph's construction changes, so old exports are not reused.
 FORMAT = 1
+#: A temporary export folder: ``.<export folder's name>.<tempfile.mkdtemp's 8 characters>``.
+_WORK_FOLDER = re.compile(r"\..+-[0-9a-f]{20}\.[a-z0-9_]{8}")
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
 
 
@@ -145,10 +153,6 @@ def ensure_export(settings: Settings) -> tuple[Path, OnnxExport]:
     return folder, found
 
 
-class ExportMismatch(RuntimeError):
-    """The exported graph's vectors are not torch's."""
-
-
 class Exporter:
     """Builds the exports of one model folder; torch and sentence-transformers load on first use."""
 
@@ -192,17 +196,27 @@ class Exporter:
         return self.min_cosine(graph) if self.info.embeds else self.max_score_diff(graph)
 
     def build(self, quantization: str) -> tuple[Path, OnnxExport]:
-        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one)."""
+        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one),
+        holding the cache folder's lock; the leftovers of killed exports are deleted first."""
         folder = export_folder(self.settings, quantization)
         found = read_export(folder)
         if found is not None:
             return folder, found
-        t0 = time.monotonic()
         folder.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive(folder.parent):
+            remove_leftovers(folder.parent)
+            return self._build(quantization)
+
+    def _build(self, quantization: str) -> tuple[Path, OnnxExport]:
+        folder = export_folder(self.settings, quantization)
+        found = read_export(folder)  # made by the start that held the lock before us
+        if found is not None:
+            return folder, found
+        t0 = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
         try:
             if quantization == "int8":
-                base, _ = self.build("none")
+                base, _ = self._build("none")
                 quantize_int8(base / MODEL_FILE, work / MODEL_FILE)
             else:
                 self.trace(work / MODEL_FILE)
@@ -227,7 +241,7 @@ class Exporter:
         """torch.onnx's tracer on a padded batch, so the graph keeps the masked path."""
         import torch
 
-        ids, mask = _padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
+        ids, mask = padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
         output = "embedding" if self.info.embeds else "score"
         axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
                 output: {0: "batch"}}
@@ -249,7 +263,7 @@ class Exporter:
         cap = min(self.info.max_seq_len, 512)  # enough to cross every length the graph handles alike
         worst = 1.0
         for lengths in ([2, cap, 1 + cap // 7, 17], [3, 9, 30]):
-            ids, mask = _padded_batch(lengths, self.vocab_size(), rng)
+            ids, mask = padded_batch(lengths, self.vocab_size(), rng)
             got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
             with torch.inference_mode():
                 want = np.stack([
@@ -273,7 +287,7 @@ class Exporter:
         cap = min(self.info.max_seq_len, 512)
         worst = 0.0
         for lengths in ([4, cap, 1 + cap // 7, 17], [5, 9, 30]):
-            ids, mask = _padded_batch(lengths, self.vocab_size(), rng, self.sep_id())
+            ids, mask = padded_batch(lengths, self.vocab_size(), rng, self.sep_id())
             got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0][:, 0]
             with torch.inference_mode():
                 alone = [(torch.from_numpy(ids[i : i + 1, :n]), torch.from_numpy(mask[i : i + 1, :n]))
@@ -281,19 +295,6 @@ class Exporter:
                 want = np.array([float(self.module(*x)) for x in alone])
             worst = max(worst, float(np.abs(got - want).max()))
         return worst
-
-
-def refuse_mismatch(embeds: bool, agreement: float) -> None:
-    """An fp32 graph whose answers are not torch's is never cached."""
-    if embeds and agreement < MIN_FP32_COSINE:
-        why = f"vectors differ from torch's (min cosine {agreement:.6f} < {MIN_FP32_COSINE})"
-    elif not embeds and agreement > MAX_FP32_SCORE_DIFF:
-        why = f"scores differ from torch's (by up to {agreement:.2g} > {MAX_FP32_SCORE_DIFF})"
-    else:
-        return
-    raise ExportMismatch(
-        f"the ONNX graph's {why}; set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch)"
-    )
 
 
 def pooled(st: Any) -> Any:
@@ -312,21 +313,6 @@ def pooled(st: Any) -> Any:
     return Pooled().eval()
 
 
-def _padded_batch(
-    lengths: list[int], vocab: int, rng: np.random.Generator, sep: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Random ids, right-padded to the longest, as the engine pads; with ``sep``, a pair's
-    separators in the middle and at the end."""
-    ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, :n] = rng.integers(min(1000, vocab // 2), vocab, n)
-        if sep is not None and n >= 3:
-            ids[row, [n // 2, n - 1]] = sep
-        mask[row, :n] = 1
-    return ids, mask
-
-
 def quantize_int8(fp32: Path, out: Path) -> None:
     """ONNX Runtime's dynamic quantisation: 8-bit weights, one scale per output channel,
     activations quantised per call. Unsigned weights: on CPUs without VNNI the signed kernel
@@ -336,6 +322,30 @@ def quantize_int8(fp32: Path, out: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(fp32, out, weight_type=QuantType.QUInt8, per_channel=True)
+
+
+@contextlib.contextmanager
+def exclusive(root: Path) -> Iterator[None]:
+    """An exclusive lock on the cache folder itself (no lock file to leave behind)."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Temporary folders of exports that were killed; call only holding ``exclusive(root)``."""
+    for path in root.iterdir():
+        if _WORK_FOLDER.fullmatch(path.name) and path.is_dir():
+            log.info("removing an interrupted onnx export", extra={"folder": str(path)})
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT: unwind, so the temporary folder is deleted, then exit 128 + signal."""
+    raise SystemExit(128 + signum)
 
 
 def publish(work: Path, folder: Path) -> None:
@@ -350,6 +360,8 @@ def publish(work: Path, folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from embedserve.logs import setup_logging
 
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

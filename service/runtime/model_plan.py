@@ -19,6 +19,7 @@ from embedserve.engines.sglang import LaunchConfigError, kv_pool_tokens, plan_en
 from embedserve.engines.sizing import ModelShape, engine_memory
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_count, gpu_total_bytes
+from embedserve.runtime.preflight import check_engine_kind
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def plan_models(settings: Settings, gpu_bytes: int | None = None) -> tuple[Setti
     """The settings to serve with and each model's plan; ``gpu_bytes`` overrides NVML's figure."""
     if not settings.served.models:
         kind = resolve_engine_kind(settings)
+        check_engine_kind(settings, kind)
         info = ModelInfo.load(settings.model)
         settings = resolve_engines_per_gpu(settings, info, kind)
         return settings, [PlannedModel(settings, info, kind)]
@@ -82,7 +84,9 @@ def plan_models(settings: Settings, gpu_bytes: int | None = None) -> tuple[Setti
     for entry in served_models(settings):
         info = ModelInfo.load(entry.settings.model)
         entry.check_kind(info)
-        planned.append(PlannedModel(entry.settings, info, resolve_engine_kind(entry.settings)))
+        kind = resolve_engine_kind(entry.settings)
+        check_engine_kind(entry.settings, kind)
+        planned.append(PlannedModel(entry.settings, info, kind))
     check_shared_gpus(planned, gpu_bytes if gpu_bytes is not None else gpu_total_bytes())
     return settings, planned
 

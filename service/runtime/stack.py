@@ -25,7 +25,8 @@ from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
 from embedserve.runtime.model_plan import PlannedModel, plan_models
-from embedserve.runtime.ports import PortInUse, check_free, check_owner
+from embedserve.runtime.ports import PortInUse, check_owner
+from embedserve.runtime.preflight import check_ports
 from embedserve.runtime.replace import EngineReplacer, run_replacers
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
@@ -89,15 +90,6 @@ class _StackServer(QuietServer):
 STARTING_ENGINE_GRACE_S = 2.0
 
 
-def check_ports(settings: Settings, models: list[PlannedModel]) -> None:
-    """Before anything starts: every port this stack will listen on is free."""
-    g = settings.gateway
-    check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
-    for m in models:
-        for port in m.ports():
-            check_free(m.settings.engine.host, port, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
-
-
 @dataclass
 class ModelEngines:
     """One model's plan and the supervisors of its local engines."""
@@ -107,8 +99,9 @@ class ModelEngines:
 
 
 async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
-    """Exit status: 0 after a clean stop, 1 when an engine failed to start, 2 when a port is
-    taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
+    """Exit status: 0 after a clean stop of a stack that was up, 130 (SIGINT) or 143 (SIGTERM)
+    when a signal stopped it before it was up, 1 when an engine failed to start, 2 when a port
+    is taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
     on purpose (a leak drill)."""
     try:
         return await _run_stack(settings, drill_leak)
@@ -124,17 +117,22 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     # before it serves, the engines stopped like any; once it serves, the server shuts down.
     loop = asyncio.get_running_loop()
     early_stop = asyncio.Event()
+    announced = asyncio.Event()
+    interrupted: list[int] = []  # a signal that came before the stack was up
     servers: list[_StackServer] = []
 
     def on_signal(sig: int) -> None:
         early_stop.set()
+        if not announced.is_set():
+            interrupted.append(sig)
         for srv in servers:
             srv.handle_exit(sig, None)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     settings, planned = plan_models(settings)
-    check_ports(settings, planned)
+    for m in planned:  # the gateway's port, then each model's engines'
+        check_ports(m.settings, m.local)
     for m in planned:
         if m.kind == "cpu" and m.settings.engine.cpu_backend == "onnx":
             from embedserve.engines.onnx_export import check_export_dir
@@ -185,7 +183,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         await sup.start()
     if early_stop.is_set():  # stopped while the engines started: no app to build
         await stop_engines()
-        return 0
+        return 128 + interrupted[0]
 
     def view() -> SupervisorView:
         dead = [s for s in supervisors if not s.alive]
@@ -289,7 +287,6 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         interval = settings.health.sample_interval_s
         await run_replacers(replacers, lambda: monitor.state.report if monitor.state else None, interval)
 
-    announced = asyncio.Event()
     announcer = asyncio.create_task(announce())
     watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None
     replacing = (
@@ -308,4 +305,6 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         await stop_engines()
     if any(isinstance(f, PortInUse) for f in failure):
         raise failure[0]
+    if interrupted:  # a start cut short: as a shell reports a process a signal ended
+        return 128 + interrupted[0]
     return 1 if failure or any(s.failed for s in supervisors) else 0

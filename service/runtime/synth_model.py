@@ -227,6 +227,16 @@ def build_model(
     return out
 
 
+def build_qwen3_reranker(out: Path, shape: str = "tiny", seed: int = 0, device: str = "cpu") -> Path:
+    """A Qwen3 causal LM with Qwen3's tokenizer and no sentence-transformers files, as
+    Qwen3-Reranker ships (its tokenizer adds no EOS)."""
+    build_model(out, shape, seed, device=device, pooling=False)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from embedserve.runtime import synth_rerank
 
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.kind == "cross-encoder":
         synth_rerank.build_cross_encoder(a.out, a.shape, a.seed)
     elif a.kind == "qwen3-reranker":
-        synth_rerank.build_qwen3_reranker(a.out, a.shape, a.seed, a.device)
+        build_qwen3_reranker(a.out, a.shape, a.seed, a.device)
     else:
         build_model(a.out, a.shape, a.seed, a.max_seq_length, a.device)
     print(f"wrote {a.shape} {a.kind} to {a.out}")

@@ -4,13 +4,11 @@ scores with a plain transformers forward of the same checkpoint.
 
 - ``build_cross_encoder``: a ``BertForSequenceClassification`` with one label and the bundled
   all-MiniLM-L6-v2's tokenizer; the ``minilm-l6`` shape is ms-marco-MiniLM-L-6-v2's;
-- ``build_qwen3_reranker``: a Qwen3 causal LM with Qwen3's tokenizer and no sentence-transformers
-  files, as Qwen3-Reranker ships (its tokenizer adds no EOS).
+- Qwen3-Reranker: ``synth_model.build_qwen3_reranker``.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,6 @@ from typing import Any
 import torch
 
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
-from embedserve.runtime.synth_model import build_model
 
 CROSS_ENCODER_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
@@ -46,12 +43,4 @@ def build_cross_encoder(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
         if name.endswith("weight") and p.dim() == 2:
             torch.nn.init.normal_(p, std=0.2)
     model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
-def build_qwen3_reranker(out: Path, shape: str = "tiny", seed: int = 0, device: str = "cpu") -> Path:
-    build_model(out, shape, seed, device=device, pooling=False)
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
-    tokenizer["post_processor"] = None  # Qwen3-Reranker's tokenizer frames nothing
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     return out

@@ -2,7 +2,7 @@
 (``EMBEDSERVE_SERVED__RERANK__<FIELD>``), and several models behind one gateway
 (``EMBEDSERVE_SERVED__MODELS``, a JSON list).
 
-One field of ``Settings`` (``served``) holds it, so the main configuration module stays as it is.
+The ``served`` section of ``Settings``.
 ``service/catalog.py`` turns the list into one ``Settings`` per model.
 """
 
