@@ -24,10 +24,12 @@ from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_vector
 MODEL = "all-MiniLM-L6-v2"
 
 
-def make_client(engine: FakeEngine, **gateway: object) -> TestClient:
+def make_client(engine: FakeEngine, served: Any = None, **gateway: object) -> TestClient:
+    """The gateway over ``engine``; ``served``: the served section (rerank limits, models)."""
     settings = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
         gateway={"request_timeout_s": 10.0, "accept_token_ids": True, **gateway},
+        served=served or {},
         health={"sample_interval_s": 60},
         _env_file=None,
     )

@@ -9,34 +9,19 @@ import concurrent.futures
 import threading
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from embedserve.config import Settings
-from embedserve.gateway.app import create_app
 from embedserve.gateway.tokenize import ModelTokenizer
 from tests.conftest import MINILM_DIR, metric, wait_until
-from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_vector
-from tests.test_gateway_unit import assert_error, wait_ready
+from tests.fake_engine import FakeEngine, fake_vector
+from tests.test_gateway_unit import assert_error, make_client, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
 QUERY = "how do I sort a list"
 DOCS = ["sorted() returns a new sorted list", "a banana is yellow", "list.sort() sorts in place", "tea"]
 TOKENIZER = ModelTokenizer(MINILM_DIR, 256)
-
-
-def client_for(engine: FakeEngine, served: dict[str, Any] | None = None, **gateway: Any) -> TestClient:
-    settings = Settings(
-        engine={"kind": "external", "urls": ["http://fake-engine"]},
-        gateway={"request_timeout_s": 10.0, **gateway},
-        served=served or {},
-        health={"sample_interval_s": 60},
-        _env_file=None,
-    )
-    app = create_app(settings, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
-    return TestClient(app)
 
 
 @pytest.fixture()
@@ -46,7 +31,7 @@ def engine() -> FakeEngine:
 
 @pytest.fixture()
 def client(engine: FakeEngine) -> Any:
-    with client_for(engine) as c:
+    with make_client(engine) as c:
         wait_ready(c)
         yield c
 
@@ -154,7 +139,7 @@ def test_request_caps_cut_pairs_shorter(client: TestClient) -> None:
 
 
 def test_documents_and_tokens_per_request_limits(engine: FakeEngine) -> None:
-    with client_for(engine, served={"rerank": {"max_documents": 3, "max_tokens_per_request": 40}}) as c:
+    with make_client(engine, served={"rerank": {"max_documents": 3, "max_tokens_per_request": 40}}) as c:
         wait_ready(c)
         err = assert_error(c.post("/v1/rerank", json={"query": QUERY, "documents": DOCS}), 400, "documents")
         assert err["code"] == "too_many_documents"
@@ -170,7 +155,7 @@ def test_rerank_waits_in_the_same_admission_as_embeddings() -> None:
     gate = threading.Event()
     engine = FakeEngine(gate=gate)
     with (
-        client_for(engine, max_tokens_in_flight=20, accept_token_ids=True) as c,
+        make_client(engine, max_tokens_in_flight=20, accept_token_ids=True) as c,
         concurrent.futures.ThreadPoolExecutor(1) as pool,
     ):
         wait_ready(c)
@@ -192,7 +177,7 @@ def test_rerank_waits_in_the_same_admission_as_embeddings() -> None:
 def test_api_keys_protect_every_score_route(engine: FakeEngine, path: str) -> None:
     body = {"query": QUERY, "documents": DOCS, "text_1": QUERY, "text_2": DOCS}
     body = {k: v for k, v in body.items() if (k in ("text_1", "text_2")) == path.endswith("score")}
-    with client_for(engine, api_keys=["k1"]) as c:
+    with make_client(engine, api_keys=["k1"]) as c:
         wait_ready(c)
         assert_error(c.post(path, json=body), 401)
         assert c.post(path, json=body, headers={"authorization": "Bearer k1"}).status_code == 200

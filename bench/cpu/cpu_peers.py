@@ -117,13 +117,17 @@ class Server:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2).status_code == 200:
-                    embed(self.url, ["warm up"])
+                    self.warm_up()
                     self.ready_s = round(time.monotonic() - self.t0, 1)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
         raise RuntimeError(f"{self.name} not ready after {timeout} s")
+
+    def warm_up(self) -> None:
+        """One call of the kind the run makes, once the server says it is ready."""
+        embed(self.url, ["warm up"])
 
     def tree_rss(self) -> dict[str, float]:
         assert self.proc is not None

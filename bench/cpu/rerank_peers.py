@@ -63,27 +63,13 @@ def rerank_body(model: str, seed: int, serial: int, load: Load) -> dict[str, Any
 
 
 class RerankServer(Server):
-    """A server whose readiness ends with one rerank call."""
+    """A server warmed up with one rerank call."""
 
     model: str = MODEL
 
-    def wait(self, timeout: float = 900) -> None:
-        deadline = self.t0 + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2).status_code == 200:
-                    httpx.post(
-                        self.url, json={"model": self.model, "query": "q", "documents": ["d"]}, timeout=120
-                    ).raise_for_status()
-                    self.ready_s = round(time.monotonic() - self.t0, 1)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.name} not ready after {timeout} s")
+    def warm_up(self) -> None:
+        body = {"model": self.model, "query": "q", "documents": ["d"]}
+        httpx.post(self.url, json=body, timeout=120).raise_for_status()
 
 
 def rerank_side(base: Server, model: str) -> RerankServer:

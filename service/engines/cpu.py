@@ -204,16 +204,25 @@ def create_engine_app(
     def _json(body: bytes) -> Response:
         return Response(body, media_type="application/json")
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
+    async def _call(
+        request: Request, shape: type[Any], expected: str
+    ) -> tuple[Any, list[list[int]], Any] | Response:
+        """The request as ``shape``, its inputs and the model's rows for them, or the response
+        that answers instead (its body malformed, the inputs refused, the caller gone)."""
         try:
-            req = wire.EngineRequest.model_validate_json(await request.body())
+            req = shape.model_validate_json(await request.body())
         except ValidationError as exc:
-            return _error(400, f"expected {{'input': [[token ids], ...]}}: {exc.errors()[0]['msg']}")
+            return _error(400, f"expected {expected}: {exc.errors()[0]['msg']}")
         batch = req.batch()
         rows = await _rows(request, batch)
-        if isinstance(rows, Response):
-            return rows
+        return rows if isinstance(rows, Response) else (req, batch, rows)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        got = await _call(request, wire.EngineRequest, "{'input': [[token ids], ...]}")
+        if isinstance(got, Response):
+            return got
+        req, batch, rows = got
         tokens = sum(len(x) for x in batch)
         return _json(wire.encode_response(name, rows, tokens, req.encoding_format == "base64"))
 
@@ -226,14 +235,10 @@ def create_engine_app(
                 "/encode scores pairs with a cross-encoder; this engine serves "
                 f"{state['embedder'].info.scoring}",
             )
-        try:
-            req = score_wire.EncodeRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return _error(400, f"expected {{'input_ids': [[token ids], ...]}}: {exc.errors()[0]['msg']}")
-        batch = req.batch()
-        rows = await _rows(request, batch)
-        if isinstance(rows, Response):
-            return rows
+        got = await _call(request, score_wire.EncodeRequest, "{'input_ids': [[token ids], ...]}")
+        if isinstance(got, Response):
+            return got
+        req, batch, rows = got
         return _json(score_wire.encode_response(rows[:, 0].tolist(), [len(x) for x in batch], req.single))
 
     @app.post("/v1/score")
@@ -241,28 +246,24 @@ def create_engine_app(
         """Qwen3-Reranker's "no" and "yes" probabilities after each prompt, normalised over the
         two (SGLang's /v1/score with apply_softmax)."""
         e: CpuEmbedder = state["embedder"]
-        try:
-            req = score_wire.LabelScoreRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
+        labels = list(e.labels)
+        if e.info.scoring != "qwen3-reranker":
+            return _error(
+                400, f"/v1/score scores Qwen3-Reranker's labels; this engine serves {e.info.scoring}"
+            )
+        got = await _call(
+            request,
+            score_wire.LabelScoreRequest,
+            "{'items': [[token ids], ...], 'label_token_ids': [no, yes]}",
+        )
+        if isinstance(got, Response):
+            return got
+        req, batch, rows = got
+        if req.label_token_ids != labels or not req.apply_softmax:
             return _error(
                 400,
-                f"expected {{'items': [[token ids], ...], 'label_token_ids': [no, yes]}}: "
-                f"{exc.errors()[0]['msg']}",
+                f"this engine scores the labels {labels} of Qwen3-Reranker, normalised (apply_softmax true)",
             )
-        if (
-            e.info.scoring != "qwen3-reranker"
-            or req.label_token_ids != list(e.labels)
-            or not req.apply_softmax
-        ):
-            return _error(
-                400,
-                f"this engine scores the labels {list(e.labels)} of Qwen3-Reranker, normalised "
-                "(apply_softmax true)",
-            )
-        batch = req.batch()
-        rows = await _rows(request, batch)
-        if isinstance(rows, Response):
-            return rows
         yes = 1.0 / (1.0 + np.exp(-rows[:, 0].astype(np.float64)))
         probabilities = np.stack([1.0 - yes, yes], axis=1).tolist()
         return _json(score_wire.label_score_response(name, probabilities, sum(map(len, batch))))
