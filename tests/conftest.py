@@ -3,6 +3,7 @@ the real stack (``embedserve up`` in a subprocess, real HTTP)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -135,12 +136,16 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+#: The tiny rerankers' folders, and so the names ``models_stack`` serves them under.
+CROSS_ENCODER, QWEN3_RERANKER = "tiny-cross-encoder", "tiny-qwen3-reranker"
+
+
 @pytest.fixture(scope="session")
 def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight BertForSequenceClassification with the bundled model's tokenizer."""
     from embedserve.runtime.synth_rerank import build_cross_encoder
 
-    return build_cross_encoder(tmp_path_factory.mktemp("tiny-ce") / "tiny-cross-encoder")
+    return build_cross_encoder(tmp_path_factory.mktemp("tiny-ce") / CROSS_ENCODER)
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +153,7 @@ def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Qwen3 causal LM with Qwen3's tokenizer, as Qwen3-Reranker ships."""
     from embedserve.runtime.synth_model import build_qwen3_reranker
 
-    return build_qwen3_reranker(tmp_path_factory.mktemp("tiny-rr") / "tiny-qwen3-reranker")
+    return build_qwen3_reranker(tmp_path_factory.mktemp("tiny-rr") / QWEN3_RERANKER)
 
 
 @pytest.fixture(scope="session")
@@ -208,6 +213,25 @@ def served(request: pytest.FixtureRequest) -> Served:
     then the one at ``$EMBEDSERVE_E2E_URL``."""
     stack: Served = request.getfixturevalue("minilm_stack" if request.param == "local" else "external_stack")
     return stack
+
+
+@pytest.fixture(scope="session")
+def models_stack(
+    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    """One ``up`` serving the bundled model, a cross-encoder (on ONNX Runtime, the default) and
+    Qwen3-Reranker (on torch, capped at 256 tokens): several models behind one gateway, and each
+    reranker as the CPU stack serves it. Shared: starting three engines is most of the cost."""
+    models = [
+        {"kind": "embed", "path": BUNDLED_MODEL},
+        {"kind": "rerank", "path": str(tiny_cross_encoder_dir)},
+        {"kind": "rerank", "path": str(tiny_reranker_dir), "max_seq_len": 256,
+         "engine": {"cpu_backend": "torch"}},
+    ]
+    env = {"EMBEDSERVE_SERVED__MODELS": json.dumps(models)}
+    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("models-stack"), env=env)
+    yield stack
+    assert stack.stop() == 0
 
 
 @pytest.fixture(scope="session")
