@@ -3,7 +3,6 @@ the real stack (``embedserve up`` in a subprocess, real HTTP)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -46,7 +45,6 @@ SERIAL = (
     "tests/test_loadtest_e2e.py::test_closed_loop_rate_excludes_the_drain",
     "tests/test_loadtest_e2e.py::test_open_loop_ids_with_errors_and_429",
     "tests/test_loadtest_e2e.py::test_retry_after_pauses_sending",
-    "tests/test_scale_out.py",
     "tests/test_slow_clients.py",
     "tests/test_startup.py",
 )
@@ -241,25 +239,6 @@ def served(request: pytest.FixtureRequest) -> Served:
     then the one at ``$EMBEDSERVE_E2E_URL``."""
     stack: Served = request.getfixturevalue("minilm_stack" if request.param == "local" else "external_stack")
     return stack
-
-
-@pytest.fixture(scope="session")
-def models_stack(
-    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    """One ``up`` serving the bundled model, a cross-encoder (on ONNX Runtime, the default) and
-    Qwen3-Reranker (on torch, capped at 256 tokens): several models behind one gateway, and each
-    reranker as the CPU stack serves it. Shared: starting three engines is most of the cost."""
-    models = [
-        {"kind": "embed", "path": BUNDLED_MODEL},
-        {"kind": "rerank", "path": str(tiny_cross_encoder_dir)},
-        {"kind": "rerank", "path": str(tiny_reranker_dir), "max_seq_len": 256,
-         "engine": {"cpu_backend": "torch"}},
-    ]
-    env = {"EMBEDSERVE_SERVED__MODELS": json.dumps(models)}
-    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("models-stack"), env=env)
-    yield stack
-    assert stack.stop() == 0
 
 
 @pytest.fixture(scope="session")

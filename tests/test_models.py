@@ -1,7 +1,7 @@
 """Several models behind one gateway (``served.models``): the catalog and its mistakes, routing by
 ``model`` over fake engines, each model's own admission, metrics and /health/memory per model
-and engine, the GPU sizing of all the models together, and ``embedserve up`` serving the bundled
-embedding model beside two rerankers on the CPU engine."""
+and engine, the GPU sizing of all the models together. ``embedserve up`` serving the bundled embedding model
+beside two rerankers on the CPU engine: tests/test_rerankers.py, whose stack it is."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from embedserve.model_info import ModelInfo
 from embedserve.runtime.model_plan import PlannedModel, check_shared_gpus, plan_models
 from embedserve.runtime.synth_model import SHAPES
 from embedserve.settings_errors import ConfigError
-from tests.conftest import CROSS_ENCODER, QWEN3_RERANKER, RunningStack, metric, wait_until
+from tests.conftest import metric, wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_score
 from tests.test_gateway_unit import assert_error
 
@@ -209,23 +209,3 @@ def test_the_models_sglang_engines_must_fit_one_gpu_together(tmp_path: Path) -> 
     total, first, second = map(float, found.groups())
     assert abs(total - first - second) < 0.15 and 14 < first == second < 16  # the 4B: 14.48 GB measured
     assert "more than mem_fraction_static 0.85 of its 24.0 GB (20.4 GB)" in said and "\n" not in said
-
-
-@pytest.mark.slow
-def test_up_serves_the_bundled_model_beside_two_rerankers(models_stack: RunningStack) -> None:
-    """A cross-encoder and Qwen3-Reranker (tests/test_rerankers.py checks their scores); the
-    stack ends with exit 0 (the fixture's teardown asserts it)."""
-    served = [EMBED, CROSS_ENCODER, QWEN3_RERANKER]
-    with httpx.Client(base_url=models_stack.url, timeout=60) as c:
-        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == served
-        assert c.post("/v1/embeddings", json={"model": EMBED, "input": "hello"}).status_code == 200
-        r = c.post("/v1/rerank", json={"query": "hello", "documents": ["hello world", "tea"]})
-        assert r.status_code == 200 and r.json()["model"] == CROSS_ENCODER  # the first rerank model
-        engines = c.get("/health/memory").json()["engines"]
-        assert sorted(e["model"] for e in engines) == sorted(served)
-        assert all(e["ready"] for e in engines)
-        wait_until(lambda: len(c.get("/health/memory").json().get("allocator") or []) == 3, timeout=60)
-        stats = c.get("/health/memory").json()["allocator"]
-        assert sorted(s["model"] for s in stats) == sorted(served)
-    banner = f"models '{EMBED}', '{CROSS_ENCODER}' (rerank), '{QWEN3_RERANKER}' (rerank)"
-    assert banner in models_stack.log_text()

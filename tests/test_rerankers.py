@@ -1,12 +1,13 @@
 """Rerankers: a cross-encoder (a tiny random-weight BertForSequenceClassification with the bundled
 model's tokenizer) and Qwen3-Reranker (a tiny random-weight Qwen3 causal LM with Qwen3's
-tokenizer), each served by the CPU stack and compared with a plain transformers forward of the
-same checkpoint; the pair framing and truncation against the tokenizers library's; the SGLang
-side by its launch argv and its answers' shapes (no GPU here)."""
+tokenizer), served by one CPU stack beside the bundled embedding model and compared with a plain
+transformers forward of the same checkpoint; the pair framing and truncation against the
+tokenizers library's; the SGLang side by its launch argv and its answers' shapes (no GPU here)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedserve.config import ModelSettings, Settings
+from embedserve.config import BUNDLED_MODEL, ModelSettings, Settings
 from embedserve.contracts.wire import WireError
 from embedserve.engines.onnx_export import export_folder
 from embedserve.engines.protocols import ENCODE, LabelScores
@@ -33,7 +34,8 @@ from embedserve.gateway.pairs import (
 )
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
-from tests.conftest import CROSS_ENCODER, MINILM_DIR, QWEN3_RERANKER, RunningStack
+from tests.conftest import CROSS_ENCODER, MINILM_DIR, QWEN3_RERANKER, RunningStack, start_stack, wait_until
+from tests.test_models import EMBED
 
 QUERY = "how do I sort a list in python"
 DOCS = [
@@ -96,6 +98,45 @@ def qwen3_reranker_scores(model_dir: Path, query: str, docs: list[str], max_leng
             logits = model(torch.tensor([prefix + middle + suffix])).logits[0, -1]
         out.append(torch.log_softmax(logits[[no, yes]].double(), dim=0)[1].exp().item())
     return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def models_stack(
+    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    """One ``up`` serving the bundled model, a cross-encoder (on ONNX Runtime, the default) and
+    Qwen3-Reranker (on torch, capped at 256 tokens): several models behind one gateway, and each
+    reranker as the CPU stack serves it; one stack for all: starting engines is most of the cost."""
+    models = [
+        {"kind": "embed", "path": BUNDLED_MODEL},
+        {"kind": "rerank", "path": str(tiny_cross_encoder_dir)},
+        {"kind": "rerank", "path": str(tiny_reranker_dir), "max_seq_len": 256,
+         "engine": {"cpu_backend": "torch"}},
+    ]
+    env = {"EMBEDSERVE_SERVED__MODELS": json.dumps(models)}
+    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("models-stack"), env=env)
+    yield stack
+    assert stack.stop() == 0
+
+
+@pytest.mark.slow
+def test_up_serves_the_bundled_model_beside_two_rerankers(models_stack: RunningStack) -> None:
+    """A cross-encoder and Qwen3-Reranker (the tests below check their scores); the
+    stack ends with exit 0 (the fixture's teardown asserts it)."""
+    served = [EMBED, CROSS_ENCODER, QWEN3_RERANKER]
+    with httpx.Client(base_url=models_stack.url, timeout=60) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == served
+        assert c.post("/v1/embeddings", json={"model": EMBED, "input": "hello"}).status_code == 200
+        r = c.post("/v1/rerank", json={"query": "hello", "documents": ["hello world", "tea"]})
+        assert r.status_code == 200 and r.json()["model"] == CROSS_ENCODER  # the first rerank model
+        engines = c.get("/health/memory").json()["engines"]
+        assert sorted(e["model"] for e in engines) == sorted(served)
+        assert all(e["ready"] for e in engines)
+        wait_until(lambda: len(c.get("/health/memory").json().get("allocator") or []) == 3, timeout=60)
+        stats = c.get("/health/memory").json()["allocator"]
+        assert sorted(s["model"] for s in stats) == sorted(served)
+    banner = f"models '{EMBED}', '{CROSS_ENCODER}' (rerank), '{QWEN3_RERANKER}' (rerank)"
+    assert banner in models_stack.log_text()
 
 
 def rerank(stack: RunningStack, model: str, **extra: Any) -> dict[str, Any]:
