@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import drill_report
+import harness
 import psutil
-import stacks
-from gpu_memory import ProcessGpuReader, gpu_description
-from loadgen import UNIQUE_INPUT_FLAGS, supported
-from procs import alive, child_env, embedserve_cmd, http_get
+from gpu import Nvml, gpu_description
+from harness import UP, Host, Side
+from procs import alive, child_env, embedserve_cmd, http_get, port_busy
 
 from embedserve.config import CHILD_SETTINGS_ENV
 from embedserve.contracts.memory import MemoryReport, ProcessMemory
@@ -77,13 +77,14 @@ class DrillConfig:
                 for k, v in self.health.items()}
 
 
-def config_for(host: stacks.Host, rate: str | None = None) -> DrillConfig:
+def config_for(host: Host, rate: str | None = None) -> DrillConfig:
     """GPU: 4 GiB/min into a limit of 56 GB ("as if the GPU had 56 GB") with the 4B's
     ~14.5 GB in use: ~9.7 min to the limit, the replacement due at ~7.7 min to go (~2 min
     in), which leaves room for the second engine (another ~14.5 GB) and the leak while both
     run. CPU: 20 MiB/s into a limit 3 GB above the stack's ~0.6 GB: ~2.4 min to the limit,
     the replacement due at ~1.4 min to go (~1 min in)."""
-    capacity = (host.work.state.get("steps", {}).get("soak-capacity", {}).get("row") or {}).get("req_s")
+    rows = host.work.state.get("steps", {}).get("soak-capacity", {}).get("rows") or [{}]
+    capacity = rows[0].get("req_s")
     if host.cpu:
         rate = rate or "20MiB/s"
         base, headroom, after_leak, span = 0.6e9, 3.0e9, 60.0, 20.0
@@ -188,7 +189,7 @@ class Sampler(threading.Thread):
         self.engine_seen: dict[int, dict[str, Any]] = {}  # pid -> port, first and last seen
         self._offset = log_offset  # where this run's lines begin
         self._halt = threading.Event()
-        self._gpu = ProcessGpuReader()
+        self._gpu = Nvml()
 
     def first_line(self, pattern: str, after: float = 0.0) -> float | None:
         rx = re.compile(pattern, re.IGNORECASE)
@@ -257,7 +258,7 @@ class Sampler(threading.Thread):
 
 
 # -- the load ------------------------------------------------------------------------------
-def loadtest_argv(host: stacks.Host, cfg: DrillConfig, url: str, out: Path, seconds: float) -> list[str]:
+def loadtest_argv(host: Host, cfg: DrillConfig, url: str, out: Path, seconds: float) -> list[str]:
     """`embedserve loadtest` open loop: the seed length mix, unique inputs, the memory report
     sampled every second, windows of 5 s for the throughput series, no resending of a 429 (so
     each status counts one request)."""
@@ -268,8 +269,6 @@ def loadtest_argv(host: stacks.Host, cfg: DrillConfig, url: str, out: Path, seco
             "--no-progress", "--no-plots", "--health-url", "/health/memory", "--sample-interval", "1",
             "--window", "5", "--timeout", "300", "--max-tokens", str(host.cap), "--metrics-url", "none",
             "--retries-429", "0"]  # one attempt per request: a 429 is counted, not sent again
-    if flag := supported(UNIQUE_INPUT_FLAGS):
-        argv.append(flag)
     return argv
 
 
@@ -291,7 +290,7 @@ def load_series(results: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the step ------------------------------------------------------------------------------
-def describe_host(host: stacks.Host) -> dict[str, Any]:
+def describe_host(host: Host) -> dict[str, Any]:
     gpus = gpu_description()
     versions = {}
     for dist in ("embedserve", "sglang", "flashinfer-python", "torch"):
@@ -303,21 +302,23 @@ def describe_host(host: stacks.Host) -> dict[str, Any]:
             "versions": versions, "device": host.device}
 
 
-def step_drill(host: stacks.Host, budget_end: float, rate: str | None = None) -> dict[str, Any]:
+def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[str, Any]:
     cfg = config_for(host, rate or host.drill_rate)
     out = (host.out or host.work.root) / "drill"
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     deadline = min(t_start + cfg.limit_s, budget_end) - STOP_RESERVE_S
-    stacks.free_port(DRILL_ENGINE_PORT)
-    stacks.free_port(DRILL_ENGINE_PORT + 2)  # the replacement's: port + replicas + its number
     log = host.work.root / "logs" / f"{TAG}.log"
     if log.exists():  # an earlier run's banner must not pass for this one's
         log.replace(log.with_suffix(".log.1"))
     args = ("--drill-leak", cfg.rate)
-    extra = {"EMBEDSERVE_LOG_LEVEL": "WARNING", **cfg.env()}
-    env = stacks.up_env(host, "4b", DRILL_PORT, engine_port=DRILL_ENGINE_PORT, extra=extra)
-    info = stacks.start_up(host, TAG, "4b", DRILL_PORT, engine_port=DRILL_ENGINE_PORT, extra=extra, args=args)
+    side = Side(TAG, UP, DRILL_PORT, "4b", {"EMBEDSERVE_LOG_LEVEL": "WARNING", **cfg.env()}, args, tag=TAG)
+    env = UP.command(host, side)[1] | side.env
+    for port in (DRILL_ENGINE_PORT, DRILL_ENGINE_PORT + 2):  # the engine's and its replacement's
+        if port_busy(port):
+            raise RuntimeError(f"port {port} is taken (an earlier run still holds it?)")
+    info = harness.start(host, side)
+    assert info is not None
     url = f"http://127.0.0.1:{DRILL_PORT}"
     sampler = Sampler(url, info["pid"], Path(info["log"]), cfg.resource)
     sampler.start()
@@ -327,8 +328,7 @@ def step_drill(host: stacks.Host, budget_end: float, rate: str | None = None) ->
     load_argv: list[str] = []
     ended = "time limit"
     try:
-        stacks.wait_ready(host, TAG, "/v1/models", DRILL_PORT, min(deadline, budget_end),
-                          banner="embedserve is up")
+        harness.wait_ready(host, side, min(deadline, budget_end))
         events["ready"] = time.time()
         runs.mkdir(parents=True, exist_ok=True)
         load_argv = loadtest_argv(host, cfg, url, runs, deadline - time.time() + 30)

@@ -192,7 +192,7 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
     """Starts ``load`` against ``target`` (a gateway) and, once warmed up, py-spy over the
     path's processes for ``pyspy_s``, then the engine's torch profile for ``steps`` batches;
     summarises both. ``load`` must last for both (about 24 s)."""
-    from loadgen import measure
+    from measure import measure
     from procs import http_post_json
 
     out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,8 @@ from typing import Any
 
 import drill
 import drill_report
+import harness
 import pytest
-import stacks
 import suite
 from procs import WorkDir
 
@@ -85,7 +85,7 @@ def test_the_drill_is_a_scenario_of_its_own() -> None:
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_replacement_is_due_about_when_planned(tmp_path: Path, device: str) -> None:
-    host = stacks.Host(WorkDir(tmp_path), device=device)
+    host = harness.Host(WorkDir(tmp_path), device=device)
     cfg = drill.config_for(host)
     to_limit = (cfg.limit_bytes - cfg.base_bytes) / cfg.rate_bytes_per_s
     due = cfg.health["replace_below_hours"] * 3600

@@ -25,120 +25,61 @@ Prints the table and writes ``ramp.json``, ``ramp.md`` and ``ramp.png`` to ``--o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procs import port_busy, spawn, stop_group, wait_ok
 
 from embedserve.config import BUNDLED_MODEL, Settings, resolve_model_path
 from embedserve.gateway.load import REFUSING_SHARE
 from embedserve.loadtest.cli import main as loadtest
 
-GAUGES = (
-    "embedserve_load",
-    "embedserve_offered_tokens_per_second",
-    "embedserve_refused_tokens_per_second",
-    "embedserve_capacity_tokens_per_second",
-    "embedserve_admission_fill",
-)
+GAUGES = ("embedserve_load", "embedserve_offered_tokens_per_second", "embedserve_refused_tokens_per_second",
+          "embedserve_capacity_tokens_per_second", "embedserve_admission_fill")
 ONSET_429 = 0.01  # 429s "begin" at the first step where at least 1% of attempts get one
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def start_stack(port: int, env: dict[str, str], work: Path) -> subprocess.Popen[bytes]:
-    """``embedserve up`` on ``port`` (the engine on the next one); ready once its gateway
-    answers. Both ports must be free: another server answering there would be measured."""
+def start_stack(port: int, env: dict[str, str], work: Path) -> int:
+    """``embedserve up`` on ``port`` (the engine on the next one), ready once its gateway answers;
+    its process group's id. Both ports must be free: another server answering there would be
+    measured."""
     for p in (port, port + 1):
-        if not port_free(p):
+        if port_busy(p):
             raise SystemExit(f"port {p} is in use: choose another with --port")
-    log = (work / "stack.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "embedserve", "up"],
-        env={**os.environ, **env},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the stack exited: see {work / 'stack.log'}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return proc
-        time.sleep(0.5)
-    raise SystemExit("the stack did not become ready in 300 s")
+    pid = spawn([sys.executable, "-m", "embedserve", "up"], work / "stack.log", {**os.environ, **env})
+    if wait_ok(f"http://127.0.0.1:{port}/health/ready", time.time() + 300, pid) is None:
+        stop_group(pid, 30)
+        raise SystemExit(f"the stack was not ready in 300 s: see {work / 'stack.log'}")
+    return pid
 
 
 def step(url: str, concurrency: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One closed-loop run; its row of the ramp."""
-    args = [
-        url,
-        "--tokenizer",
-        str(resolve_model_path(BUNDLED_MODEL)),
-        "--mix",
-        f"fixed:{a.tokens}",
-        "--inputs",
-        str(a.inputs),
-        "--encoding-format",
-        "base64",
-        "--concurrency",
-        str(concurrency),
-        "--duration",
-        str(a.seconds),
-        "--warmup",
-        str(a.warmup),
-        "--sample-interval",
-        "1",
-        "--timeout",
-        "120",
-        "--no-progress",
-        "--no-plots",
-        "--health-url",
-        "none",
-        "--metrics-url",
-        "none",
-        "--out",
-        str(out),
-    ]
-    for g in GAUGES:
-        args += ["--gauge", g]
-    loadtest(args)
+    args = [url, "--tokenizer", str(resolve_model_path(BUNDLED_MODEL)), "--mix", f"fixed:{a.tokens}",
+            "--inputs", str(a.inputs), "--encoding-format", "base64", "--concurrency", str(concurrency),
+            "--duration", str(a.seconds), "--warmup", str(a.warmup), "--sample-interval", "1",
+            "--timeout", "120", "--no-progress", "--no-plots", "--health-url", "none",
+            "--metrics-url", "none", "--out", str(out)]
+    loadtest([*args, *(x for g in GAUGES for x in ("--gauge", g))])
     res = json.loads((out / "results.json").read_text())
     m, g = res["measured"], res["gauges"]["measured"]
-    attempts = max(m["attempts"], 1)
-    seconds = max(m["duration_s"], 1e-9)
-    tokens_per_attempt = a.tokens * a.inputs
+    attempts, seconds = max(m["attempts"], 1), max(m["duration_s"], 1e-9)
     return {
-        "concurrency": concurrency,
-        "attempts": m["attempts"],
-        "ok": m["ok"],
+        "concurrency": concurrency, "attempts": m["attempts"], "ok": m["ok"],
         "throttled_429": m["throttled_429"],
         "share_429": round(m["throttled_429"] / attempts, 4),
-        "offered_tokens_per_s": round(m["attempts"] * tokens_per_attempt / seconds, 1),
+        "offered_tokens_per_s": round(m["attempts"] * a.tokens * a.inputs / seconds, 1),
         "answered_tokens_per_s": round(m["tokens_per_s"], 1),
-        "p50_ms": m["latency_ms"]["p50"],
-        "p95_ms": m["latency_ms"]["p95"],
-        "load_median": g["embedserve_load"]["median"],
-        "load_min": g["embedserve_load"]["min"],
+        "p50_ms": m["latency_ms"]["p50"], "p95_ms": m["latency_ms"]["p95"],
+        "load_median": g["embedserve_load"]["median"], "load_min": g["embedserve_load"]["min"],
         "load_max": g["embedserve_load"]["max"],
         "capacity_tokens_per_s": g["embedserve_capacity_tokens_per_second"]["median"],
         "gateway_offered_tokens_per_s": g["embedserve_offered_tokens_per_second"]["median"],
@@ -298,56 +239,35 @@ def main(argv: list[str] | None = None) -> int:
         plot(doc, a.out / "ramp.png")
         return 0
     work = Path(tempfile.mkdtemp(prefix="autoscale-ramp-"))
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "EMBEDSERVE_ENGINE__KIND": "cpu",
-        "EMBEDSERVE_GATEWAY__PORT": str(a.port),
-        "EMBEDSERVE_ENGINE__PORT": str(a.port + 1),
-        "EMBEDSERVE_ENGINE__STATS_DIR": str(work / "stats"),
-        "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
-    }
+    env = {"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__KIND": "cpu", "EMBEDSERVE_GATEWAY__PORT": str(a.port),
+           "EMBEDSERVE_ENGINE__PORT": str(a.port + 1), "EMBEDSERVE_ENGINE__STATS_DIR": str(work / "stats"),
+           "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120"}
     if a.max_tokens_in_flight:
         env["EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT"] = str(a.max_tokens_in_flight)
-    gateway = {"max_tokens_in_flight": a.max_tokens_in_flight}
-    bound = Settings(_env_file=None, gateway=gateway).tokens_in_flight_limit("cpu")
+    bound = Settings(_env_file=None, gateway={"max_tokens_in_flight": a.max_tokens_in_flight}
+                     ).tokens_in_flight_limit("cpu")
     per_request = a.tokens * a.inputs
     load_before, started = os.getloadavg(), time.time()
-    proc = start_stack(a.port, env, work)
+    pid = start_stack(a.port, env, work)
     rows = []
     try:
         url = f"http://127.0.0.1:{a.port}"
         prime(url, a, bound // per_request, work / "prime")
         for c in (int(x) for x in a.steps.split(",")):
-            row = step(url, c, a, work / f"c{c}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(step(url, c, a, work / f"c{c}"))
+            print(json.dumps(rows[-1]), flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    doc = {
-        "title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores, shared), "
-        f"{a.inputs} x {a.tokens} tokens per request, admission bound {bound:,} tokens",
-        "meta": {
-            "machine": {
-                "cores": os.cpu_count(),
-                "platform": platform.platform(),
-                "loadavg_before": load_before,
-                "loadavg_after": os.getloadavg(),
-            },
-            "argv": sys.argv[1:] if argv is None else argv,
-            "model": "all-MiniLM-L6-v2 (bundled), CPU engine",
-            "tokens_per_request": per_request,
-            "max_tokens_in_flight": bound,
-            "in_flight_at_first_429": bound // per_request + 1,
-            "seconds_per_step": a.seconds,
-            "warmup_per_step": a.warmup,
-            "prime_s": a.prime,
-            "idle_after_prime_s": a.idle,
-            "onset_429_share": ONSET_429,
-            "started_at": started,
-        },
-        "steps": rows,
-    }
+        stop_group(pid, 60)
+    machine = {"cores": os.cpu_count(), "platform": platform.platform(), "loadavg_before": load_before,
+               "loadavg_after": os.getloadavg()}
+    doc = {"title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores, shared), "
+                    f"{a.inputs} x {a.tokens} tokens per request, admission bound {bound:,} tokens",
+           "meta": {"machine": machine, "argv": sys.argv[1:] if argv is None else argv,
+                    "model": "all-MiniLM-L6-v2 (bundled), CPU engine", "tokens_per_request": per_request,
+                    "max_tokens_in_flight": bound, "in_flight_at_first_429": bound // per_request + 1,
+                    "seconds_per_step": a.seconds, "warmup_per_step": a.warmup, "prime_s": a.prime,
+                    "idle_after_prime_s": a.idle, "onset_429_share": ONSET_429, "started_at": started},
+           "steps": rows}
     doc["crossing"] = crossing(rows)
     (a.out / "ramp.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "ramp.md").write_text(markdown(doc))

@@ -1,0 +1,273 @@
+"""The CPU comparisons as data, run by the same runner as the GPU suite (`python bench/suite.py
+--only NAME`): the bundled all-MiniLM-L6-v2 on the CPU engine against its peers, the gateway's
+settings, the gateway alone in front of an engine that answers at once, and the quality gate.
+
+- ``cpu-peers``: embedserve ``up`` (torch, ONNX fp32, int8), Infinity 0.0.78 (``torch``;
+  ``optimum`` as shipped, and given the graph its optimisation step fails to write) and, in
+  process, sentence-transformers (torch, ONNX) and ONNX Runtime on embedserve's export; a first
+  start's export timed before anything starts, and every side's vectors against
+  sentence-transformers in process. Infinity comes from its own folder (``--infinity-site``:
+  infinity-emb 0.0.78, transformers 4.57, sentence-transformers 5.1, optimum-onnx), pools by
+  mean (``auto`` picks the first token for this model), and its ``optimum`` engine reads
+  sentence-transformers' ONNX export from a copy of the model's folder.
+- ``engine-calls``: `up`'s defaults against ``--variant NAME=SETTINGS`` stacks on the same
+  loads; then one request in flight, the gateway's per-stage headers.
+- ``gateway-overhead``: the instant engine sent token ids against a gateway in front of it sent
+  texts, and the same token ids.
+- ``gateway-loop``: a gateway per tokenizer (``--model NAME=DIR``), ``gateway.inline_tokenize_chars``
+  and ``gateway.event_loop``, in front of one instant engine: the event loop's CPU per request.
+- ``gateway-cpu``: the gateway's CPU per request by request shape, and each stage in process.
+- ``quality-cpu``: ``embedserve quality`` of each ``--variant`` against the one named ``baseline``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from typing import Any
+
+import httpx
+from harness import GATEWAY, INSTANT, UP, Host, Side, slug
+from measure import Case, Load, children_cpu
+from peers import IN_PROCESS, INFINITY
+from runner import Step, step_compare, step_quality, step_start, step_stop, step_vectors
+
+CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}
+MEAN = ("--device", "cpu", "--dtype", "float32", "--pooling-method", "mean")
+PEER_LOADS = [
+    Case("20-word texts, 1 per request, 16 in flight", Load("fixed:20", 16, seconds=15, warmup=2, words=True,
+                                                             batches=(1, 16)), rounds=3),
+    Case("64-word texts x 32 per request, 4 in flight", Load("fixed:64", 4, inputs="32", seconds=15, warmup=2,
+                                                              words=True, batches=(32,)), rounds=3),
+    Case("one in flight", Load("fixed:20", 1, seconds=15, warmup=2, words=True, batches=(1,)), rounds=3),
+]
+
+
+def up(name: str, port: int, **settings: str) -> Side:
+    return Side(name, UP, port, "bundled", CPU | settings, tag=slug(name))
+
+
+def peer_sides(host: Host) -> list[Side]:
+    onnx, hub = host.work.root / "minilm-onnx", host.work.root / "hub"
+    # huggingface_hub 0.36 reads HUGGINGFACE_HUB_CACHE for the constant Infinity's optimiser uses
+    caches = {k: {"HF_HUB_CACHE": str(hub / k), "HUGGINGFACE_HUB_CACHE": str(hub / k)}
+              for k in ("plain", "optimised")}
+    optimum = (*MEAN, "--engine", "optimum")
+    return [up("embedserve torch", 8800, EMBEDSERVE_ENGINE__CPU_BACKEND="torch"), up("embedserve onnx", 8810),
+            up("embedserve onnx int8", 8820, EMBEDSERVE_ENGINE__CPU_QUANTIZATION="int8"),
+            Side("Infinity torch", INFINITY, 8830, "bundled", args=MEAN),
+            Side("Infinity optimum", INFINITY, 8831, "bundled", caches["plain"], optimum, cwd=str(onnx)),
+            Side("Infinity optimum optimised", INFINITY, 8832, "bundled", caches["optimised"], optimum,
+                 cwd=str(onnx)),
+            Side("ST torch in process", IN_PROCESS, 8833, "bundled", args=("st-torch",)),
+            Side("ST ONNX in process", IN_PROCESS, 8834, "bundled", {"PYTHONPATH": host.infinity_site},
+                 ("st-onnx",), cwd=str(onnx)),
+            Side("embedserve's export in process", IN_PROCESS, 8835, "bundled", args=("ort-export",))]
+
+
+PREPARE = """
+import shutil, sys
+from pathlib import Path
+from sentence_transformers import SentenceTransformer
+from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
+from optimum.onnxruntime.configuration import OptimizationConfig
+
+source, folder, optimised = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+shutil.rmtree(folder, ignore_errors=True)
+SentenceTransformer(source, device="cpu", backend="onnx", local_files_only=True).save_pretrained(str(folder))
+(folder / "onnx" / "model.onnx").rename(folder / "model.onnx")
+(folder / "onnx").rmdir()
+model = ORTModelForFeatureExtraction.from_pretrained(str(folder), file_name="model.onnx")
+# Infinity's own settings (infinity_emb/transformer/utils_optimum.py) less the argument that
+# optimum-onnx 0.1.0 refuses
+config = OptimizationConfig(optimization_level=99, optimize_for_gpu=False, fp16=False)
+ORTOptimizer.from_pretrained(model).optimize(optimization_config=config, save_dir=str(optimised),
+                                             one_external_file=True)
+"""
+
+
+def step_onnx(host: Host, budget_end: float) -> dict[str, Any]:
+    """sentence-transformers' ONNX export in a copy of the model's folder (the bundled model
+    ships none), and the graph Infinity's optimisation step would have written (optimum's
+    optimiser at level 99, for CPU) in the "optimised" side's hub cache, where it looks first."""
+    hub = host.work.root / "hub"
+    shutil.rmtree(hub, ignore_errors=True)
+    target = hub / "optimised" / "infinity_onnx" / "CPUExecutionProvider"
+    (hub / "plain").mkdir(parents=True)
+    argv = [sys.executable, "-c", PREPARE, host.model("bundled"), str(host.work.root / "minilm-onnx"),
+            str(target)]
+    env = {**os.environ, "PYTHONPATH": host.infinity_site, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    return {"skipped": f"no ONNX copy for Infinity: {done.stderr[-300:]}"} if done.returncode else {}
+
+
+def step_first_export(host: Host, budget_end: float) -> dict[str, Any]:
+    """What a first start adds: the export into an empty cache (fp32, then int8 from it), in the
+    child process the engine runs: wall-clock seconds and the CPU seconds it used (which a busy
+    machine changes less)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for quantization in ("none", "int8"):
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__CPU_EXPORT_DIR": cache,
+                   "EMBEDSERVE_ENGINE__CPU_QUANTIZATION": quantization}
+            t0, cpu0, load0 = time.monotonic(), children_cpu(), os.getloadavg()[0]
+            subprocess.run([sys.executable, "-m", "embedserve.engines.onnx_export"], env=env, check=True,
+                           capture_output=True)
+            rows.append({"quantization": quantization, "seconds": round(time.monotonic() - t0, 1),
+                         "cpu_seconds": round(children_cpu() - cpu0, 1),
+                         "load_average": f"{load0:.1f}-{os.getloadavg()[0]:.1f}"})
+    return {"tables": {"A first start's export into an empty cache": rows}}
+
+
+def variant_sides(host: Host, first: int, base: str = "default") -> list[Side]:
+    named = dict(host.variants)
+    return [up(base, first, **named.get(base, {})),
+            *(up(name, first + 10 * (i + 1), **env) for i, (name, env) in enumerate(host.variants)
+              if name != base)]
+
+
+def step_stages(host: Host, budget_end: float, n: int = 300) -> dict[str, Any]:
+    """One request in flight, ``n`` single short inputs a side: the round trip and the gateway's
+    stage headers (tokenise, queue, engine call), medians."""
+    rows = []
+    for side in variant_sides(host, 8900):
+        seen: dict[str, list[float]] = {"round_trip": [], "tokenize": [], "queue": [], "engine": []}
+        with httpx.Client(timeout=30) as client:
+            for i in range(n):
+                t0 = time.perf_counter()
+                body = {"model": host.served_name("bundled"), "input": f"short question {i} {time.time()}"}
+                r = client.post(f"http://127.0.0.1:{side.port}/v1/embeddings", json=body)
+                seen["round_trip"].append(1000 * (time.perf_counter() - t0))
+                for stage in ("tokenize", "queue", "engine"):
+                    seen[stage].append(float(r.headers[f"x-embedserve-{stage}-ms"]))
+        rows.append({"side": side.name, **{f"{k}_ms": round(statistics.median(v), 2)
+                                           for k, v in seen.items()}})
+    return {"tables": {"One request in flight, the gateway's stage headers (medians)": rows}}
+
+
+INSTANT_ENGINE = Side("instant engine", INSTANT, 18611, "bundled", {"DIM": "384"}, tag="instant-384")
+OVERHEAD = [INSTANT_ENGINE, Side("gateway (text)", GATEWAY, 18610, "bundled", CPU, behind=(18611,),
+                                 tag="gateway-overhead"),
+            Side("gateway (ids)", GATEWAY, 18610, "bundled", ids=True, tag="gateway-overhead")]
+LOOP_ENGINE = Side("instant engine", INSTANT, 30993, "bundled", {"DIM": "1024"}, tag="instant-1024")
+
+
+def loop_sides(host: Host) -> list[Side]:
+    """A gateway per tokenizer (every ``--model NAME=DIR`` that is not a suite shape), inline
+    tokenise limit and event loop, all in front of one instant engine."""
+    models = [m for m in host.models if m not in ("4b", "0.6b", "minilm", "bundled")]
+    return [Side(f"{loop}, {model}, inline {chars}", GATEWAY, 8993 + 10 * i, model,
+                 CPU | {"EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": chars,
+                        "EMBEDSERVE_GATEWAY__EVENT_LOOP": loop},
+                 behind=(LOOP_ENGINE.port,))
+            for i, (model, chars, loop) in enumerate((m, c, lp) for m in models for c in ("2048", "0")
+                                                     for lp in ("uvloop", "asyncio"))]
+
+
+def loop_cases() -> list[Case]:
+    return [Case(f"{name}, {conc} in flight", Load(mix, conc, seconds=10, warmup=2, build_workers=0))
+            for conc in (64, 1) for name, mix in (("short 16-512", "uniform:16-512"), ("seed mix", "seed"))]
+
+
+CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", CPU, behind=(30991,), tag="gateway-cpu")
+CPU_GATEWAY_ENGINE = Side("instant engine", INSTANT, 30991, "bundled", {"DIM": "384"}, tag="instant-cpu")
+SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, inputs, seconds=10, warmup=1, encoding=encoding))
+          for name, tokens, inputs, encoding in (("1 short text, float", 14, "1", "float"),
+                                                 ("1 short text, base64", 14, "1", "base64"),
+                                                 ("32 short texts, base64", 14, "32", "base64"),
+                                                 ("1 long text (256 tokens), base64", 256, "1", "base64"))]
+
+
+def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
+    import gateway_stages
+
+    return {"tables": {"Where the gateway's CPU time goes, in process (median µs per request)":
+                       gateway_stages.stage_rows(host.model("bundled"))}}
+
+
+def graph_sides(host: Host) -> list[Side]:
+    import onnx_graphs
+
+    folder = host.work.root / "graphs"
+    return [Side(name, IN_PROCESS, 8840 + i, "bundled", args=("ort-export", str(folder / file)),
+                 tag=f"graph-{i}") for i, (name, file) in enumerate(onnx_graphs.GRAPHS.items())]
+
+
+def step_graphs(host: Host, budget_end: float) -> dict[str, Any]:
+    import onnx_graphs
+
+    return {"tables": {"The graphs": onnx_graphs.build(host.work.root / "graphs")}}
+
+
+GRAPH_LOADS = [Case(f"{batch} x {words} words", Load(f"fixed:{words}", 1, str(batch), seconds=3, warmup=0,
+                                                     words=True), rounds=3)
+               for batch, words in ((1, 30), (32, 85))]
+
+
+def quality_base(host: Host) -> list[Side]:
+    return [up("baseline", 18700, **dict(host.variants).get("baseline", {}))]
+
+
+def quality_pairs(host: Host) -> list[tuple[str, Side, Side]]:
+    base = quality_base(host)[0]
+    return [(name, base, up(name, 18710, **env)) for name, env in host.variants if name != "baseline"]
+
+
+def cpu_steps() -> list[Step]:
+    peers = partial(step_compare, sides=peer_sides, section="CPU peers: the bundled all-MiniLM-L6-v2")
+    calls = partial(variant_sides, first=8900)
+    steps = [
+        Step("cpu-peers-export", ("cpu-peers",), step_first_export, 60),
+        Step("cpu-peers-onnx", ("cpu-peers",), step_onnx, 90),
+        Step("cpu-peers-start", ("cpu-peers",), partial(step_start, sides=peer_sides, one_at_a_time=True),
+             300),
+        Step("cpu-peers-vectors", ("cpu-peers",), partial(step_vectors, sides=peer_sides,
+                                                          reference="ST torch in process"), 30),
+        Step("cpu-peers-load", ("cpu-peers",), partial(peers, cases=PEER_LOADS, seed=1000), 1500),
+        Step("cpu-peers-stop", ("cpu-peers",), partial(step_stop, sides=peer_sides), 30, always=True),
+        Step("engine-calls-start", ("engine-calls",), partial(step_start, sides=calls), 120),
+        Step("engine-calls-load", ("engine-calls",), partial(
+            step_compare, sides=calls, seed=5000, section="The gateway's engine-call settings (CPU engine)",
+            cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), rounds=3) for c in PEER_LOADS]),
+             600),
+        Step("engine-calls-stages", ("engine-calls",), step_stages, 60),
+        Step("engine-calls-stop", ("engine-calls",), partial(step_stop, sides=calls), 30, always=True),
+        Step("gateway-overhead", ("gateway-overhead",), partial(
+            step_compare, sides=OVERHEAD, start=OVERHEAD[:2], stop=OVERHEAD[:2], seed=0,
+            section="The gateway over an engine that answers at once",
+            cases=[Case(f"{conc} in flight", Load("seed", conc, seconds=10, warmup=3), rounds=2)
+                   for conc in (1, 8)]), 300),
+        Step("gateway-loop", ("gateway-loop",), partial(
+            step_compare, sides=loop_sides, start=lambda host: [LOOP_ENGINE, *loop_sides(host)],
+            cases=loop_cases(), stop=lambda host: [*loop_sides(host), LOOP_ENGINE], seed=7,
+            section="The gateway's event loop per request (instant engine)"), 400),
+        Step("gateway-cpu", ("gateway-cpu",), partial(
+            step_compare, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
+            stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
+            section="The gateway's CPU per request (instant engine)"), 120),
+        Step("gateway-cpu-stages", ("gateway-cpu",), step_gateway_stages, 60),
+        Step("quality-cpu-start", ("quality-cpu",), partial(step_start, sides=quality_base), 120),
+        Step("quality-cpu", ("quality-cpu",), partial(step_quality, pairs=quality_pairs, one_at_a_time=True),
+             900),
+        Step("quality-cpu-stop", ("quality-cpu",), partial(step_stop, sides=quality_base), 30, always=True),
+        Step("onnx-variants-build", ("onnx-variants",), step_graphs, 300),
+        Step("onnx-variants-start", ("onnx-variants",), partial(step_start, sides=graph_sides), 60),
+        Step("onnx-variants-vectors", ("onnx-variants",), partial(step_vectors, sides=graph_sides), 20),
+        Step("onnx-variants-load", ("onnx-variants",), partial(
+            step_compare, sides=graph_sides, cases=GRAPH_LOADS, seed=9,
+            section="The CPU engine's ONNX graph: exporters and int8 variants, in process"), 120),
+        Step("onnx-variants-stop", ("onnx-variants",), partial(step_stop, sides=graph_sides), 10,
+             always=True),
+    ]
+    return steps
+
+
+SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu",
+             "onnx-variants")
