@@ -19,23 +19,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import drill_report
 import harness
 import psutil
-from gpu import Nvml, gpu_description
+from gpu import Nvml
 from harness import UP, Host, Side
-from procs import alive, child_env, embedserve_cmd, http_get, port_busy
+from procs import alive, child_env, embedserve_cmd, http_get
 
 from embedserve.config import CHILD_SETTINGS_ENV
 from embedserve.contracts.memory import MemoryReport, ProcessMemory
@@ -44,7 +42,7 @@ from embedserve.health.sources.processes import read_processes
 from embedserve.loadtest.cachehits import counters
 
 TAG = "drill"
-DRILL_PORT, DRILL_ENGINE_PORT = 8300, 30300
+DRILL_PORT = 8300  # its engines on 30300, the replacement's on 30302
 STOP_RESERVE_S = 45.0  # stopping the load and the stack, and writing the results
 CAPACITY_4B_REQ_S = 16.0  # seed mix, 1-16 inputs per request, one H200 (results/gpu-perf)
 CAPACITY_CPU_REQ_S = 3.0  # the tiny checkpoint on a 2-core VM shared with other work
@@ -262,14 +260,12 @@ def loadtest_argv(host: Host, cfg: DrillConfig, url: str, out: Path, seconds: fl
     """`embedserve loadtest` open loop: the seed length mix, unique inputs, the memory report
     sampled every second, windows of 5 s for the throughput series, no resending of a 429 (so
     each status counts one request)."""
-    model = host.model("4b")
-    argv = [*embedserve_cmd(), "loadtest", url, "--tokenizer", model, "--model", Path(model).name,
-            "--mix", cfg.mix, "--inputs", cfg.inputs, "--rate", f"{cfg.load_rate:g}",
+    return [*embedserve_cmd(), "loadtest", url, "--tokenizer", host.model("4b"), "--model",
+            host.served_name("4b"), "--mix", cfg.mix, "--inputs", cfg.inputs, "--rate", f"{cfg.load_rate:g}",
             "--duration", f"{seconds:.0f}", "--warmup", "0", "--seed", "23", "--out", str(out),
             "--no-progress", "--no-plots", "--health-url", "/health/memory", "--sample-interval", "1",
             "--window", "5", "--timeout", "300", "--max-tokens", str(host.cap), "--metrics-url", "none",
             "--retries-429", "0"]  # one attempt per request: a 429 is counted, not sent again
-    return argv
 
 
 def load_series(results: dict[str, Any]) -> dict[str, Any]:
@@ -290,18 +286,6 @@ def load_series(results: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the step ------------------------------------------------------------------------------
-def describe_host(host: Host) -> dict[str, Any]:
-    gpus = gpu_description()
-    versions = {}
-    for dist in ("embedserve", "sglang", "flashinfer-python", "torch"):
-        with contextlib.suppress(PackageNotFoundError):
-            versions[dist] = version(dist)
-    names = sorted({g.split(",")[0] for g in gpus})
-    return {"hardware": f"{len(gpus)} x {', '.join(names)}" if gpus else f"CPU only, {os.cpu_count()} cores",
-            "gpus": gpus or None, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "versions": versions, "device": host.device}
-
-
 def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[str, Any]:
     cfg = config_for(host, rate or host.drill_rate)
     out = (host.out or host.work.root) / "drill"
@@ -314,10 +298,7 @@ def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[s
     args = ("--drill-leak", cfg.rate)
     side = Side(TAG, UP, DRILL_PORT, "4b", {"EMBEDSERVE_LOG_LEVEL": "WARNING", **cfg.env()}, args, tag=TAG)
     env = UP.command(host, side)[1] | side.env
-    for port in (DRILL_ENGINE_PORT, DRILL_ENGINE_PORT + 2):  # the engine's and its replacement's
-        if port_busy(port):
-            raise RuntimeError(f"port {port} is taken (an earlier run still holds it?)")
-    info = harness.start(host, side)
+    info = harness.start(host, side)  # its ports free: the engine's, its replacement's
     assert info is not None
     url = f"http://127.0.0.1:{DRILL_PORT}"
     sampler = Sampler(url, info["pid"], Path(info["log"]), cfg.resource)
@@ -365,7 +346,8 @@ def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[s
                "replace_done": sampler.first_line(r"engine replaced"),
                "replace_failed": sampler.first_line(r"replacement failed")}
     doc = {
-        "meta": {**describe_host(host), "model": host.model("4b"), "cap": host.cap, "rate": cfg.rate,
+        "meta": {**harness.describe(host, command="python bench/suite.py --only drill"),
+                 "model": host.model("4b"), "cap": host.cap, "rate": cfg.rate,
                  "rate_bytes_per_s": cfg.rate_bytes_per_s, "resource": cfg.resource,
                  "limit_bytes": cfg.limit_bytes, "config": asdict(cfg), "health": cfg.health,
                  "ended": ended, "stopped_clean": clean,

@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 GB = 1e9
 
 
@@ -29,18 +31,15 @@ class Nvml:
 
     def read(self) -> tuple[dict[int, int], list[int]] | None:
         """(host pid -> bytes summed over the GPUs, each GPU's bytes in use)."""
-        if self.nv is None:
-            return None
         per_pid: dict[int, int] = {}
-        used: list[int] = []
         try:
-            for handle in self._handles():
-                used.append(int(self.nv.nvmlDeviceGetMemoryInfo(handle).used))
-                for proc in self.nv.nvmlDeviceGetComputeRunningProcesses(handle):
+            handles = self._handles()
+            for h in handles:
+                for proc in self.nv.nvmlDeviceGetComputeRunningProcesses(h):
                     per_pid[int(proc.pid)] = per_pid.get(int(proc.pid), 0) + int(proc.usedGpuMemory or 0)
-        except Exception:
+            return per_pid, [int(self.nv.nvmlDeviceGetMemoryInfo(h).used) for h in handles]
+        except Exception:  # no driver (self.nv is None) included
             return None
-        return per_pid, used
 
     def busy(self) -> int | None:
         """GPU 0's utilisation: the share of the last sample period a kernel ran."""
@@ -57,47 +56,36 @@ class Nvml:
         return []
 
     def close(self) -> None:
-        if self.nv is not None:
-            with contextlib.suppress(Exception):
-                self.nv.nvmlShutdown()
-            self.nv = None
+        with contextlib.suppress(Exception):
+            self.nv.nvmlShutdown()
+        self.nv = None
+
+
+def once(what: str = "read") -> Any:
+    """One reading (``read``, ``describe``) on an NVML opened and closed for it."""
+    nvml = Nvml()
+    try:
+        return getattr(nvml, what)()
+    finally:
+        nvml.close()
 
 
 def gpu_used_gb() -> list[float] | None:
     """Memory in use on every visible GPU, in GB."""
-    nvml = Nvml()
-    try:
-        reading = nvml.read()
-    finally:
-        nvml.close()
+    reading = once()
     return None if reading is None else [round(b / GB, 2) for b in reading[1]]
-
-
-def gpu_description() -> list[str]:
-    nvml = Nvml()
-    try:
-        return nvml.describe()
-    finally:
-        nvml.close()
 
 
 def tree_used_gb(roots: dict[str, list[int]]) -> dict[str, float]:
     """GPU memory of each named set of processes and all their descendants (`up` starts each
     engine in a session of its own, which a process group would miss); empty without NVML."""
-    import psutil
-
     members: dict[str, set[int]] = {}
     for name, pids in roots.items():
-        found = set(pids)
+        members[name] = set(pids)
         for pid in pids:
             with contextlib.suppress(psutil.Error):
-                found.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-        members[name] = found
-    nvml = Nvml()
-    try:
-        reading = nvml.read()
-    finally:
-        nvml.close()
+                members[name].update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    reading = once()
     if reading is None:
         return {}
     return {name: round(sum(reading[0].get(p, 0) for p in pids) / GB, 2) for name, pids in members.items()}
@@ -118,17 +106,15 @@ class Sampler:
 
     def _loop(self) -> None:
         nvml = Nvml()
-        try:
-            while nvml.nv is not None and not self._stop.is_set():
-                reading = nvml.read()
-                if reading is not None and (self.peak is None or sum(reading[1]) / GB > self.peak):
-                    self.peak = round(sum(reading[1]) / GB, 2)
-                    self.per_gpu = [round(b / GB, 2) for b in reading[1]]
-                if (share := nvml.busy()) is not None:
-                    self.busy.append((time.monotonic(), share))
-                self._stop.wait(self.interval_s)
-        finally:
-            nvml.close()
+        while nvml.nv is not None and not self._stop.is_set():
+            reading = nvml.read()
+            if reading is not None and (self.peak is None or sum(reading[1]) / GB > self.peak):
+                self.per_gpu = [round(b / GB, 2) for b in reading[1]]
+                self.peak = round(sum(reading[1]) / GB, 2)
+            if (share := nvml.busy()) is not None:
+                self.busy.append((time.monotonic(), share))
+            self._stop.wait(self.interval_s)
+        nvml.close()
 
     def busy_last(self, seconds: float) -> float | None:
         """The median busy share over the last ``seconds`` before the sampler stopped."""

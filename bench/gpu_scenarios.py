@@ -5,6 +5,7 @@ engines on its port + 22000."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -13,8 +14,8 @@ import harness
 from gpu import gpu_used_gb
 from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
 from measure import Case, Load
-from peers import INFINITY, VLLM, VLLM_TUNED_ARGS
-from runner import Step, gate, step_compare, step_profile, step_quality, step_start, step_stop, step_vectors
+from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
+from runner import Step, gate, step_compare, step_profile, step_quality, step_start, step_stop
 
 from embedserve.engines.sglang import fa3_installed
 
@@ -22,6 +23,17 @@ MAIN_KV_POOL = 16_384  # the product's default for the 4B: one prefill batch (en
 LARGE_KV_POOL = 65_536  # the earlier default, compared in kv-pool
 WARM = Load("uniform:16-512", 64, seconds=8, warmup=0)
 FP8 = {"EMBEDSERVE_ENGINE__QUANTIZATION": "fp8"}
+LOADS = {"short": Load("uniform:16-512", 64), "seed mix": Load("seed", 64),
+         "seed mix, 1-16 inputs": Load("seed", 32, inputs="1-16"), "medium": Load("uniform:512-2048", 64),
+         "long": Load("uniform:8000-8191", 8),
+         "one in flight": Load("uniform:16-512", 1, seconds=6, warmup=1)}
+
+
+def case(name: str, rounds: int = 1, **load: Any) -> Case:
+    """One of the named loads, 15 s after a 3 s warm-up unless ``load`` says otherwise (one in
+    flight: 6 s after 1 s)."""
+    timing = {} if name == "one in flight" else {"seconds": 15.0, "warmup": 3.0}
+    return Case(name, dataclasses.replace(LOADS[name], **timing | load), rounds)
 
 
 def kv(tokens: int = MAIN_KV_POOL, **extra: str) -> dict[str, str]:
@@ -39,14 +51,8 @@ def gateway(name: str, port: int, engine: Side, tag: str) -> Side:
 
 # -- raw SGLang against the gateway, the KV pool, the radix cache, Infinity --------------------------
 
-RAW_VS_GATEWAY = [
-    Case("short", Load("uniform:16-512", 64, seconds=15), rounds=2),
-    Case("seed mix", Load("seed", 64, seconds=15)),
-    Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=15)),
-    Case("medium", Load("uniform:512-2048", 64, seconds=15)),
-    Case("long", Load("uniform:8000-8191", 8, seconds=15)),
-    Case("one in flight", Load("uniform:16-512", 1, seconds=6, warmup=1), rounds=6),
-]
+RAW_VS_GATEWAY = [case("short", 2), *map(case, ("seed mix", "seed mix, 1-16 inputs", "medium", "long")),
+                  case("one in flight", 6)]
 PARTS = {1: RAW_VS_GATEWAY[:2], 2: RAW_VS_GATEWAY[2:5], 3: RAW_VS_GATEWAY[5:]}  # each fits a 10-minute slice
 CROSSCHECKED = [Case(c.name, c.load) for c in RAW_VS_GATEWAY if c.name in ("short", "medium")]
 
@@ -73,16 +79,12 @@ RADIX = [gateway("cache on", 8002, RADIX_ENGINE, "gateway-radix-on"),
 PEER_GATEWAY = gateway("embedserve", 8004, raw("4b"), "gateway-peers")
 PEER_INFINITY = Side("infinity", INFINITY, 7997, "4b", tag="infinity")
 PEER_SIDES = [PEER_GATEWAY, PEER_INFINITY]
-PEER_CASES = [
-    Case("short, 1 input/request", Load("uniform:16-512", 64, seconds=15), rounds=2),
-    Case("short, 32 inputs/request", Load("uniform:16-512", 4, inputs="32", seconds=15), rounds=2),
-    Case("~1,000 words", Load("uniform:1200-1400", 16, seconds=15), rounds=2),
-    Case("one in flight", Load("uniform:16-512", 1, seconds=6, warmup=1), rounds=4),
-]
-UNIQUE_AND_QUERIES = [
-    Case("unique texts", Load("uniform:16-512", 64, seconds=15), rounds=2),
-    Case("queries (instruction prefix)", Load("uniform:16-512", 64, seconds=15, input_type="query"),
-         rounds=2)]
+PEER_CASES = [Case("short, 1 input/request", case("short").load, 2),
+              Case("short, 32 inputs/request", case("short", conc=4, inputs="32").load, 2),
+              Case("~1,000 words", case("short", mix="uniform:1200-1400", conc=16).load, 2),
+              case("one in flight", 4)]
+UNIQUE_AND_QUERIES = [Case("unique texts", case("short").load, 2),
+                      Case("queries (instruction prefix)", case("short", input_type="query").load, 2)]
 
 
 def raw_engine_steps(shapes: tuple[str, ...]) -> list[Step]:
@@ -116,7 +118,7 @@ SHARED_ENGINES = ("raw-vs-gateway", "kv-pool", "radix", "peers")
 
 UPS = {n: Side(f"{n} engine{'s' if n > 1 else ''}", UP, 8090 + 10 * n, "4b",
                UNCAPPED | {"EMBEDSERVE_ENGINE__REPLICAS": str(n)}, tag=f"up-{n}") for n in (1, 2)}
-CAPACITY = Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=30, warmup=5))
+CAPACITY = case("seed mix, 1-16 inputs", seconds=30, warmup=5)
 
 
 def step_up(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
@@ -137,8 +139,8 @@ def step_capacity(host: Host, budget_end: float) -> dict[str, Any]:
 
 def step_scale(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
     """Each load at its in-flight count per engine (so two engines get twice as many)."""
-    cases = [Case(name, Load(mix, conc * replicas, seconds=20, warmup=5))
-             for name, mix, conc in (("short", "uniform:16-512", 128), ("medium", "uniform:512-2048", 64))]
+    cases = [case(name, seconds=20, warmup=5, conc=conc * replicas)
+             for name, conc in (("short", 128), ("medium", 64))]
     return step_compare(host, budget_end, [UPS[replicas]], cases, seed=30, warm=WARM,
                         section="Scale-out: one gateway, one then two 4B engines (one GPU each, "
                                 "in flight per engine the same)")
@@ -159,13 +161,8 @@ UP_STEPS = [  # `embedserve up` first: what operators run, and the 2-GPU part wh
 # -- FP8 against bf16, and the prefill attention backends -------------------------------------------
 
 FP8_PORTS = {"4b": (30400, 30401), "0.6b": (30402, 30403), "minilm": (30404, 30405)}  # gateways on - 22000
-FP8_CASES = [
-    Case("seed mix", Load("seed", 64, seconds=15), rounds=2),
-    Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=15)),
-    Case("medium", Load("uniform:512-2048", 64, seconds=15)),
-    Case("long", Load("uniform:8000-8191", 8, seconds=15)),
-    Case("one in flight", Load("seed", 1, seconds=6, warmup=1), rounds=4),
-]
+FP8_CASES = [case("seed mix", 2), case("seed mix, 1-16 inputs"), case("medium"), case("long"),
+             case("one in flight", 4, mix="seed")]
 
 
 def pair(host: Host, shape: str, name: str, port: int, extra: dict[str, str]) -> tuple[Side, Side]:
@@ -251,14 +248,7 @@ GROUPS = {"0.6b": [stack("0.6b", n, 8390 + 10 * n) for n in (1, 2, 3)],
           "4b-fp8": [stack("4b", n, 8440 + 10 * n, **FP8) for n in (1, 2)]}
 B32K = stack("0.6b", 2, 8470, "x2, budget 32768", EMBEDSERVE_ENGINE__BATCH_TOKEN_BUDGET="32768",
              EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_ENGINE_CALL="32768")
-CASES = [
-    Case("short", Load("uniform:16-512", 64, seconds=10, warmup=2)),
-    Case("seed mix", Load("seed", 64, seconds=10, warmup=2)),
-    Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=10, warmup=2)),
-    Case("medium", Load("uniform:512-2048", 64, seconds=10, warmup=2)),
-    Case("long", Load("uniform:8000-8191", 8, seconds=10, warmup=2)),
-    Case("one in flight", Load("seed", 1, seconds=6, warmup=1)),
-]
+CASES = [*(case(name, seconds=10, warmup=2) for name in list(LOADS)[:5]), case("one in flight", mix="seed")]
 EVERY_STACK = [s for g in GROUPS.values() for s in g]
 
 
@@ -276,7 +266,7 @@ def latency_step(group: str) -> Step:
     return Step(f"detail-latency-{group}", ("engines-per-gpu-detail",), partial(
         step_compare, sides=[beneath(one), one, two], seed=60,
         section="Engines per GPU: one request in flight",
-        cases=[Case("one in flight", Load("seed", 1, seconds=8, warmup=1), rounds=3)]), 75)
+        cases=[case("one in flight", 3, mix="seed", seconds=8)]), 75)
 
 
 SMALL = {"x2": stack("0.6b", 2, 8500), "x2, inline 2048": stack("0.6b", 2, 8510, "x2, inline 2048",
@@ -341,15 +331,9 @@ MANY_STACK_STEPS = [
 # -- vLLM's pooling runner next to embedserve ---------------------------------------------------------
 
 VLLM_SHAPES = ("0.6b", "4b")
-VLLM_CASES = [
-    Case("short, 64 in flight", Load("uniform:16-512", 64, seconds=15)),
-    Case("short, 256 in flight", Load("uniform:16-512", 256, seconds=15)),
-    Case("seed mix", Load("seed", 64, seconds=15)),
-    Case("seed mix, 1-16 inputs", Load("seed", 32, inputs="1-16", seconds=15)),
-    Case("medium", Load("uniform:512-2048", 64, seconds=15)),
-    Case("long", Load("uniform:8000-8191", 8, seconds=15)),
-    Case("one in flight", Load("uniform:16-512", 1, seconds=6, warmup=1), rounds=2),
-]
+VLLM_CASES = [Case("short, 64 in flight", case("short").load),
+              Case("short, 256 in flight", case("short", conc=256).load),
+              *map(case, ("seed mix", "seed mix, 1-16 inputs", "medium", "long")), case("one in flight", 2)]
 
 
 def vllm_default(shape: str, **env: str) -> Side:
@@ -374,8 +358,14 @@ def vllm_sides(shape: str) -> Any:
     return sides
 
 
+def reference(shape: str) -> Side:
+    """A transformers forward pass of the same checkpoint (last-token pooling, L2 norm)."""
+    return Side("transformers", IN_PROCESS, {"0.6b": 8790, "4b": 8791}[shape], shape, args=("transformers",),
+                tag=f"reference-{shape}")
+
+
 def vector_sides(shape: str, host: Host) -> list[Side]:
-    return [side for side in vllm_sides(shape)(host) if side.name in ("embedserve", "vllm")]
+    return [*(s for s in vllm_sides(shape)(host) if s.name in ("embedserve", "vllm")), reference(shape)]
 
 
 def client_sides(host: Host) -> list[Side]:
@@ -395,8 +385,9 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
                        warm=Load("uniform:16-512", 32, seconds=6, warmup=0))
         steps += [
             Step(f"vllm-ready-{shape}", ("vllm",), partial(step_start, sides=sides), 150),
-            Step(f"vllm-vectors-{shape}", ("vllm",), partial(step_vectors, sides=partial(vector_sides, shape),
-                                                              forward=True), 40),
+            Step(f"vllm-vectors-{shape}", ("vllm",), partial(
+                step_compare, sides=partial(vector_sides, shape), cases=[], vectors=True, seed=0,
+                start=[reference(shape)], stop=[reference(shape)], section=title), 60),
             Step(f"vllm-profile-{shape}", ("vllm",), partial(step_profile, side=vllm_default(shape),
                                                               folder=f"profiles-vllm/{shape}"), 45),
             Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),

@@ -7,17 +7,22 @@ variables as an operator would set them, in a process group of its own (bench/pr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import platform
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from procs import WorkDir, alive, embedserve_cmd, log_tail, port_busy, wait_ok
+from gpu import once
+from procs import WorkDir, alive, child_env, embedserve_cmd, log_tail, port_busy, wait_ok
 
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
 
@@ -206,6 +211,31 @@ def wait_ready(host: Host, side: Side, budget_end: float, limit_s: float = 900.0
 def pid(host: Host, side: Side) -> int | None:
     info = host.work.state["procs"].get(side.key)
     return info["pid"] if info else None
+
+
+def describe(host: Host, gpu_run: bool = True, command: str = "") -> dict[str, Any]:
+    """How the figures were produced: the command, hardware, versions, the engine's command line."""
+    gpus: list[str] = once("describe")
+    versions = {}
+    for dist in ("embedserve", "sglang", "flashinfer-python", "torch", "transformers", "tokenizers",
+                 "onnxruntime"):
+        with contextlib.suppress(PackageNotFoundError):
+            versions[dist] = version(dist)
+    names = sorted({g.split(",")[0] for g in gpus})
+    info: dict[str, Any] = {
+        "command": command, "hardware": f"{len(gpus)} x {', '.join(names)}" if gpus else
+        f"CPU only, {os.cpu_count()} cores", "gpus": gpus or None, "cpus": os.cpu_count(),
+        "python": platform.python_version(), "versions": ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "device": host.device, "time_scale": host.time_scale, "cap": host.cap,
+        "dry_run": gpu_run and host.cpu}
+    if gpu_run and not host.cpu and (Path(host.model("4b")) / "config.json").exists():
+        kv = {"EMBEDSERVE_ENGINE__KV_POOL_TOKENS": "16384"}
+        argv, env = engine_command(host, Side("engine", ENGINE, 30000, "4b", kv))
+        done = subprocess.run([*argv, "--dry-run", "--json"], env=child_env(env | kv), capture_output=True,
+                              text=True, timeout=120, check=False)
+        if done.returncode == 0:
+            info["engine_argv"] = json.loads(done.stdout)["argv"][1:]
+    return info
 
 
 def pack_fi_cache(host: Host) -> float | None:

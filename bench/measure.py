@@ -6,6 +6,7 @@ memory and RSS, the gateway's CPU per request, the client's and the host's CPU."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -164,42 +165,22 @@ def run_in_process(t: Target, load: Load, seed: int, batch: int) -> dict[str, An
 
 
 def cpu_seconds(pid: int | None, main_thread: bool = False) -> float | None:
-    """User + system CPU of a process (or of its main thread: the gateway's event loop)."""
-    if pid is None:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if main_thread:
-            t = next(t for t in proc.threads() if t.id == pid)
-            return t.user_time + t.system_time
-        times = proc.cpu_times()
-        return times.user + times.system
-    except (psutil.Error, StopIteration):
-        return None
+    """User + system CPU of a process, or of its main thread (the gateway's event loop)."""
+    with contextlib.suppress(psutil.Error, StopIteration, ValueError):
+        proc = psutil.Process(pid or -1)  # no pid: ValueError
+        times = next(t[1:3] for t in proc.threads() if t.id == pid) if main_thread else proc.cpu_times()[:2]
+        return float(sum(times))
+    return None
 
 
-def tree_rss_mib(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return None
+def tree_rss_mib(pid: int) -> float | None:
     total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            continue
-    return round(total / 2**20, 1)
-
-
-def host_ticks() -> tuple[float, float]:
-    """(busy, total) CPU ticks of the whole host."""
-    t = psutil.cpu_times()
-    total = sum(t)
-    return total - t.idle - getattr(t, "iowait", 0.0), total
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += proc.memory_info().rss
+    return round(total / 2**20, 1) if total else None
 
 
 def children_cpu() -> float:
@@ -214,7 +195,7 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
     the one client that sends the field."""
     client = "in-process" if t.in_process else "crosscheck" if load.input_type else client
     front0, loop0 = cpu_seconds(t.front_pid), cpu_seconds(t.front_pid, main_thread=True)
-    client0, host0, t0 = children_cpu(), host_ticks(), time.monotonic()
+    client0, host0, t0 = children_cpu(), psutil.cpu_times(), time.monotonic()
     with Sampler() as gpu:
         if client == "in-process":
             row = run_in_process(t, load, seed, batch or int(load.inputs))
@@ -233,8 +214,9 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
                 row["gateway_loop_cpu_ms_per_request"] = round(1000 * (loop1 - loop0) / answered, 3)
     # a client or host out of cores caps a row as surely as the server does
     row["client_cpu_pct"] = round(100 * (children_cpu() - client0) / wall, 1)
-    host1 = host_ticks()
-    row["host_cpu_busy_pct"] = round(100 * (host1[0] - host0[0]) / max(host1[1] - host0[1], 1e-9), 1)
+    host = [b - a for a, b in zip(host0, psutil.cpu_times(), strict=True)]  # every core, all tick kinds
+    idle = host[3] + (host[4] if len(host) > 4 else 0.0)  # idle + iowait
+    row["host_cpu_busy_pct"] = round(100 * (1 - idle / max(sum(host), 1e-9)), 1)
     row["load_average"] = round(os.getloadavg()[0], 2)
     row["gpu_busy_pct"] = gpu.busy_last(load.seconds)
     if t.tree_pid is not None:

@@ -136,28 +136,11 @@ def _short(frame: str) -> str:
 
 
 def listener_pid(port: int) -> int | None:
-    """The process listening on a TCP port (from /proc: the host may have no ss)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                link = fd.readlink().as_posix()
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(proc.name)
-        except OSError:
-            continue
-    return None
+    """The process listening on a TCP port."""
+    import psutil
+
+    return next((c.pid for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port), None)
 
 
 def sglang_processes(main_pid: int) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """The one runner: every comparison, GPU or CPU, is sides and cases given to these steps. Each
 step takes the run's Host and the time it must end by, and returns what results.json keeps.
 
-- ``step_start``: start sides (all at once, or one at a time), wait until each is ready; a
-  side that cannot start is a finding (``not_run``), the others go on.
+- ``step_start``: start sides (all at once, or one at a time), wait until each is ready; a side
+  that cannot start is a finding (``not_run``), the others go on.
 - ``step_compare``: every case on every running side, round by round, the sides' order turned
   each round (and each case), same seed per round so every side gets inputs of the same token
   counts; then the cross-checks with the second client; a side that answers nothing in a case
@@ -17,7 +17,6 @@ import json
 import math
 import random
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,16 +31,14 @@ from procs import child_env, embedserve_cmd, http_post_json
 
 from embedserve.loadtest.quality.corpus import DEFAULT_HTML
 
-HERE = Path(__file__).resolve().parent
 Sides = Sequence[Side] | Callable[[Host], Sequence[Side]]
-StepFn = Callable[[Host, float], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Step:
     name: str
     used_by: tuple[str, ...]  # the scenarios that need it
-    run: StepFn
+    run: Callable[[Host, float], dict[str, Any]]
     seconds: float  # roughly what it takes at time scale 1 with a warm JIT cache
     holds: tuple[str, ...] = ()  # processes it leaves running: done again when one is gone
     always: bool = False  # stops and clean-ups run on every pass
@@ -89,8 +86,7 @@ def step_start(host: Host, budget_end: float, sides: Sides, wait: bool = True,
             if one_at_a_time:  # its start is not measured against another's
                 ready(side)
     started = [s for s in todo if s.key not in out["not_run"] and harness.running(host, s)]
-    for s in started:
-        out["argv"][s.key] = host.work.state["procs"][s.key]["argv"]
+    out["argv"] = {s.key: host.work.state["procs"][s.key]["argv"] for s in started}
     if wait and not one_at_a_time:
         with ThreadPoolExecutor(max(len(started), 1)) as pool:
             list(pool.map(ready, started))
@@ -106,22 +102,21 @@ def step_stop(host: Host, budget_end: float, sides: Sides) -> dict[str, Any]:
 
 
 def alternate(host: Host, sides: Sequence[Side], case: Case, seed: int, tags: dict[str, Any],
-              client: str = "loadtest", turn: int = 0,
-              loads: dict[str, Load] | None = None) -> list[dict[str, Any]]:
-    """``case.rounds`` rounds (``host.rounds`` when given), the sides' order rotated by one
-    each round, starting ``turn`` places on; ``loads`` replaces the case's load per side."""
+              client: str = "loadtest", turn: int = 0, loads: dict[str, Load] | None = None) -> list[Any]:
+    """``case.rounds`` rounds (``host.rounds`` when given), the sides' order rotated by one each
+    round, starting ``turn`` places on; ``loads`` replaces the case's load per side; an
+    in-process side runs each of the load's batch sizes."""
     rows = []
     for rnd in range(host.rounds or case.rounds):
         shift = (rnd + turn) % len(sides)
         for side in [*sides[shift:], *sides[:shift]]:
-            load = (loads or {}).get(side.name, case.load).scaled(host.time_scale)
-            t = target(host, side)
+            load, t = (loads or {}).get(side.name, case.load).scaled(host.time_scale), target(host, side)
             for batch in (load.batches or (None,)) if t.in_process else (None,):
                 label = side.name + (f", batch {batch}" if batch and len(load.batches) > 1 else "")
                 name = slug(f"{str(tags.get('section', ''))[:20]}-{case.name}-{label}-{client}-{rnd}")
-                tags = {**tags, "case": case.name, "side": label, "round": rnd}
+                row_tags = {**tags, "case": case.name, "side": label, "round": rnd}
                 rows.append(measure(name, t, load, host.work.root / "runs", seed=seed + rnd, client=client,
-                                    batch=batch, tags=tags))
+                                    batch=batch, tags=row_tags))
     return rows
 
 
@@ -135,10 +130,9 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
     ``checked`` sides (default every one); ``vectors``: ``step_vectors`` first."""
     out: dict[str, Any] = {"rows": [], "stalled": {}}
     try:
-        if start:
-            begun = step_start(host, budget_end, start)
-            if begun["not_run"]:
-                return {"skipped": "; ".join(f"{k}: {v[-300:]}" for k, v in begun["not_run"].items())}
+        begun = step_start(host, budget_end, start) if start else {"not_run": {}}
+        if begun["not_run"]:
+            return {"skipped": "; ".join(f"{k}: {v[-300:]}" for k, v in begun["not_run"].items())}
         live = [s for s in resolve(host, sides) if harness.running(host, s)]
         if len(live) < least:
             return {"skipped": f"{len(live)} of {', '.join(s.name for s in resolve(host, sides))} running"}
@@ -150,9 +144,8 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         for i, case in enumerate(cases):
             rows = alternate(host, live, case, seed + 10 * i, every, turn=turn + i, loads=loads)
             out["rows"] += rows
-            for side in stalled(rows) if stall else []:
-                out["stalled"][side] = f"no answer in {case.name!r}: stopped"
-                bad = next(s for s in live if s.name == side)
+            for bad in [s for s in live if s.name in stalled(rows)] if stall else []:
+                out["stalled"][bad.name] = f"no answer in {case.name!r}: stopped"
                 host.work.stop(bad.key, 30)
                 host.work.state.setdefault("failed_sides", []).append(bad.key)
             live = [s for s in live if s.name not in out["stalled"]]
@@ -174,33 +167,27 @@ def stalled(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def vector_texts(cap: int, seed: int = 3) -> list[str]:
-    """Two texts of each of a few lengths, from plain words (no two alike)."""
+    """Two texts of each of a few lengths (a word is at most ~2 tokens), plain words, no two alike."""
     rng = random.Random(seed)
     words = ("the", "model", "retrieves", "passages", "that", "answer", "a", "query", "about", "memory",
              "cache", "and", "vectors")
-    # a word is at most ~2 tokens
     lengths = [k for k in (3, 20, 60, 150, 400, 900) if 4 * k < cap for _ in range(2)]
     return [f"text {i}: " + " ".join(rng.choice(words) for _ in range(k)) for i, k in enumerate(lengths)]
 
 
 def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(p * q for p, q in zip(a, b, strict=True))
     norm = math.sqrt(sum(p * p for p in a) * sum(q * q for q in b))
-    return round(dot / norm, 7) if norm else 0.0
+    return round(sum(p * q for p, q in zip(a, b, strict=True)) / norm, 7) if norm else 0.0
 
 
-def step_vectors(host: Host, budget_end: float, sides: Sides, reference: str | None = None,
-                 forward: bool = False) -> dict[str, Any]:
-    """The same inputs, each alone (a batch must not change a vector), through every side:
-    token ids when a side takes only ids, else texts; ``forward`` adds a transformers forward
-    pass of the checkpoint (last-token pooling, L2 norm). Cosines of every pair, or of every
-    side against ``reference`` (a side's name)."""
+def step_vectors(host: Host, budget_end: float, sides: Sides, reference: str | None = None) -> dict[str, Any]:
+    """The same inputs, each alone (a batch must not change a vector), through every side: token
+    ids when a side takes only ids, else texts. Cosines of every pair, or of every side against
+    ``reference`` (a side's name)."""
     live = [s for s in resolve(host, sides) if harness.running(host, s)]
     if not live:
         return {"skipped": "no side running"}
-    ids = any(s.takes_ids for s in live)
-    cap = min(host.cap_of(s.shape) for s in live)
-    rng = random.Random(7)
+    ids, cap, rng = any(s.takes_ids for s in live), min(host.cap_of(s.shape) for s in live), random.Random(7)
     inputs: list[Any] = ([[rng.randrange(1000, 3000) for _ in range(min(n, cap - 1))] for n in (8, 300, 2000)]
                          if ids else vector_texts(cap))
     got: dict[str, list[list[float]]] = {}
@@ -212,28 +199,14 @@ def step_vectors(host: Host, budget_end: float, sides: Sides, reference: str | N
                               for x in inputs]
         except Exception as exc:  # recorded; the throughput runs still go on
             errors[side.name] = repr(exc)[:300]
-    if forward and not ids:
-        errors |= reference_vectors(host, live[0].shape, inputs, got)
     names = list(got)
-    pairs: list[dict[str, Any]] = [{"pair": f"{a} vs {b}", "min": min(cos), "cosines": cos}
-             for i, a in enumerate(names) for b in names[i + 1:] if reference in (None, a, b)
-             for cos in [[cosine(x, y) for x, y in zip(got[a], got[b], strict=True)]]]
-    return {"inputs": "token ids" if ids else "texts", "pairs": pairs,
+    pairs: list[dict[str, Any]] = [
+        {"pair": f"{a} vs {b}", "min": min(cos), "cosines": cos} for i, a in enumerate(names)
+        for b in names[i + 1:] if reference in (None, a, b)
+        for cos in [[cosine(x, y) for x, y in zip(got[a], got[b], strict=True)]]]
+    return {"inputs": "token ids" if ids else "texts", "pairs": pairs, "errors": errors,
             "lengths": [len(x) if ids else len(x.split()) for x in inputs],
-            "min_0_9999": bool(pairs) and min(p["min"] for p in pairs) >= 0.9999, "errors": errors}
-
-
-def reference_vectors(host: Host, shape: str, texts: list[str], got: dict[str, Any]) -> dict[str, str]:
-    work = host.work.root / "vectors"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "texts.json").write_text(json.dumps(texts))
-    ref = subprocess.run([sys.executable, str(HERE / "reference_vectors.py"), host.model(shape),
-                          str(work / "texts.json"), "--device", host.device],
-                         capture_output=True, text=True, env=child_env(), timeout=600, check=False)
-    if ref.returncode:
-        return {"transformers": ref.stderr[-800:]}
-    got["transformers"] = json.loads(ref.stdout.strip().splitlines()[-1])["vectors"]
-    return {}
+            "min_0_9999": bool(pairs) and min(p["min"] for p in pairs) >= 0.9999}
 
 
 def quality_corpus(host: Host) -> Path | None:
@@ -254,8 +227,7 @@ def gate(host: Host, name: str, base: Side, cand: Side) -> dict[str, Any]:
     its summary.md), or why it did not run."""
     if not (harness.running(host, base) and harness.running(host, cand)):
         return {"not_run": f"{base.name} or {cand.name} is not running (see the start step)"}
-    corpus = quality_corpus(host)
-    if corpus is None:
+    if (corpus := quality_corpus(host)) is None:
         return {"not_run": f"no corpus: pass --quality-corpus FILE (embedserve quality-corpus) or install "
                            f"python3-doc ({DEFAULT_HTML})"}
     out = (host.out or host.work.root) / "quality" / name
@@ -270,12 +242,11 @@ def gate(host: Host, name: str, base: Side, cand: Side) -> dict[str, Any]:
 def step_quality(host: Host, budget_end: float, pairs: Callable[[Host], list[tuple[str, Side, Side]]],
                  one_at_a_time: bool = False) -> dict[str, Any]:
     """The quality gate per (name, baseline, candidate); ``one_at_a_time``: each candidate is
-    started for its gate and stopped after it, so the two stacks compete for nothing else."""
-    out: dict[str, Any] = {"quality": {}}
+    started for its gate and stopped after it, so two stacks compete for nothing else."""
+    out: dict[str, Any] = {"quality": {}, "ready_s": {}}
     for name, base, cand in pairs(host):
         if one_at_a_time:
-            begun = step_start(host, budget_end, [cand])
-            out.setdefault("ready_s", {}).update(begun["ready_s"])
+            out["ready_s"] |= step_start(host, budget_end, [cand])["ready_s"]
         try:
             out["quality"][name] = gate(host, name, base, cand)
         finally:
@@ -285,8 +256,8 @@ def step_quality(host: Host, budget_end: float, pairs: Callable[[Host], list[tup
 
 
 def step_profile(host: Host, budget_end: float, side: Side, folder: str) -> dict[str, Any]:
-    """Where the time goes on one `up` stack under the seed mix at 64 in flight: py-spy over
-    its gateway and first engine's processes, then that engine's torch profile."""
+    """Where the time goes on one `up` stack under the seed mix at 64 in flight: py-spy over its
+    gateway and first engine's processes, then that engine's torch profile."""
     import profile_engine
 
     if not harness.running(host, side):

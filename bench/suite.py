@@ -18,24 +18,19 @@ every step. bench/README.md says what each scenario measures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import platform
 import shlex
 import subprocess
 import sys
 import time
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import cpu_scenarios
 import gpu_scenarios as gs
 import report
-from gpu import gpu_description
-from harness import SHAPES_ON_CPU, Host, Side, engine_command, pack_fi_cache
+from harness import SHAPES_ON_CPU, Host, describe, pack_fi_cache
 from peers import variant
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 from runner import Step
@@ -91,30 +86,6 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPE
     return [s for s in steps if set(s.used_by) & set(selected)]
 
 
-def meta(host: Host, gpu_run: bool, command: str) -> dict[str, Any]:
-    """How the figures were produced: the command, hardware, versions, the engine's command line."""
-    gpus = gpu_description()
-    versions = {}
-    for dist in ("embedserve", "sglang", "flashinfer-python", "torch", "transformers", "tokenizers",
-                 "onnxruntime"):
-        with contextlib.suppress(PackageNotFoundError):
-            versions[dist] = version(dist)
-    names = sorted({g.split(",")[0] for g in gpus})
-    info: dict[str, Any] = {
-        "command": command, "hardware": f"{len(gpus)} x {', '.join(names)}" if gpus else
-        f"CPU only, {os.cpu_count()} cores", "gpus": gpus or None, "cpus": os.cpu_count(),
-        "python": platform.python_version(), "versions": ", ".join(f"{k} {v}" for k, v in versions.items()),
-        "device": host.device, "time_scale": host.time_scale, "cap": host.cap,
-        "dry_run": gpu_run and host.cpu}
-    if gpu_run and not host.cpu and (Path(host.model("4b")) / "config.json").exists():
-        argv, env = engine_command(host, Side("engine", gs.ENGINE, 30000, "4b", gs.kv()))
-        done = subprocess.run([*argv, "--dry-run", "--json"], env=child_env(env | gs.kv()),
-                              capture_output=True, text=True, timeout=120, check=False)
-        if done.returncode == 0:
-            info["engine_argv"] = json.loads(done.stdout)["argv"][1:]
-    return info
-
-
 def write_results(host: Host, out: Path, names: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = host.work.state
@@ -131,7 +102,7 @@ def run(host: Host, steps: list[Step], out: Path, budget_s: float | None, redo: 
         names: list[str] | None = None) -> int:
     work, names = host.work, names or [s.name for s in steps]
     gpu_run = any(set(s.used_by) & set(GPU_SCENARIOS) for s in steps if s.name not in ("models", "finish"))
-    work.state["meta"] = meta(host, gpu_run, command)
+    work.state["meta"] = describe(host, gpu_run, command)
     for name in redo:
         work.state["steps"].pop(name, None)
     t_end = time.time() + budget_s if budget_s else float("inf")
@@ -151,7 +122,7 @@ def run(host: Host, steps: list[Step], out: Path, budget_s: float | None, redo: 
             data = step.run(host, t_end)
             work.state["steps"][step.name] = {"ok": True, "seconds": round(time.time() - t0, 1), **data}
             if step.name == "models":  # the engine's command line needs the checkpoint
-                work.state["meta"] = meta(host, gpu_run, command)
+                work.state["meta"] = describe(host, gpu_run, command)
             work.note(f"step {step.name} done in {time.time() - t0:.0f} s")
         except TimeoutError as exc:  # waiting on a start-up past the budget: the next slice goes on
             work.note(f"step {step.name}: {exc}")
@@ -220,15 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if set(shapes := a.vllm_shapes.split(",")) - set(gs.VLLM_SHAPES):
         ap.error(f"--vllm-shapes takes {', '.join(gs.VLLM_SHAPES)}")
-    cpu = a.device == "cpu"
-    only_cpu = not set(selected) & set(GPU_SCENARIOS)
-    default_work = "/tmp/embedserve-bench" + (f"-{selected[0]}" if only_cpu else "-cpu" if cpu else "")
+    only_cpu = not set(selected) & set(GPU_SCENARIOS)  # CPU scenarios: real figures, the host's CPU
+    dry = a.device == "cpu" and not only_cpu
+    default_work = "/tmp/embedserve-bench" + (f"-{selected[0]}" if only_cpu else "-cpu" if dry else "")
     work = WorkDir(a.work or Path(default_work))
     if a.fresh:
         work.stop_all()
         work.state.update(steps={}, failed_sides=[])
-    host = Host(work, device=a.device, cap=a.cap or (512 if cpu else 8192),
-                time_scale=a.time_scale or (0.1 if cpu and not only_cpu else 1.0), rounds=a.rounds,
+    host = Host(work, device="cpu" if only_cpu else a.device, cap=a.cap or (512 if dry else 8192),
+                time_scale=a.time_scale or (0.1 if dry else 1.0), rounds=a.rounds,
                 fi_cache=a.fi_cache, infinity_site=a.infinity_site, out=a.out, drill_rate=a.drill_leak,
                 models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
                 attention_backends=tuple(a.attention_backends.split(",")), quality_corpus=a.quality_corpus,

@@ -211,7 +211,6 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
     monkeypatch.setattr(runner, "measure", fake_measure)
     monkeypatch.setattr(runner, "http_post_json", lambda *a, **k: {"data": [{"embedding": [1, 0]}]})
     monkeypatch.setattr(runner, "gate", lambda host, name, base, cand: {"passed": True, "texts": 3})
-    monkeypatch.setattr(runner, "reference_vectors", lambda *a: {"transformers": "not here"})
     monkeypatch.setattr(harness, "pack_fi_cache", lambda host: None)
     monkeypatch.setattr(WorkDir, "stop", lambda self, tag, *a: self.state["procs"].pop(tag, None) and True)
     return runs

@@ -110,18 +110,13 @@ def crossing(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 f = (1.0 - lo) / (hi - lo) if hi > lo else 1.0
                 x0, x1 = prev["offered_tokens_per_s"], r["offered_tokens_per_s"]
                 c0, c1 = prev["concurrency"], r["concurrency"]
-                cross = {
-                    "offered_tokens_per_s": round(x0 + f * (x1 - x0), 1),
-                    "concurrency": round(c0 + f * (c1 - c0), 1),
-                }
+                cross = {"offered_tokens_per_s": round(x0 + f * (x1 - x0), 1),
+                         "concurrency": round(c0 + f * (c1 - c0), 1)}
             break
     out: dict[str, Any] = {"gauge_reaches_1": cross, "onset_429": None, "within_20_percent": None}
     if onset is not None:
-        out["onset_429"] = {
-            "offered_tokens_per_s": onset["offered_tokens_per_s"],
-            "concurrency": onset["concurrency"],
-            "gauge": onset["load_median"],
-        }
+        out["onset_429"] = {"offered_tokens_per_s": onset["offered_tokens_per_s"],
+                            "concurrency": onset["concurrency"], "gauge": onset["load_median"]}
     if cross is not None and onset is not None:
         # The ramp's load is the closed loop's requests in flight. Offered tokens/s is given
         # too, but it jumps at the onset: every refused request is sent again after its
@@ -135,37 +130,28 @@ def crossing(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any]) -> str:
     c = doc["crossing"]
-    lines = [
-        "| in flight | offered tok/s | answered tok/s | 429 share | P50 ms | capacity tok/s | demand | "
-        "admission fill | refused share | embedserve_load (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = ["| in flight | offered tok/s | answered tok/s | 429 share | P50 ms | capacity tok/s | demand | "
+             "admission fill | refused share | embedserve_load (min-max) |", "|---" * 10 + "|"]
 
     def f2(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     for r in doc["steps"]:
-        cap, offered = r["capacity_tokens_per_s"], r["gateway_offered_tokens_per_s"]
-        demand = offered / cap if cap and offered is not None else None
-        refused = r.get("gateway_refused_tokens_per_s")
+        offered, refused = r["gateway_offered_tokens_per_s"], r.get("gateway_refused_tokens_per_s")
         share = refused / offered if offered and refused is not None else None
-        lines.append(
-            f"| {r['concurrency']} | {r['offered_tokens_per_s']:,.0f} | {r['answered_tokens_per_s']:,.0f} | "
-            f"{r['share_429']:.1%} | {r['p50_ms'] or '-'} | {cap or 0:,.0f} | {f2(demand)} | "
-            f"{f2(r.get('admission_fill_median'))} | {f2(share)} | {f2(r['load_median'])} "
-            f"({f2(r['load_min'])}-{f2(r['load_max'])}) |"
-        )
-    lines.append("")
+        lines.append(f"| {r['concurrency']} | {r['offered_tokens_per_s']:,.0f} | "
+                     f"{r['answered_tokens_per_s']:,.0f} | {r['share_429']:.1%} | {r['p50_ms'] or '-'} | "
+                     f"{r['capacity_tokens_per_s'] or 0:,.0f} | "
+                     f"{f2(_demand(r))} | {f2(r.get('admission_fill_median'))} | {f2(share)} | "
+                     f"{f2(r['load_median'])} ({f2(r['load_min'])}-{f2(r['load_max'])}) |")
     g1, on = c["gauge_reaches_1"], c["onset_429"]
     if g1 and on:
-        lines.append(
-            f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight; 429s begin (>= "
-            f"{ONSET_429:.0%} of attempts) at {on['concurrency']} in flight, where the gauge reads "
-            f"{on['gauge']:.2f}: {c['gap_in_flight']:+.1%} apart, "
-            f"{'within' if c['within_20_percent'] else 'NOT within'} 20%. The ramp's load is the "
-            "requests in flight: offered tokens/s is no measure of it past the onset, since the load "
-            "generator pauses after a 429 for its Retry-After."
-        )
+        lines += ["", f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight; 429s begin (>= "
+                  f"{ONSET_429:.0%} of attempts) at {on['concurrency']} in flight, where the gauge reads "
+                  f"{on['gauge']:.2f}: {c['gap_in_flight']:+.1%} apart, "
+                  f"{'within' if c['within_20_percent'] else 'NOT within'} 20%. The ramp's load is the "
+                  "requests in flight: offered tokens/s is no measure of it past the onset, since the load "
+                  "generator pauses after a 429 for its Retry-After."]
     return "\n".join(lines) + "\n"
 
 
@@ -181,24 +167,22 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     xs = [r["concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     left.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load (median)")
-    lows, highs = [r["load_min"] for r in rows], [r["load_max"] for r in rows]
-    left.fill_between(xs, lows, highs, color="C0", alpha=0.15)
+    left.fill_between(xs, [r["load_min"] for r in rows], [r["load_max"] for r in rows], color="C0",
+                      alpha=0.15)
     twin = left.twinx()
     twin.plot(xs, [r["share_429"] for r in rows], "s-", color="C3", label="429 share of attempts")
-    twin.set_ylabel("429 share", color="C3")
-    twin.set_ylim(0, 1)
+    twin.set(ylabel="429 share", ylim=(0, 1))
     twin.legend(loc="lower right", fontsize=8)
-    right.plot(xs, [r["load_median"] for r in rows], "o-", color="C0", label="embedserve_load")
-    right.plot(xs, [_demand(r) for r in rows], "^--", color="C1", label="demand (offered / capacity)")
-    right.plot(xs, [r["admission_fill_median"] for r in rows], "v--", color="C2", label="admission fill")
-    right.plot(xs, [_refusal(r) for r in rows], "D--", color="C3", label="refusal (offered / admitted)")
-    on = doc["crossing"]["onset_429"]
+    for part, style, color, label in ((lambda r: r["load_median"], "o-", "C0", "embedserve_load"),
+                                      (_demand, "^--", "C1", "demand (offered / capacity)"),
+                                      (lambda r: r["admission_fill_median"], "v--", "C2", "admission fill"),
+                                      (_refusal, "D--", "C3", "refusal (offered / admitted)")):
+        right.plot(xs, [part(r) for r in rows], style, color=color, label=label)
     for ax in (left, right):
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        if on:
+        if on := doc["crossing"]["onset_429"]:
             ax.axvline(on["concurrency"], color="C3", lw=0.8, ls=":")
-        ax.set_xlabel("requests in flight (closed loop)")
-        ax.set_ylabel("embedserve_load")
+        ax.set(xlabel="requests in flight (closed loop)", ylabel="embedserve_load")
         ax.legend(loc="upper left", fontsize=8)
     fig.suptitle(doc["title"], fontsize=10)
     fig.tight_layout()

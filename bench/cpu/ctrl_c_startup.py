@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -24,6 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procs import machine, port_busy, publish
 
 
 def _free_port() -> int:
@@ -41,7 +44,7 @@ def one_round(offset_s: float) -> dict[str, Any]:
         proc = subprocess.Popen([sys.executable, "-m", "embedserve", "up"], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         time.sleep(offset_s)
-        listening = _listening(port)  # the gateway serves (503 while the engine loads)
+        listening = port_busy(port)  # the gateway serves (503 while the engine loads)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
@@ -52,28 +55,6 @@ def one_round(offset_s: float) -> dict[str, Any]:
             "gateway_listening": listening, "was_up": "embedserve is up" in text,
             "traceback": "Traceback" in text,
             "log_tail": text[-3000:] if "Traceback" in text else None}
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def machine() -> dict[str, str]:
-    """``machine`` and ``when`` for a result document."""
-    return {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def publish(res: dict[str, Any], md: str, out: Path | None) -> None:
-    """Print the Markdown; with ``out``, write results.json and results.md there (each
-    bench/cpu script stands alone: mypy reads them as top-level modules, so they do not
-    import each other)."""
-    print(md)
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-        (out / "results.md").write_text(md)
 
 
 def markdown(res: dict[str, Any]) -> str:

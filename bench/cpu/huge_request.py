@@ -14,9 +14,7 @@ no GPU is present). Prints and writes JSON + Markdown.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import sys
 import threading
 import time
 from collections import Counter
@@ -25,6 +23,10 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procs import machine, publish
 
 WORDS = ["memory", "model", "token", "embedding", "query"]
 WORDS += ["passage", "search", "retrieve", "document", "vector"]
@@ -81,22 +83,16 @@ def run(url: str, seconds: float, inputs: int, words: int) -> dict[str, Any]:
     }
 
 
-def markdown(result: dict[str, Any], machine: str) -> str:
+def markdown(result: dict[str, Any]) -> str:
     s, h = result["short_requests"], result["huge_request"]
     first = h["answers"][0] if h["answers"] else {}
     return "\n".join([
-        "# One huge request beside short ones",
-        "",
-        f"Machine: {machine}. Command: `{result['command']}`.",
-        "",
-        "| client | what | result |",
-        "|---|---|---|",
+        "# One huge request beside short ones", "", f"Machine: {result['machine']}; {result['when']}. "
+        f"Command: `{result['command']}`.", "", "| client | what | result |", "|---|---|---|",
         f"| huge | {h['inputs']} inputs x {h['words_per_input']} words | first answer {first.get('status')} "
         f"{first.get('code', '')} in {first.get('seconds')} s; {len(h['answers'])} answers |",
         f"| short | one input, closed loop | {s['sent']} sent, statuses {s['status_counts']}, "
-        f"P50 {s['p50_ms']} ms, P95 {s['p95_ms']} ms, max {s['max_ms']} ms |",
-        "",
-    ])
+        f"P50 {s['p50_ms']} ms, P95 {s['p95_ms']} ms, max {s['max_ms']} ms |", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,16 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=int, default=400)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    result = run(a.url, a.seconds, a.inputs, a.words)
-    result["command"] = (
-        f"python -m bench.cpu.huge_request --seconds {a.seconds:g} --inputs {a.inputs} --words {a.words}"
-    )
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
-    print(json.dumps(result["short_requests"]), json.dumps(result["huge_request"]["answers"][:3]))
-    if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "results.json").write_text(json.dumps(result, indent=2))
-        (a.out / "results.md").write_text(markdown(result, machine))
+    result = {**run(a.url, a.seconds, a.inputs, a.words), **machine(), "command":
+              f"python -m bench.cpu.huge_request --seconds {a.seconds:g} --inputs {a.inputs} "
+              f"--words {a.words}"}
+    publish(result, markdown(result), a.out)
     return 0
 
 

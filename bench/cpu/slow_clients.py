@@ -18,8 +18,7 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+
+# bench's scripts import each other by file name, as mypy names them (bench has no packages)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procs import machine, publish
 
 SERIAL = itertools.count()
 MAX_TRICKLE_S = 120.0  # a trickler gives up after this long: the bound of the whole run
@@ -114,23 +117,6 @@ async def run(url: str, tricklers: int, rounds: int, window_s: float) -> dict[st
             print(json.dumps(out[-1]), flush=True)
     return {"url": url, "model": model, "tricklers": tricklers, "window_s": window_s,
             **machine(), "rounds": out}
-
-
-def machine() -> dict[str, str]:
-    """``machine`` and ``when`` for a result document."""
-    return {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def publish(res: dict[str, Any], md: str, out: Path | None) -> None:
-    """Print the Markdown; with ``out``, write results.json and results.md there (each
-    bench/cpu script stands alone: mypy reads them as top-level modules, so they do not
-    import each other)."""
-    print(md)
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-        (out / "results.md").write_text(md)
 
 
 def markdown(res: dict[str, Any]) -> str:
