@@ -1,24 +1,8 @@
 """The CPU comparisons as data, run by the same runner as the GPU suite (`python bench/suite.py
---only NAME`): the bundled all-MiniLM-L6-v2 on the CPU engine against its peers, the gateway's
-settings, the gateway alone in front of an engine that answers at once, and the quality gate.
-
-- ``cpu-peers``: embedserve ``up`` (torch, ONNX fp32, int8), Infinity 0.0.78 (``torch``;
-  ``optimum`` as shipped, and given the graph its optimisation step fails to write) and, in
-  process, sentence-transformers (torch, ONNX) and ONNX Runtime on embedserve's export; a first
-  start's export timed before anything starts, and every side's vectors against
-  sentence-transformers in process. Infinity comes from its own folder (``--infinity-site``:
-  infinity-emb 0.0.78, transformers 4.57, sentence-transformers 5.1, optimum-onnx), pools by
-  mean (``auto`` picks the first token for this model), and its ``optimum`` engine reads
-  sentence-transformers' ONNX export from a copy of the model's folder.
-- ``engine-calls``: `up`'s defaults against ``--variant NAME=SETTINGS`` stacks on the same
-  loads; then one request in flight, the gateway's per-stage headers.
-- ``gateway-overhead``: the instant engine sent token ids against a gateway in front of it sent
-  texts, and the same token ids.
-- ``gateway-loop``: a gateway per tokenizer (``--model NAME=DIR``), ``gateway.inline_tokenize_chars``
-  and ``gateway.event_loop``, in front of one instant engine: the event loop's CPU per request.
-- ``gateway-cpu``: the gateway's CPU per request by request shape, and each stage in process.
-- ``quality-cpu``: ``embedserve quality`` of each ``--variant`` against the one named ``baseline``.
-"""
+--only NAME`), the bundled all-MiniLM-L6-v2 on the CPU engine: against its peers (``cpu-peers``),
+the gateway's engine-call settings (``engine-calls``), the gateway alone before an engine that
+answers at once (``gateway-overhead``, ``gateway-loop``, ``gateway-cpu``), the quality gate
+(``quality-cpu``). bench/README.md says what each measures."""
 
 from __future__ import annotations
 
@@ -30,16 +14,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 from harness import GATEWAY, INSTANT, UP, Host, Side, slug
 from measure import Case, Load, children_cpu
 from peers import IN_PROCESS, INFINITY
-from runner import Step, step_compare, step_quality, step_start, step_stop, step_vectors
+from runner import Step, lifecycle, step_compare, step_quality, step_vectors
 
-CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}
+OPEN = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}  # admission never caps a run
+CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", **OPEN}  # `up`'s engine (a gateway given engines starts none)
 MEAN = ("--device", "cpu", "--dtype", "float32", "--pooling-method", "mean")
 PEER_LOADS = [
     Case("20-word texts, 1 per request, 16 in flight", Load("fixed:20", 16, seconds=15, warmup=2, words=True,
@@ -153,7 +140,7 @@ def step_stages(host: Host, budget_end: float, n: int = 300) -> dict[str, Any]:
 
 
 INSTANT_ENGINE = Side("instant engine", INSTANT, 18611, "bundled", {"DIM": "384"}, tag="instant-384")
-OVERHEAD = [INSTANT_ENGINE, Side("gateway (text)", GATEWAY, 18610, "bundled", CPU, behind=(18611,),
+OVERHEAD = [INSTANT_ENGINE, Side("gateway (text)", GATEWAY, 18610, "bundled", OPEN, behind=(18611,),
                                  tag="gateway-overhead"),
             Side("gateway (ids)", GATEWAY, 18610, "bundled", ids=True, tag="gateway-overhead")]
 LOOP_ENGINE = Side("instant engine", INSTANT, 30993, "bundled", {"DIM": "1024"}, tag="instant-1024")
@@ -164,7 +151,7 @@ def loop_sides(host: Host) -> list[Side]:
     tokenise limit and event loop, all in front of one instant engine."""
     models = [m for m in host.models if m not in ("4b", "0.6b", "minilm", "bundled")]
     return [Side(f"{loop}, {model}, inline {chars}", GATEWAY, 8993 + 10 * i, model,
-                 CPU | {"EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": chars,
+                 OPEN | {"EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": chars,
                         "EMBEDSERVE_GATEWAY__EVENT_LOOP": loop},
                  behind=(LOOP_ENGINE.port,))
             for i, (model, chars, loop) in enumerate((m, c, lp) for m in models for c in ("2048", "0")
@@ -176,7 +163,7 @@ def loop_cases() -> list[Case]:
             for conc in (64, 1) for name, mix in (("short 16-512", "uniform:16-512"), ("seed mix", "seed"))]
 
 
-CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", CPU, behind=(30991,), tag="gateway-cpu")
+CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", OPEN, behind=(30991,), tag="gateway-cpu")
 CPU_GATEWAY_ENGINE = Side("instant engine", INSTANT, 30991, "bundled", {"DIM": "384"}, tag="instant-cpu")
 SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, inputs, seconds=10, warmup=1, encoding=encoding))
           for name, tokens, inputs, encoding in (("1 short text, float", 14, "1", "float"),
@@ -186,29 +173,65 @@ SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, inputs, seconds=10, warmup=1, e
 
 
 def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
-    import gateway_stages
-
     return {"tables": {"Where the gateway's CPU time goes, in process (median µs per request)":
-                       gateway_stages.stage_rows(host.model("bundled"))}}
+                       stage_rows(host.model("bundled"))}}
 
 
-def graph_sides(host: Host) -> list[Side]:
-    import onnx_graphs
+# -- the gateway's stages in process ------------------------------------------------------------
 
-    folder = host.work.root / "graphs"
-    return [Side(name, IN_PROCESS, 8840 + i, "bundled", args=("ort-export", str(folder / file)),
-                 tag=f"graph-{i}") for i, (name, file) in enumerate(onnx_graphs.GRAPHS.items())]
-
-
-def step_graphs(host: Host, budget_end: float) -> dict[str, Any]:
-    import onnx_graphs
-
-    return {"tables": {"The graphs": onnx_graphs.build(host.work.root / "graphs")}}
+SHORT = "How do I keep GPU memory flat when inputs vary in length?"
+LONG = " ".join(["the embedding service truncates long inputs and keeps the EOS token"] * 30)
+STAGE_SHAPES: dict[str, dict[str, Any]] = {
+    "1 short text, float": {"input": SHORT, "encoding_format": "float"},
+    "1 short text, base64": {"input": SHORT, "encoding_format": "base64"},
+    "32 short texts, base64": {"input": [SHORT] * 32, "encoding_format": "base64"},
+    "1 long text (256 tokens), base64": {"input": LONG, "encoding_format": "base64"},
+}
 
 
-GRAPH_LOADS = [Case(f"{batch} x {words} words", Load(f"fixed:{words}", 1, str(batch), seconds=3, warmup=0,
-                                                     words=True), rounds=3)
-               for batch, words in ((1, 30), (32, 85))]
+def median_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t0) / number)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def stages(tok: Any, fields: dict[str, Any]) -> dict[str, float]:
+    """Median µs per request of each of the gateway's CPU stages, in process, for one request shape."""
+    import orjson
+
+    from embedserve.contracts.wire import decode_response, encode_base64
+    from embedserve.gateway.schemas import EmbeddingRequest
+    from embedserve.gateway.vectors import shape_vectors
+    from embedserve.loadtest.instant_engine import reply
+
+    body = orjson.dumps({"model": "m", **fields})
+    req = EmbeddingRequest.model_validate(orjson.loads(body))
+    texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    engine_reply = reply(len(texts))
+    vectors = decode_response(engine_reply, len(texts))
+
+    def respond() -> bytes:
+        shaped = shape_vectors(vectors, None, True)
+        payload = encode_base64(shaped) if req.encoding_format == "base64" else list(shaped)
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)]
+        return orjson.dumps({"object": "list", "data": data}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    out = {"parse_validate_us": median_us(lambda: EmbeddingRequest.model_validate(orjson.loads(body))),
+           "tokenize_us": median_us(lambda: tok.encode_texts(texts)),
+           "engine_reply_parse_us": median_us(lambda: decode_response(engine_reply, len(texts))),
+           "normalise_encode_us": median_us(respond)}
+    return out | {"sum_us": round(sum(out.values()), 1)}
+
+
+def stage_rows(model_dir: str, cap: int = 256) -> list[dict[str, Any]]:
+    from embedserve.gateway.tokenize import ModelTokenizer
+
+    tok = ModelTokenizer(Path(model_dir), cap)
+    return [{"request": name, **stages(tok, fields)} for name, fields in STAGE_SHAPES.items()]
 
 
 def quality_base(host: Host) -> list[Side]:
@@ -221,29 +244,28 @@ def quality_pairs(host: Host) -> list[tuple[str, Side, Side]]:
 
 
 def cpu_steps() -> list[Step]:
-    peers = partial(step_compare, sides=peer_sides, section="CPU peers: the bundled all-MiniLM-L6-v2")
     calls = partial(variant_sides, first=8900)
-    steps = [
+    (peers_on, peers_off), (calls_on, calls_off), (quality_on, quality_off) = (
+        lifecycle("cpu-peers", "cpu-peers", peer_sides, 300, one_at_a_time=True),
+        lifecycle("engine-calls", "engine-calls", calls, 120),
+        lifecycle("quality-cpu", "quality-cpu", quality_base))
+    return [
         Step("cpu-peers-export", ("cpu-peers",), step_first_export, 60),
-        Step("cpu-peers-onnx", ("cpu-peers",), step_onnx, 90),
-        Step("cpu-peers-start", ("cpu-peers",), partial(step_start, sides=peer_sides, one_at_a_time=True),
-             300),
+        Step("cpu-peers-onnx", ("cpu-peers",), step_onnx, 90), peers_on,
         Step("cpu-peers-vectors", ("cpu-peers",), partial(step_vectors, sides=peer_sides,
                                                           reference="ST torch in process"), 30),
-        Step("cpu-peers-load", ("cpu-peers",), partial(peers, cases=PEER_LOADS, seed=1000), 1500),
-        Step("cpu-peers-stop", ("cpu-peers",), partial(step_stop, sides=peer_sides), 30, always=True),
-        Step("engine-calls-start", ("engine-calls",), partial(step_start, sides=calls), 120),
+        Step("cpu-peers-load", ("cpu-peers",), partial(
+        step_compare, sides=peer_sides, cases=PEER_LOADS, seed=1000, section="CPU peers (all-MiniLM-L6-v2)"),
+             1500),
+        peers_off, calls_on,
         Step("engine-calls-load", ("engine-calls",), partial(
             step_compare, sides=calls, seed=5000, section="The gateway's engine-call settings (CPU engine)",
-            cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), rounds=3) for c in PEER_LOADS]),
-             600),
-        Step("engine-calls-stages", ("engine-calls",), step_stages, 60),
-        Step("engine-calls-stop", ("engine-calls",), partial(step_stop, sides=calls), 30, always=True),
+            cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), 3) for c in PEER_LOADS]), 600),
+        Step("engine-calls-stages", ("engine-calls",), step_stages, 60), calls_off,
         Step("gateway-overhead", ("gateway-overhead",), partial(
             step_compare, sides=OVERHEAD, start=OVERHEAD[:2], stop=OVERHEAD[:2], seed=0,
             section="The gateway over an engine that answers at once",
-            cases=[Case(f"{conc} in flight", Load("seed", conc, seconds=10, warmup=3), rounds=2)
-                   for conc in (1, 8)]), 300),
+            cases=[Case(f"{n} in flight", Load("seed", n, seconds=10), 2) for n in (1, 8)]), 300),
         Step("gateway-loop", ("gateway-loop",), partial(
             step_compare, sides=loop_sides, start=lambda host: [LOOP_ENGINE, *loop_sides(host)],
             cases=loop_cases(), stop=lambda host: [*loop_sides(host), LOOP_ENGINE], seed=7,
@@ -252,22 +274,10 @@ def cpu_steps() -> list[Step]:
             step_compare, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
             stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
             section="The gateway's CPU per request (instant engine)"), 120),
-        Step("gateway-cpu-stages", ("gateway-cpu",), step_gateway_stages, 60),
-        Step("quality-cpu-start", ("quality-cpu",), partial(step_start, sides=quality_base), 120),
+        Step("gateway-cpu-stages", ("gateway-cpu",), step_gateway_stages, 60), quality_on,
         Step("quality-cpu", ("quality-cpu",), partial(step_quality, pairs=quality_pairs, one_at_a_time=True),
              900),
-        Step("quality-cpu-stop", ("quality-cpu",), partial(step_stop, sides=quality_base), 30, always=True),
-        Step("onnx-variants-build", ("onnx-variants",), step_graphs, 300),
-        Step("onnx-variants-start", ("onnx-variants",), partial(step_start, sides=graph_sides), 60),
-        Step("onnx-variants-vectors", ("onnx-variants",), partial(step_vectors, sides=graph_sides), 20),
-        Step("onnx-variants-load", ("onnx-variants",), partial(
-            step_compare, sides=graph_sides, cases=GRAPH_LOADS, seed=9,
-            section="The CPU engine's ONNX graph: exporters and int8 variants, in process"), 120),
-        Step("onnx-variants-stop", ("onnx-variants",), partial(step_stop, sides=graph_sides), 10,
-             always=True),
-    ]
-    return steps
+        quality_off]
 
 
-SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu",
-             "onnx-variants")
+SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu")

@@ -1,17 +1,13 @@
 """The leak drill, measured: `embedserve up --drill-leak RATE` under an open-loop load, with
 the forecast, the engines' memory and `up`'s engine replacement recorded every second.
 
-One step (``drill``): start the stack with health settings shortened so that the forecast
-settles within a minute and the replacement starts about two minutes into the leak; send
-the seed length mix at about half the stack's capacity from ready to the end; sample
-``/health/memory``, ``/metrics``, the engines under `up` (pid, port, RSS, NVML memory per
-process) and `up`'s log; end a minute after the old engine stopped (or at the time limit);
-stop everything; write ``drill.json`` (every series and the summary, bench/drill_report.py
-has the arithmetic) and, where matplotlib imports, the report with its plots.
-
-On a GPU the resource is "NVML memory of our processes" against a fixed limit (as if the
-GPU had 56 GB); on the CPU dry run, host memory (RSS of our processes) against a limit a
-few GB above the stack's size, with a faster leak so the drill takes ~2-3 minutes.
+Health settings shortened so that the forecast settles within a minute and the replacement
+starts about two minutes into the leak; the seed mix at half the stack's capacity from ready to
+the end; every second /health/memory, /metrics, the engines under `up` (pid, port, RSS, NVML
+memory) and `up`'s log; a minute after the old engine stopped, everything stops and
+``drill.json`` is written (bench/drill_report.py has the arithmetic, the report and the plots).
+On a GPU the resource is NVML memory of our processes against a limit (as if the GPU had
+56 GB); on the CPU dry run, their RSS against a few GB above the stack's size.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 orchestration, result JSON and report run on a machine without vLLM or a GPU
 (`python bench/suite.py --device cpu --only vllm --vllm-cmd "python3 bench/fake_vllm.py"`).
 
-It takes vLLM's command line (the flags it needs, the rest ignored), embeds with a plain
-forward pass (bench/inprocess.py's ``transformers`` backend), answers `/v1/embeddings`,
-`/health`, `/v1/models` and `/metrics` (vLLM's prefix-cache counters, never a hit) and writes
-start-up lines shaped like vLLM's, naming itself as the attention backend. Its figures mean
-nothing.
+It takes vLLM's command line (what it needs of it), serves a plain forward pass with vLLM's
+routes and prefix-cache counters (bench/inprocess.py) and writes start-up lines shaped like
+vLLM's. Its figures mean nothing.
 """
 
 from __future__ import annotations

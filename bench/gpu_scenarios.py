@@ -15,7 +15,7 @@ from gpu import gpu_used_gb
 from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
 from measure import Case, Load
 from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
-from runner import Step, gate, step_compare, step_profile, step_quality, step_start, step_stop
+from runner import Step, gate, lifecycle, profile, step_compare, step_quality, step_start, step_stop
 
 from embedserve.engines.sglang import fa3_installed
 
@@ -287,34 +287,25 @@ def step_small_start(host: Host, budget_end: float) -> dict[str, Any]:
         "notes": [f"uvloop {'is' if uvloop else 'is NOT'} installed (without it `x2, uvloop` runs asyncio)."]}
 
 
+OVERLAP, DETAIL, SMALL_STEPS = (lifecycle("overlap", "engines-per-gpu", EVERY_STACK),
+                                lifecycle("detail", "engines-per-gpu-detail", [*EVERY_STACK, B32K]),
+                                lifecycle("small", "small-model", list(SMALL.values())))
 MANY_STACK_STEPS = [
-    Step("overlap-start", ("engines-per-gpu",), partial(step_start, sides=EVERY_STACK), 150,
-         holds=tuple(s.key for s in EVERY_STACK)),
-    Step("overlap-profile-0.6b", ("engines-per-gpu",), partial(step_profile, side=GROUPS["0.6b"][0],
-                                                                folder="profiles/0.6b"), 40),
-    group_step("0.6b", 390),
-    Step("overlap-profile-4b", ("engines-per-gpu",), partial(step_profile, side=GROUPS["4b"][0],
-                                                              folder="profiles/4b"), 40),
-    group_step("4b", 300), group_step("4b-fp8", 120),
-    Step("overlap-stop", ("engines-per-gpu",), partial(step_stop, sides=EVERY_STACK), 30, always=True),
+    OVERLAP[0], profile("overlap-profile-0.6b", "engines-per-gpu", GROUPS["0.6b"][0], "profiles/0.6b"),
+    group_step("0.6b", 390), profile("overlap-profile-4b", "engines-per-gpu", GROUPS["4b"][0], "profiles/4b"),
+    group_step("4b", 300), group_step("4b-fp8", 120), OVERLAP[1],
     # per-stack memory, profiles, latency in three rounds, a larger batch budget
-    Step("detail-start", ("engines-per-gpu-detail",), partial(step_start, sides=[*EVERY_STACK, B32K]), 150,
-         holds=tuple(s.key for s in [*EVERY_STACK, B32K])),
-    Step("detail-profile-0.6b", ("engines-per-gpu-detail",), partial(step_profile, side=GROUPS["0.6b"][0],
-                                                                      folder="profiles-detail/0.6b"), 40),
-    Step("detail-profile-4b", ("engines-per-gpu-detail",), partial(step_profile, side=GROUPS["4b"][0],
-                                                                    folder="profiles-detail/4b"), 40),
+    DETAIL[0],
+    *(profile(f"detail-profile-{g}", "engines-per-gpu-detail", GROUPS[g][0], f"profiles-detail/{g}")
+      for g in ("0.6b", "4b")),
     latency_step("0.6b"), latency_step("4b"),
     Step("detail-knobs", ("engines-per-gpu-detail",), partial(
         step_compare, sides=[GROUPS["0.6b"][1], B32K], seed=70,
         cases=[Case(c.name, c.load, rounds=2) for c in CASES[:3]],
-        section="The 0.6B with two engines: batch budget 16,384 vs 32,768"), 140),
-    Step("detail-stop", ("engines-per-gpu-detail",), partial(step_stop, sides=[*EVERY_STACK, B32K]), 30,
-         always=True),
+        section="The 0.6B with two engines: batch budget 16,384 vs 32,768"), 140), DETAIL[1],
     # the 0.6B: the gateway's settings side by side, and FP8; every stack starts at once
-    Step("small-start", ("small-model",), step_small_start, 150, holds=tuple(s.key for s in SMALL.values())),
-    Step("small-profile", ("small-model",), partial(step_profile, side=SMALL["x2"],
-                                                     folder="profiles/small-model"), 45),
+    Step("small-start", ("small-model",), step_small_start, 150, holds=SMALL_STEPS[0].holds),
+    profile("small-profile", "small-model", SMALL["x2"], "profiles/small-model", 45),
     *(Step(f"small-matrix-{part}", ("small-model",), partial(
         step_compare, sides=MATRIX, cases=cases, seed=80,
         section="The 0.6B: raw SGLang, the default stack and FP8"), 250)
@@ -325,7 +316,7 @@ MANY_STACK_STEPS = [
     Step("small-crosscheck", ("small-model",), partial(
         step_compare, sides=[SMALL["x2"], SMALL["fp8 x1"]], cases=CASES[1:2], crosscheck=CASES[1:2], seed=95,
         section="The 0.6B: the seed mix by two clients, back to back"), 65),
-    Step("small-stop", ("small-model",), partial(step_stop, sides=list(SMALL.values())), 65, always=True),
+    SMALL_STEPS[1],
 ]
 
 # -- vLLM's pooling runner next to embedserve ---------------------------------------------------------
@@ -388,8 +379,7 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
             Step(f"vllm-vectors-{shape}", ("vllm",), partial(
                 step_compare, sides=partial(vector_sides, shape), cases=[], vectors=True, seed=0,
                 start=[reference(shape)], stop=[reference(shape)], section=title), 60),
-            Step(f"vllm-profile-{shape}", ("vllm",), partial(step_profile, side=vllm_default(shape),
-                                                              folder=f"profiles-vllm/{shape}"), 45),
+            profile(f"vllm-profile-{shape}", "vllm", vllm_default(shape), f"profiles-vllm/{shape}", 45),
             Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
                                                              crosscheck=VLLM_CASES[:1]), 380),

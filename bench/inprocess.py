@@ -1,12 +1,12 @@
 """A model in one process, no HTTP on its measured path: the ceiling a server of the same backend
 could reach, the reference vectors are compared against, and the body of bench/fake_vllm.py.
 
-    python bench/inprocess.py BACKEND MODEL_DIR PORT [GRAPH]
+    python bench/inprocess.py BACKEND MODEL_DIR PORT
 
 Backends: ``st-torch`` and ``st-onnx`` (sentence-transformers; ONNX reads model.onnx from the
-folder), ``ort-export`` (ONNX Runtime on embedserve's export, or on GRAPH, with its tokenizer at
-256 tokens), ``transformers`` (a plain forward pass: last-token pooling, L2 norm, as
-Qwen3-Embedding's sentence-transformers files say; on the GPU where there is one). It answers on
+folder), ``ort-export`` (ONNX Runtime on embedserve's export, its tokenizer at 256 tokens),
+``transformers`` (a plain forward pass: last-token pooling, L2 norm, as Qwen3-Embedding's
+sentence-transformers files say; on the GPU where there is one). It answers on
 127.0.0.1:PORT ``GET /health``, ``POST /v1/embeddings`` (vectors and ``usage``, each text alone
 for ``transformers``: no padding to get wrong) and ``POST /run`` ``{"batch", "words", "seconds",
 "seed"}``: unique texts of ``words`` words (loadtest's word builder), ``batch`` at a time, for
@@ -33,7 +33,7 @@ from embedserve.loadtest.textbuild import WordBuilder, load_tokenizer
 Encode = Callable[[list[str]], tuple[np.ndarray, list[int]]]  # vectors, and tokens per text
 
 
-def load(backend: str, model_dir: str, graph: str | None = None) -> Encode:
+def load(backend: str, model_dir: str) -> Encode:
     if backend == "transformers":
         return forward_pass(model_dir)
     if backend.startswith("st-"):
@@ -47,7 +47,7 @@ def load(backend: str, model_dir: str, graph: str | None = None) -> Encode:
     from embedserve.config import Settings
     from embedserve.engines.cpu_backends import OnnxForward
 
-    forward = OnnxForward(Settings(_env_file=None)) if graph is None else graph_forward(graph)
+    forward = OnnxForward(Settings(_env_file=None))
     tok = load_tokenizer(model_dir)
     tok.enable_truncation(256)
 
@@ -60,17 +60,6 @@ def load(backend: str, model_dir: str, graph: str | None = None) -> Encode:
         return np.asarray(forward(ids, mask)), [len(x) for x in rows]
 
     return encode
-
-
-def graph_forward(graph: str) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """ONNX Runtime on ``graph``, with the engine's session options."""
-    import onnxruntime as ort
-
-    from embedserve.engines.cores import usable_cores
-    from embedserve.engines.cpu_backends import session_options
-
-    session = ort.InferenceSession(graph, session_options(usable_cores()), providers=["CPUExecutionProvider"])
-    return lambda ids, mask: np.asarray(session.run(None, {"input_ids": ids, "attention_mask": mask})[0])
 
 
 def forward_pass(model_dir: str) -> Encode:
@@ -157,6 +146,6 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None)
 
 if __name__ == "__main__":
     backend, model_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    model = load(backend, model_dir, sys.argv[4] if len(sys.argv) > 4 else None)
+    model = load(backend, model_dir)
     model(["warm up"] * 4)
     serve(model, port)

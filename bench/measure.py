@@ -160,7 +160,7 @@ def run_in_process(t: Target, load: Load, seed: int, batch: int) -> dict[str, An
     a time, for the load's duration."""
     words = int(load.mix.removeprefix("fixed:"))
     body = {"batch": batch, "words": words, "seconds": load.seconds, "seed": seed}
-    row = http_post_json(t.url.rsplit("/", 1)[0] + "/run", body, timeout=load.seconds + 120)
+    row = http_post_json(t.url.removesuffix("/v1/embeddings") + "/run", body, timeout=load.seconds + 120)
     return {**row, "tok_s": round(row["inputs_s"] * words)}
 
 

@@ -1,13 +1,9 @@
-"""The peers, and embedserve's variants, as entries: each peer is a :class:`harness.Kind` (its
-command line, readiness route, embeddings route, texts or token ids), each variant a few
-settings. A scenario lists sides of these kinds (bench/gpu_scenarios.py, bench/cpu_scenarios.py).
-
-Adding a peer is one entry here, e.g. TEI (its OpenAI route is the kind's default)::
+"""The peers and embedserve's variants as entries: each peer a :class:`harness.Kind` (its
+command line, readiness and embeddings routes, texts or token ids), each variant a few settings.
+Adding a peer is one entry here and a side in a scenario's list (bench/README.md), e.g. TEI::
 
     TEI = Kind(lambda host, side: (["text-embeddings-router", "--model-id", host.model(side.shape),
                                     "--port", str(side.port)], {}), ready="/health")
-
-then ``Side("tei", TEI, 8090, "4b")`` in a scenario's list of sides (bench/README.md).
 """
 
 from __future__ import annotations
@@ -156,10 +152,9 @@ INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", missing=
 
 
 def in_process_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
-    backend, *graph = side.args or ("st-torch",)
-    model = side.cwd or host.model(side.shape)
-    argv = [sys.executable, str(HERE / "inprocess.py"), backend, model, str(side.port), *graph]
-    return argv, {"HF_HUB_OFFLINE": "1"}
+    backend = side.args[0] if side.args else "st-torch"
+    argv = [sys.executable, str(HERE / "inprocess.py"), backend, side.cwd or host.model(side.shape)]
+    return [*argv, str(side.port)], {"HF_HUB_OFFLINE": "1"}
 
 
 IN_PROCESS = Kind(in_process_command, ready="/health", in_process=True)

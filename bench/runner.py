@@ -1,14 +1,7 @@
-"""The one runner: every comparison, GPU or CPU, is sides and cases given to these steps. Each
-step takes the run's Host and the time it must end by, and returns what results.json keeps.
-
-- ``step_start``: start sides (all at once, or one at a time), wait until each is ready; a side
-  that cannot start is a finding (``not_run``), the others go on.
-- ``step_compare``: every case on every running side, round by round, the sides' order turned
-  each round (and each case), same seed per round so every side gets inputs of the same token
-  counts; then the cross-checks with the second client; a side that answers nothing in a case
-  has stalled and is stopped.
-- ``step_vectors``, ``step_quality``, ``step_profile``, ``step_stop``.
-"""
+"""The one runner: every comparison, GPU or CPU, is sides and cases given to these steps (start,
+compare, vectors, quality gate, profile, stop). Each takes the run's Host and the time it must
+end by, and returns what results.json keeps; a side that cannot start, or stalls, is a finding,
+and the others go on."""
 
 from __future__ import annotations
 
@@ -20,6 +13,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +36,18 @@ class Step:
     seconds: float  # roughly what it takes at time scale 1 with a warm JIT cache
     holds: tuple[str, ...] = ()  # processes it leaves running: done again when one is gone
     always: bool = False  # stops and clean-ups run on every pass
+
+
+def lifecycle(name: str, scenario: str, sides: Sides, seconds: float = 150,
+              **start: Any) -> tuple[Step, Step]:
+    """``NAME-start`` (held: done again when one of its processes is gone) and ``NAME-stop``."""
+    holds = tuple(s.key for s in sides if not s.owner) if not callable(sides) else ()
+    return (Step(f"{name}-start", (scenario,), partial(step_start, sides=sides, **start), seconds, holds),
+            Step(f"{name}-stop", (scenario,), partial(step_stop, sides=sides), 30, always=True))
+
+
+def profile(name: str, scenario: str, side: Side, folder: str, seconds: float = 40) -> Step:
+    return Step(name, (scenario,), partial(step_profile, side=side, folder=folder), seconds)
 
 
 def resolve(host: Host, sides: Sides) -> list[Side]:
@@ -81,7 +87,11 @@ def step_start(host: Host, budget_end: float, sides: Sides, wait: bool = True,
         elif not harness.running(host, side) and (why := side.kind.missing(host)):
             out["not_run"][side.key] = why
         else:
-            harness.start(host, side)
+            try:
+                harness.start(host, side)
+            except OSError as exc:  # its command or folder is missing
+                out["not_run"][side.key] = repr(exc)[:300]
+                continue
             out["settings"][side.key] = side.env
             if one_at_a_time:  # its start is not measured against another's
                 ready(side)

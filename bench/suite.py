@@ -6,13 +6,9 @@
     python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
     python bench/suite.py --out results/cpu-peers --only cpu-peers       # a CPU comparison
 
-GPU scenarios (the default): raw-vs-gateway, kv-pool, radix, peers, soak-capacity, scale, drill,
-fp8, attention, engines-per-gpu, engines-per-gpu-detail, small-model, vllm (bench/gpu_scenarios.py).
-CPU scenarios, run when named: cpu-peers, engine-calls, gateway-overhead, gateway-loop,
-gateway-cpu, quality-cpu (bench/cpu_scenarios.py). Each is a list of named steps; state
-(finished steps, processes started with setsid and their pids) lives in the work dir, so a run
-cut by --budget-s resumes where it stopped. Writes results.json and results.md to --out after
-every step. bench/README.md says what each scenario measures.
+The GPU scenarios run by default, the CPU ones when named (--only). Each is a list of named steps;
+state (finished steps, processes started with setsid and their pids) lives in the work dir, so a
+run cut by --budget-s resumes where it stopped. bench/README.md says what each one measures.
 """
 
 from __future__ import annotations

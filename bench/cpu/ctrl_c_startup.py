@@ -6,8 +6,6 @@ terminal's Ctrl-C delivers), and times the exit. Offsets cover the engine's impo
 load; a round whose stack was already up is reported as such.
 
     python -m bench.cpu.ctrl_c_startup --out results/ctrl-c-cpu
-
-Prints and writes JSON + Markdown.
 """
 
 from __future__ import annotations

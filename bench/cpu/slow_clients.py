@@ -8,8 +8,6 @@ answer is recorded (408 or none). Every normal input is unique.
 
     python -m bench.cpu.slow_clients --url http://127.0.0.1:8000 --tricklers 400 --rounds 3 \\
         --out results/slow-clients-cpu
-
-Prints and writes JSON + Markdown.
 """
 
 from __future__ import annotations
@@ -99,41 +97,31 @@ async def run(url: str, tricklers: int, rounds: int, window_s: float) -> dict[st
             await asyncio.sleep(0.5)  # all connected and trickling
             busy = await normal(client, url, model, window_s)
             held = await asyncio.gather(*slow)
-            out.append({
-                "round": i + 1,
-                "quiet": {"requests": len(quiet), "p50_ms": _ms(quiet, 50), "p95_ms": _ms(quiet, 95)},
-                "trickle": {"requests": len(busy), "p50_ms": _ms(busy, 50), "p95_ms": _ms(busy, 95)},
-                "tricklers": {
-                    kind: {
-                        "count": len(rows := [h for h in held if h["kind"] == kind]),
-                        "cut": sum(h["cut"] for h in rows),
-                        "answered_408": sum(h["answer"] == "408" for h in rows),
-                        "held_p50_s": float(np.median([h["held_s"] for h in rows])),
-                        "held_max_s": max(h["held_s"] for h in rows),
-                    }
-                    for kind in ("head", "body")
-                },
-            })
+            kinds = {kind: [h for h in held if h["kind"] == kind] for kind in ("head", "body")}
+            normal_rows = {name: {"requests": len(lat), "p50_ms": _ms(lat, 50), "p95_ms": _ms(lat, 95)}
+                           for name, lat in (("quiet", quiet), ("trickle", busy))}
+            out.append({"round": i + 1, **normal_rows,
+                        "tricklers": {kind: {"count": len(rows), "cut": sum(h["cut"] for h in rows),
+                                             "answered_408": sum(h["answer"] == "408" for h in rows),
+                                             "held_p50_s": float(np.median([h["held_s"] for h in rows])),
+                                             "held_max_s": max(h["held_s"] for h in rows)}
+                                      for kind, rows in kinds.items()}})
             print(json.dumps(out[-1]), flush=True)
     return {"url": url, "model": model, "tricklers": tricklers, "window_s": window_s,
             **machine(), "rounds": out}
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [
-        "# Slow clients against the CPU stack",
-        "",
-        f"{res['machine']}, shared with other jobs; {res['when']}. `python -m bench.cpu.slow_clients "
-        f"--tricklers {res['tricklers']}` against `embedserve up` (defaults: "
-        "`gateway.header_timeout_s` 20 s, `gateway.body_idle_timeout_s` 20 s). Each round: a "
-        f"{res['window_s']:g} s quiet window, then {res['tricklers']} trickling connections (half "
-        "the head a header a second, half the body a byte a second) with the same normal client "
-        "measured for the same time. Every input unique; ratios within a round.",
-        "",
-        "| round | normal P50 quiet / trickle (ms) | P95 quiet / trickle (ms) | P50 ratio "
-        "| head tricklers cut (408) | held P50 / max (s) | body tricklers cut (408) | held P50 / max (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = ["# Slow clients against the CPU stack", "",
+             f"{res['machine']}, shared with other jobs; {res['when']}. `python -m bench.cpu.slow_clients "
+             f"--tricklers {res['tricklers']}` against `embedserve up` (defaults: `gateway.header_timeout_s` "
+             "20 s, `gateway.body_idle_timeout_s` 20 s). Each round: a "
+             f"{res['window_s']:g} s quiet window, then {res['tricklers']} trickling connections (half the "
+             "head a header a second, half the body a byte a second) with the same normal client measured "
+             "for the same time. Every input unique; ratios within a round.", "",
+             "| round | normal P50 quiet / trickle (ms) | P95 quiet / trickle (ms) | P50 ratio | head "
+             "tricklers cut (408) | held P50 / max (s) | body tricklers cut (408) | held P50 / max (s) |",
+             "|---" * 8 + "|"]
     for r in res["rounds"]:
         q, t, h, b = r["quiet"], r["trickle"], r["tricklers"]["head"], r["tricklers"]["body"]
         ratio = t["p50_ms"] / q["p50_ms"] if q["p50_ms"] and t["p50_ms"] else float("nan")
