@@ -6,20 +6,13 @@ of nothing), then runs ``embedserve loadtest`` once per step, closed loop, with 
 requests in flight each step; the load generator reads the gauge from the gateway's
 /metrics (``--gauge``) while it runs.
 
-Why prime: the gauge's demand part divides by the engines' measured capacity. At start that
-is ``up``'s warm-up call, a batch of the model's longest inputs on a cold engine, slower per
-token than the ramp's short ones; a pod in service has measured its capacity on its own
-traffic. Calls under a quarter of the call budget do not count, so one request in flight
-never measures it. The idle time lets the priming traffic leave the 15 s averages; the
-capacity, a rate per second of busy time, keeps its value while idle.
-Every input is unique. Per step: offered tokens/s (every attempt, 429s and their retries
-included), tokens/s answered, the share of attempts answered 429, and the gauge's median.
+Why prime: the gauge's demand part divides by the engines' measured capacity, at start that of
+``up``'s warm-up call (a batch of the model's longest inputs on a cold engine); a pod in service
+has measured it on its own traffic, and calls under a quarter of the call budget do not count.
+The idle time lets the priming traffic leave the 15 s averages; the capacity keeps its value.
+Every input is unique. Target: the gauge crosses 1.0 within 20% of the load where 429s begin.
 
-Target: the gauge crosses 1.0 within 20% of the load where 429s begin.
-
-    python -m bench.cpu.autoscale_ramp --out results/autoscale-cpu
-
-Prints the table and writes ``ramp.json``, ``ramp.md`` and ``ramp.png`` to ``--out``.
+    python -m bench.cpu.autoscale_ramp --out results/autoscale-cpu     # ramp.json, ramp.md, ramp.png
 """
 
 from __future__ import annotations

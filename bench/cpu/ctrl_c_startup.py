@@ -1,9 +1,8 @@
 """Benchmark: how long ``embedserve up`` takes to exit after Ctrl-C while it is starting.
 
-Each round starts ``embedserve up`` (the CPU engine and the bundled model), sends SIGINT a
-given time after the start (the engines run in their own session, so this is what a
-terminal's Ctrl-C delivers), and times the exit. Offsets cover the engine's import and model
-load; a round whose stack was already up is reported as such.
+Each round starts ``embedserve up`` (the CPU engine, the bundled model), sends SIGINT a given
+time after the start (what a terminal's Ctrl-C delivers: the engines run in their own session)
+and times the exit; a round whose stack was already up is reported as such.
 
     python -m bench.cpu.ctrl_c_startup --out results/ctrl-c-cpu
 """

@@ -7,8 +7,7 @@ under 1 s with no 5xx, and the huge request gets 200 or an immediate 4xx/429.
 
     python -m bench.cpu.huge_request --url http://127.0.0.1:8000 --seconds 60 --out results/huge-request-cpu
 
-Against a stack started with ``embedserve up`` (the CPU engine and the bundled model when
-no GPU is present).
+Against a stack started with ``embedserve up``.
 """
 
 from __future__ import annotations

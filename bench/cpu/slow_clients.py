@@ -1,10 +1,9 @@
 """Benchmark: slow clients against a running stack, and what normal requests see meanwhile.
 
-Rounds alternate two windows of the same length: *quiet* (only a normal client, one short
-input at a time, closed loop) and *trickle* (the same client, while N connections trickle:
-half their request head one header line a second, half a whole head and then the body one
-byte a second). Each trickler is timed from connect until the server closes it, and its
-answer is recorded (408 or none). Every normal input is unique.
+Each round: a *quiet* window (a normal client, one short unique input at a time, closed loop),
+then a *trickle* window of the same length (the same client while N connections trickle: half
+the request head a header line a second, half the body a byte a second), each trickler timed
+until the server closes it, with its answer (408 or none).
 
     python -m bench.cpu.slow_clients --url http://127.0.0.1:8000 --tricklers 400 --rounds 3 \\
         --out results/slow-clients-cpu
