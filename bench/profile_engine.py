@@ -210,7 +210,7 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
                        for name, (proc, path) in spies.items()}
     deadline = time.time() + 60
     traces: list[Path] = []
-    while time.time() < deadline and not traces:
+    while time.time() < deadline and not traces and "torch_error" not in result:  # none coming
         traces = sorted(trace_dir.glob("*.json*")) if trace_dir.exists() else []
         time.sleep(1)
     if traces:
