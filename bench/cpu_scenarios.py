@@ -6,6 +6,7 @@ answers at once (``gateway-overhead``, ``gateway-loop``, ``gateway-cpu``), the q
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from random import Random
 from typing import Any
 
 import httpx
@@ -234,6 +236,43 @@ def stage_rows(model_dir: str, cap: int = 256) -> list[dict[str, Any]]:
     return [{"request": name, **stages(tok, fields)} for name, fields in STAGE_SHAPES.items()]
 
 
+# -- rerank: the default stack's cosine against a cross-encoder, and Infinity's rerank ------------
+
+def rerank_sides(host: Host) -> list[Side]:
+    """A cross-encoder of ms-marco-MiniLM-L-6-v2's shape with random weights (no model hub here;
+    speed depends on the shape) on the CPU engine (ONNX Runtime) and on Infinity's torch engine."""
+    return [up("embedserve, bundled MiniLM (cosine)", 8860),
+            Side("embedserve, cross-encoder (ONNX)", UP, 8870, "cross-encoder", CPU, tag="rerank-ce"),
+            Side("Infinity, cross-encoder (torch)", INFINITY, 8880, "cross-encoder", args=MEAN[:4])]
+
+
+def step_cross_encoder(host: Host, budget_end: float) -> dict[str, Any]:
+    from embedserve.runtime.synth_rerank import build_cross_encoder
+
+    return {"model": str(build_cross_encoder(Path(host.model("cross-encoder")), "minilm-l6"))}
+
+
+def step_rerank_scores(host: Host, budget_end: float) -> dict[str, Any]:
+    """The cross-encoder sides' relevance scores for the same 8 pairs, against each other."""
+    from embedserve.loadtest.textbuild import WordBuilder
+
+    texts = [WordBuilder(99).build(64, Random(99), i)[0] for i in range(9)]
+    got = {}
+    for side in rerank_sides(host)[1:]:
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.post(f"http://127.0.0.1:{side.port}{side.kind.rerank}", timeout=120, json={
+                "model": host.served_name(side.shape), "query": texts[0], "documents": texts[1:]})
+            ranked = sorted(r.json()["results"], key=lambda x: x["index"])
+            got[side.name] = [x["relevance_score"] for x in ranked]
+    diff = max(abs(a - b) for a, b in zip(*got.values(), strict=True)) if len(got) == 2 else None
+    return {"scores": got, "notes": [f"Cross-encoder scores of the same 8 pairs, largest difference: {diff}"]}
+
+
+RERANK_LOADS = [Case(f"1 query x {n} passages of 64 words, {conc} in flight",
+                     Load("fixed:64", conc, seconds=15, warmup=2, words=True, rerank=n), 3)
+                for n, conc in ((16, 4), (64, 1))]
+
+
 def quality_base(host: Host) -> list[Side]:
     return [up("baseline", 18700, **dict(host.variants).get("baseline", {}))]
 
@@ -245,6 +284,7 @@ def quality_pairs(host: Host) -> list[tuple[str, Side, Side]]:
 
 def cpu_steps() -> list[Step]:
     calls = partial(variant_sides, first=8900)
+    rerank_on, rerank_off = lifecycle("rerank-cpu", "rerank-cpu", rerank_sides)
     (peers_on, peers_off), (calls_on, calls_off), (quality_on, quality_off) = (
         lifecycle("cpu-peers", "cpu-peers", peer_sides, 300, one_at_a_time=True),
         lifecycle("engine-calls", "engine-calls", calls, 120),
@@ -277,7 +317,13 @@ def cpu_steps() -> list[Step]:
         Step("gateway-cpu-stages", ("gateway-cpu",), step_gateway_stages, 60), quality_on,
         Step("quality-cpu", ("quality-cpu",), partial(step_quality, pairs=quality_pairs, one_at_a_time=True),
              900),
-        quality_off]
+        quality_off, Step("rerank-cpu-model", ("rerank-cpu",), step_cross_encoder, 30), rerank_on,
+        Step("rerank-cpu-scores", ("rerank-cpu",), step_rerank_scores, 10),
+        Step("rerank-cpu-load", ("rerank-cpu",), partial(
+            step_compare, sides=rerank_sides, cases=RERANK_LOADS, seed=11,
+            section="Rerank on CPU, pairs/s (inputs/s)",
+            warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), 400), rerank_off]
 
 
-SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu")
+SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu",
+             "rerank-cpu")

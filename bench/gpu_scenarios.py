@@ -344,8 +344,9 @@ def vllm_sides(shape: str) -> Any:
         return [default, *(Side(f"embedserve {name}", UP, default.port + 10 * (k + 1), shape,
                                 default.env | env, tag=harness.slug(f"embedserve-{name}-{shape}"))
                            for k, (name, env) in enumerate(host.variants)),
-                Side("vllm", VLLM, port, shape, tag=f"vllm-{shape}"),
-                Side("vllm tuned", VLLM, port + 1, shape, args=VLLM_TUNED_ARGS, tag=f"vllm-tuned-{shape}")]
+                *[s for s in (Side("vllm", VLLM, port, shape, tag=f"vllm-{shape}"),
+                              Side("vllm tuned", VLLM, port + 1, shape, args=VLLM_TUNED_ARGS,
+                                   tag=f"vllm-tuned-{shape}")) if s.name in host.vllm_sides]]
     return sides
 
 

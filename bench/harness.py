@@ -51,6 +51,7 @@ class Host:
     vllm_cmd: tuple[str, ...] = ()  # replaces `python3 -m vllm.entrypoints.cli.main` (a stub)
     vllm_kv_tokens: int | None = None
     variants: tuple[tuple[str, dict[str, str]], ...] = ()  # embedserve sides beyond the defaults
+    vllm_sides: tuple[str, ...] = ("vllm", "vllm tuned")  # the vllm scenario's vLLM sides
 
     @property
     def cpu(self) -> bool:
@@ -65,10 +66,13 @@ class Host:
         return "all-MiniLM-L6-v2" if shape == "bundled" else Path(self.model(shape)).name
 
     def cap_of(self, shape: str) -> int:
-        """The run's cap, or the model's own where it states a lower one (MiniLM: 256)."""
-        conf = Path(self.model(shape)) / "sentence_bert_config.json"
-        own = json.loads(conf.read_text()).get("max_seq_length") if conf.exists() else None
-        return min(int(own or self.cap), self.cap)
+        """The run's cap, or the model's own where it states a lower one (MiniLM: 256, a BERT: 512)."""
+        caps = [self.cap]
+        for name, key in (("sentence_bert_config.json", "max_seq_length"),
+                          ("config.json", "max_position_embeddings")):
+            if (conf := Path(self.model(shape)) / name).exists():
+                caps.append(int(json.loads(conf.read_text()).get(key) or self.cap))
+        return min(caps)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class Kind:
     command: Callable[[Host, Side], tuple[list[str], dict[str, str]]]
     ready: str = "/health/ready"
     route: str = "/v1/embeddings"
+    rerank: str | None = None  # its rerank route, where it has one
     ids: bool = False  # sent token ids (a raw engine), else texts
     banner: str | None = None  # printed once every engine is ready (`up`)
     front: bool = False  # its own process is embedserve's gateway (CPU per request)
@@ -165,8 +170,8 @@ def instant_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
 
 
 ENGINE = Kind(engine_command, ready="/health", ids=True)
-GATEWAY = Kind(gateway_command, front=True)
-UP = Kind(up_command, banner="embedserve is up", front=True)
+GATEWAY = Kind(gateway_command, rerank="/v1/rerank", front=True)
+UP = Kind(up_command, rerank="/v1/rerank", banner="embedserve is up", front=True)
 INSTANT = Kind(instant_command, ready="/health", ids=True)  # answers at once: the gateway alone
 # admission control and deadlines must not cap what is measured; no replacement mid-run
 UNCAPPED = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": "1048576",

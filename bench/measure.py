@@ -11,11 +11,14 @@ import dataclasses
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from itertools import count
 from pathlib import Path
+from random import Random
 from typing import Any
 
 import psutil
@@ -25,6 +28,7 @@ from procs import child_env, embedserve_cmd, http_post_json
 
 from embedserve.loadtest.cachehits import hit_rate, scrape_urls
 from embedserve.loadtest.mixes import SEED_BUCKETS
+from embedserve.loadtest.textbuild import WordBuilder
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,6 +48,7 @@ class Load:
     words: bool = False  # lengths in words, no tokenizer (loadtest's word builder)
     encoding: str | None = None  # encoding_format sent
     batches: tuple[int, ...] = ()  # what an in-process side runs for it (default: inputs)
+    rerank: int = 0  # a rerank load: passages per request, one query of 8 words
 
     def scaled(self, factor: float) -> Load:
         return dataclasses.replace(self, seconds=max(2.0, round(self.seconds * factor, 1)),
@@ -71,6 +76,7 @@ class Target:
     tree_pid: int | None = None  # the side's process tree: its GPU memory and RSS
     in_process: bool = False
     timeout_s: float = 300.0  # a request unanswered this long counts as an error
+    rerank_url: str | None = None
 
 
 def target(host: Host, side: Side) -> Target:
@@ -79,7 +85,8 @@ def target(host: Host, side: Side) -> Target:
     own = pid(host, side)
     return Target(base + side.kind.route, host.model(side.shape), host.served_name(side.shape),
                   side.takes_ids, host.cap_of(side.shape), metrics, own if side.kind.front else None,
-                  own, side.kind.in_process, side.kind.timeout_s)
+                  own, side.kind.in_process, side.kind.timeout_s,
+                  base + side.kind.rerank if side.kind.rerank else None)
 
 
 def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
@@ -164,6 +171,36 @@ def run_in_process(t: Target, load: Load, seed: int, batch: int) -> dict[str, An
     return {**row, "tok_s": round(row["inputs_s"] * words)}
 
 
+def run_rerank(t: Target, load: Load, seed: int) -> dict[str, Any]:
+    """Rerank requests in a closed loop (``load.rerank`` passages of the mix's words and a query,
+    every text unique), counted after the warm-up: pairs (passages) scored per second."""
+    import httpx
+
+    words, builder, rng = int(load.mix.removeprefix("fixed:")), WordBuilder(seed), Random(seed)
+    serial, lat = count(), []
+    errors, start = 0, time.monotonic() + load.warmup
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while (t0 := time.monotonic()) < start + load.seconds:
+            texts = [builder.build(words if i else 8, rng, next(serial))[0] for i in range(load.rerank + 1)]
+            body = {"model": t.model, "query": texts[0], "documents": texts[1:]}
+            ok = (await client.post(str(t.rerank_url), json=body)).status_code == 200
+            if t0 >= start and ok:
+                lat.append(time.monotonic() - t0)
+            errors += t0 >= start and not ok
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=t.timeout_s) as client:
+            await asyncio.gather(*(worker(client) for _ in range(load.conc)))
+
+    asyncio.run(run())
+    pairs = len(lat) * load.rerank / load.seconds
+    return {"inputs_s": round(pairs, 1), "tok_s": round(pairs * words), "requests": len(lat),
+            "errors": errors, "p50_ms": round(1000 * statistics.median(lat), 2) if lat else None,
+            "seconds": load.seconds}
+
+
 def cpu_seconds(pid: int | None, main_thread: bool = False) -> float | None:
     """User + system CPU of a process, or of its main thread (the gateway's event loop)."""
     with contextlib.suppress(psutil.Error, StopIteration, ValueError):
@@ -184,8 +221,10 @@ def tree_rss_mib(pid: int) -> float | None:
 
 
 def children_cpu() -> float:
-    use = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return use.ru_utime + use.ru_stime
+    """The client's CPU: the waited-for children (loadtest, crosscheck.py) and this process (the
+    rerank client runs here)."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_CHILDREN,
+                                                                       resource.RUSAGE_SELF)))
 
 
 def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
@@ -193,12 +232,15 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
             batch: int | None = None) -> dict[str, Any]:
     """One run to its end, as a row. A load with ``input_type`` goes through crosscheck.py,
     the one client that sends the field."""
-    client = "in-process" if t.in_process else "crosscheck" if load.input_type else client
+    client = ("in-process" if t.in_process else "rerank" if load.rerank else
+              "crosscheck" if load.input_type else client)
     front0, loop0 = cpu_seconds(t.front_pid), cpu_seconds(t.front_pid, main_thread=True)
     client0, host0, t0 = children_cpu(), psutil.cpu_times(), time.monotonic()
     with Sampler() as gpu:
         if client == "in-process":
             row = run_in_process(t, load, seed, batch or int(load.inputs))
+        elif client == "rerank":
+            row = run_rerank(t, load, seed)
         elif client == "crosscheck":
             row = run_crosscheck(t, load, seed)
         else:

@@ -31,6 +31,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "x3": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"}, []),
     "graphs": ({}, TC_PIECEWISE),
     "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
+    "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
 }
 
 
@@ -145,7 +146,8 @@ def infinity_missing(host: Host) -> str | None:
     return why and f"Infinity not importable from {host.infinity_site}: {why}"
 
 
-INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", missing=infinity_missing)
+INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", rerank="/rerank",
+                missing=infinity_missing)
 
 
 # -- in process: a model in the client's own loop, no HTTP (bench/inprocess.py) -------------------

@@ -167,9 +167,11 @@ def parser() -> argparse.ArgumentParser:
                            "'python3 bench/fake_vllm.py')")
     add("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     add("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's engine's)")
+    add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm: its "
+                                                       "defaults; vllm tuned: its throughput flags)")
     add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), "
                                                  "comma-separated, of: x1, x2, x3, graphs, "
-                                                 "tokenizer-workers (+ joins several)")
+                                                 "tokenizer-workers, nokv (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
         help="an embedserve side with these settings (engine-calls, quality-cpu: `baseline` is the baseline)")
     return ap
@@ -187,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if set(shapes := a.vllm_shapes.split(",")) - set(gs.VLLM_SHAPES):
         ap.error(f"--vllm-shapes takes {', '.join(gs.VLLM_SHAPES)}")
+    if set(vllm_sides := [v.strip() for v in a.vllm_sides.split(",") if v.strip()]) - {"vllm", "vllm tuned"}:
+        ap.error("--vllm-sides takes vllm and vllm tuned, comma-separated")
     only_cpu = not set(selected) & set(GPU_SCENARIOS)  # CPU scenarios: real figures, the host's CPU
     dry = a.device == "cpu" and not only_cpu
     default_work = "/tmp/embedserve-bench" + (f"-{selected[0]}" if only_cpu else "-cpu" if dry else "")
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
                 attention_backends=tuple(a.attention_backends.split(",")), quality_corpus=a.quality_corpus,
                 vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
-                vllm_kv_tokens=a.vllm_kv_tokens, variants=variants)
+                vllm_kv_tokens=a.vllm_kv_tokens, variants=variants, vllm_sides=tuple(vllm_sides))
     every = plan(selected, tuple(shapes))
     for name in [*a.skip, *([a.until] if a.until else [])]:
         if name not in {s.name for s in every}:

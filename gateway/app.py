@@ -1,7 +1,8 @@
-"""Builds the gateway: the pipeline, the engine pool, health and the routes, wired once.
+"""Builds the gateway: each served model's engine pool and pipelines (``served.py``), health
+and the routes, wired once.
 
 ``create_app(settings, info)`` returns the FastAPI app; its lifespan starts and stops the
-engine pool, the coalescer and the health sampler.
+engine pools, the coalescers and the health sampler.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
 
 import embedserve
+from embedserve.catalog import served_models
 from embedserve.config import GatewaySettings, Settings
 from embedserve.engines.client import EngineClient
 from embedserve.engines.pool import EnginePool
-from embedserve.gateway.admission import TokenAdmission
-from embedserve.gateway.coalesce import Coalescer
+from embedserve.gateway.engine_call import ServingGate
 from embedserve.gateway.errors import install_error_handlers
-from embedserve.gateway.load import LoadCollector, LoadSignal
+from embedserve.gateway.load import LoadCollector
 from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics
 from embedserve.gateway.middleware import (
     ApiKeyMiddleware,
@@ -32,9 +33,10 @@ from embedserve.gateway.middleware import (
     RequestContextMiddleware,
     RouteFastPath,
 )
-from embedserve.gateway.pipeline import EmbeddingPipeline, ServingGate
 from embedserve.gateway.routes import add_routes, embeddings_handler
-from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.gateway.score_routes import add_score_routes
+from embedserve.gateway.scoring import ScorePipeline
+from embedserve.gateway.served import ModelRouter, build_runtime
 from embedserve.health import EngineView, create_health
 from embedserve.model_info import ModelInfo
 
@@ -59,20 +61,24 @@ def load_api_keys(gw: GatewaySettings) -> list[str]:
 
 
 def engine_view(
-    pool: EnginePool, gate: ServingGate, supervisor: Callable[[], SupervisorView] | None
+    pools: list[EnginePool], gate: ServingGate, supervisor: Callable[[], SupervisorView] | None
 ) -> EngineView:
-    """What the probes see: the pool's state, and the supervisor's where there is one."""
+    """What the probes see: the pools' state, and the supervisor's where there is one. With
+    several models the pod is ready when every model has a ready engine."""
     sup = supervisor() if supervisor else None
+    successes = [a for p in pools if (a := p.last_success_age_s()) is not None]
+    stuck = [a for p in pools if (a := p.oldest_inflight_age_s()) is not None]
     return EngineView(
-        ready=pool.any_ready and gate.is_open,
-        alive=(sup.alive if sup else True) and pool.reachable(),
-        started=pool.ever_ready,
+        ready=all(p.any_ready for p in pools) and gate.is_open,
+        alive=(sup.alive if sup else True) and all(p.reachable() for p in pools),
+        started=all(p.ever_ready for p in pools),
         restarts=sup.restarts if sup else 0,
-        last_success_age_s=pool.last_success_age_s(),
-        oldest_inflight_age_s=pool.oldest_inflight_age_s(),
-        detail=(sup.detail + "; " if sup and sup.detail else "") + pool.detail(),
-        engines=tuple(pool.statuses()),
+        last_success_age_s=min(successes) if successes else None,
+        oldest_inflight_age_s=max(stuck) if stuck else None,
+        detail=(sup.detail + "; " if sup and sup.detail else "") + "; ".join(p.detail() for p in pools),
+        engines=tuple(e for p in pools for e in p.statuses()),
         replacements=sup.replacements if sup else 0,
+        closed_for=gate.reason,
     )
 
 
@@ -83,87 +89,76 @@ def create_app(
     engine_client: EngineClient | None = None,
     engine_kind: str = "external",
     starting: bool = False,
+    models: list[tuple[ModelInfo, str]] | None = None,
 ) -> FastAPI:
     """``engine_client`` replaces the network to the engines (tests use a fake engine).
-    ``starting``: requests get 503 "warming up" until ``app.state.gate.open()``."""
-    gw, eng = settings.gateway, settings.engine
-    info = info or ModelInfo.load(settings.model)
+    ``starting``: requests get 503 "warming up" until ``app.state.gate.open()``. ``info`` and
+    ``engine_kind`` are the one model's; with several (``served.models``), ``models`` gives each
+    one's ``ModelInfo`` and engine kind, in catalog order (else they are read here)."""
+    gw = settings.gateway
+    entries = served_models(settings)
+    if models is None:
+        one = info if info is not None and len(entries) == 1 else None
+        models = [(one or ModelInfo.load(e.settings.model), engine_kind) for e in entries]
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    pool = EnginePool(
-        settings.engine_urls(),
-        info.name,
-        request_timeout_s=gw.request_timeout_s,
-        health_interval_s=eng.health_check_interval_s,
-        health_timeout_s=eng.health_check_timeout_s,
-        unreachable_after_failures=eng.unreachable_after_failures,
-        client=engine_client,
-        base64_vectors=eng.base64_vectors,
-        capacity_call_tokens=settings.engine_call_tokens(engine_kind) // 4,
-        gpus=settings.engine_gpus() if engine_kind == "sglang" else None,
-    )
-    coalescer = Coalescer(
-        pool.embed,
-        token_budget=settings.engine_call_tokens(engine_kind),
-        max_wait_s=gw.batch_max_wait_ms / 1000,
-        max_concurrent_calls=settings.engine_calls(engine_kind) * len(pool.engines),
-        max_inputs_per_call=gw.max_inputs_per_engine_call,
-    )
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
-    admission = TokenAdmission(settings.tokens_in_flight_limit(engine_kind))
-    load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
-    pipeline = EmbeddingPipeline(
-        gw,
-        info,
-        ModelTokenizer(info.path, info.max_seq_len),
-        coalescer,
-        admission,
-        metrics,
-        executor,
-        load,
-        settings.inline_tokenize_limit(engine_kind),
-    )
+    gate = ServingGate()
+    runtimes = [
+        build_runtime(entry, model_info, kind, gate, metrics, executor, engine_client)
+        for entry, (model_info, kind) in zip(entries, models, strict=True)
+    ]
+    router = ModelRouter(runtimes)
+    pools = [r.pool for r in runtimes]
+    metrics.tokens_in_flight.set_function(lambda: sum(r.admission.in_flight for r in runtimes))
+    scoring = ScorePipeline(gw, settings.served.rerank, router.scoring_model, gate, metrics, executor)
 
     if starting:
-        pipeline.gate.close("warming up")
+        gate.close("warming up")
 
     def process_pids() -> dict[str, int]:
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
 
-    registry.register(EngineCacheCollector(pool))
-    registry.register(LoadCollector(load))
+    registry.register(EngineCacheCollector(pools))
+    registry.register(LoadCollector({r.name: r.load for r in runtimes}))
     health = create_health(
-        settings, registry, lambda: engine_view(pool, pipeline.gate, supervisor), process_pids
+        settings, registry, lambda: engine_view(pools, gate, supervisor), process_pids
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await pool.start()
-        await coalescer.start()
+        for r in runtimes:
+            await r.pool.start()
+            await r.coalescer.start()
         await health.start()
         try:
             yield
         finally:
             await health.stop()
-            await coalescer.stop()
-            await pool.stop()
+            for r in runtimes:
+                await r.coalescer.stop()
+                await r.pool.stop()
             executor.shutdown(wait=False, cancel_futures=True)
 
+    first = runtimes[0]
     app = FastAPI(title="embedserve", version=embedserve.__version__, lifespan=lifespan)
-    app.state.pool = pool
-    app.state.coalescer = coalescer
+    app.state.runtimes = runtimes
+    app.state.pool = first.pool  # the first model's, as with one model
+    app.state.coalescer = first.coalescer
     app.state.metrics = metrics
-    app.state.load = load
-    app.state.info = info
-    app.state.gate = pipeline.gate
+    app.state.load = first.load
+    app.state.info = first.info
+    app.state.gate = gate
     app.state.health = health
     install_error_handlers(app)
     app.include_router(health.router)
-    embeddings = embeddings_handler(pipeline, metrics)
-    add_routes(app, embeddings, info, pool, coalescer, metrics, registry)
+    embeddings = embeddings_handler(router.embed, metrics, gw.accept_token_ids)
+    add_routes(app, embeddings, runtimes, metrics, registry)
+    add_score_routes(app, scoring, metrics)
 
+    api = ("/v1", "/v2/", "/rerank", "/score")  # the score routes keep vLLM's and TEI's paths
     protected = (
-        ("/v1",) + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
+        api + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
     )
     # added first, so innermost: CORS, keys, size caps and request ids still apply to it
     app.add_middleware(RouteFastPath, method="POST", path="/v1/embeddings", handler=embeddings)

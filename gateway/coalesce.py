@@ -73,6 +73,11 @@ class Coalescer:
         self.stats = CoalescerStats()
 
     @property
+    def token_budget(self) -> int:
+        """The most tokens one engine call holds."""
+        return self._budget
+
+    @property
     def queued_inputs(self) -> int:
         return self._queued_inputs
 

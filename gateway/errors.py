@@ -57,10 +57,16 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) if parts else None
 
 
-INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+def input_shapes(accept_token_ids: bool) -> str:
+    """What ``input`` may be on this server: token ids only where ``gateway.accept_token_ids``."""
+    if accept_token_ids:
+        return "a string, a list of strings, a list of token ids or a list of token-id lists"
+    return ("a string or a list of strings (this server takes no token ids: "
+            "EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS is false)")
 
 
-def _what(value: Any) -> str:
+def what(value: Any) -> str:
+    """A JSON value's kind, for messages: 'a number', 'an object'."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -76,41 +82,51 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def input_problem(value: Any) -> str | None:
+def input_problem(value: Any, accept_token_ids: bool) -> str | None:
     """Which element of a list ``input`` breaks its shape, e.g. ``input[1] is a number, but
     input[0] is a string``; None when the shape is not the problem."""
     if not isinstance(value, list) or not value:
         return None
     first = value[0]
-    if not (isinstance(first, str) or _is_id(first) or isinstance(first, list)):
-        return f"input[0] is {_what(first)}; input must be {INPUT_SHAPES}"
+    ids_ok = accept_token_ids and (_is_id(first) or isinstance(first, list))
+    if not (isinstance(first, str) or ids_ok):
+        return f"input[0] is {what(first)}; input must be {input_shapes(accept_token_ids)}"
+    if not accept_token_ids:
+        bad = next((i for i, item in enumerate(value) if not isinstance(item, str)), None)
+        if bad is None:
+            return None
+        return (f"input[{bad}] is {what(value[bad])}, but input[0] is a string: a list input "
+                f"holds only strings (this server takes no token ids)")
     for i, item in enumerate(value):
         if isinstance(first, list) and isinstance(item, list):
             bad = next((j for j, x in enumerate(item) if not _is_id(x)), None)
             if bad is not None:
-                return f"input[{i}][{bad}] is {_what(item[bad])}; a token-id list holds whole numbers only"
+                return f"input[{i}][{bad}] is {what(item[bad])}; a token-id list holds whole numbers only"
             continue
         same = isinstance(item, str) if isinstance(first, str) else _is_id(item)
         if not same:
             return (
-                f"input[{i}] is {_what(item)}, but input[0] is {_what(first)}: a list input holds "
+                f"input[{i}] is {what(item)}, but input[0] is {what(first)}: a list input holds "
                 "only strings, only token ids, or only token-id lists"
             )
     return None
 
 
-def validation_error(exc: RequestValidationError | Any, body: Any = None) -> APIError:
-    """400 naming the field (and, for ``input``, the element) that is wrong."""
+def validation_error(
+    exc: RequestValidationError | Any, body: Any = None, accept_token_ids: bool = False
+) -> APIError:
+    """400 naming the field (and, for ``input``, the element) that is wrong; for ``input``,
+    what this server accepts (``accept_token_ids``: the gateway's setting)."""
     errors = exc.errors() if hasattr(exc, "errors") else []
     first = errors[0] if errors else {}
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid request")
     if param == "input" and first.get("type") != "missing":  # pydantic reports one union branch
         value = body.get("input") if isinstance(body, dict) else None
-        problem = input_problem(value)
+        problem = input_problem(value, accept_token_ids)
         if problem:
             return APIError(400, f"Invalid request: {problem}", param=param, code="invalid_value")
-        msg = f"must be {INPUT_SHAPES}"
+        msg = f"must be {input_shapes(accept_token_ids)}"
     where = f"'{param}': " if param else ""
     return APIError(400, f"Invalid request: {where}{msg}", param=param, code="invalid_value")
 

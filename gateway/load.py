@@ -108,42 +108,50 @@ class LoadSignal:
 
 
 class LoadCollector(Collector):
-    """Exports the signal and its parts, so a dashboard shows why it moved."""
+    """Exports the signal and its parts, so a dashboard shows why it moved. With several models
+    (each has a signal of its own) the pod's figures are their sums (tokens per second), the
+    largest fill and the largest load (the pod is at capacity once one model is), exported only
+    while every model has a ready engine; ``embedserve_model_load{model}`` has each one's."""
 
-    def __init__(self, signal: LoadSignal) -> None:
-        self.signal = signal
+    def __init__(self, signals: dict[str, LoadSignal]) -> None:
+        self.signals = signals
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        offered, fill = self.signal.offered_per_s(), self.signal.admission_fill()
+        signals = list(self.signals.values())
         yield GaugeMetricFamily(
             "embedserve_offered_tokens_per_second",
             f"Tokens of requests that reached admission, per second (half-life {HALF_LIFE_S:g} s)",
-            value=offered,
+            value=sum(s.offered_per_s() for s in signals),
         )
         yield GaugeMetricFamily(
             "embedserve_refused_tokens_per_second",
             f"Tokens of requests refused with 429 at admission, per second (half-life {HALF_LIFE_S:g} s)",
-            value=self.signal.refused_per_s(),
+            value=sum(s.refused_per_s() for s in signals),
         )
         yield GaugeMetricFamily(
             "embedserve_admission_fill",
             f"Tokens in flight over the admission bound, averaged (half-life {HALF_LIFE_S:g} s)",
-            value=fill,
+            value=max(s.admission_fill() for s in signals),
         )
-        capacity = self.signal.capacity()
-        if capacity:
+        capacities = [s.capacity() for s in signals]
+        if all(capacities):
             yield GaugeMetricFamily(
                 "embedserve_capacity_tokens_per_second",
                 "Tokens the ready engines embed per second of busy time, measured",
-                value=capacity,
+                value=sum(c for c in capacities if c),
             )
-        if self.signal.ready():
+        per_model = GaugeMetricFamily("embedserve_model_load", "Each served model's load", labels=["model"])
+        for name, signal in self.signals.items():
+            if signal.ready():
+                per_model.add_metric([name], signal.value())
+        yield per_model
+        if all(s.ready() for s in signals):
             yield GaugeMetricFamily(
                 "embedserve_load",
                 "The pod's load, 1.0 = its sustainable capacity: the largest of offered over measured "
                 "tokens per second, the admission fill, and offered over admitted tokens while it refuses",
-                value=self.signal.value(),
+                value=max(s.value() for s in signals),
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from embedserve.engines.pool import EnginePool
@@ -43,6 +43,16 @@ class GatewayMetrics:
         self.tokens_truncated = Counter(
             "embedserve_truncated_tokens", "Tokens dropped by truncation", registry=registry
         )
+        self.inputs_unknown = Counter(
+            "embedserve_inputs_with_unknown_tokens",
+            "Inputs with text the tokenizer turned into unknown tokens",
+            registry=registry,
+        )
+        self.unknown_chars = Counter(
+            "embedserve_unknown_token_chars",
+            "Characters the tokenizer turned into unknown tokens (the model sees none of them)",
+            registry=registry,
+        )
         self.request_tokens = Histogram(
             "embedserve_request_tokens",
             "Tokens per request",
@@ -71,6 +81,31 @@ class GatewayMetrics:
             "Engines `up` replaced before they ran out of memory",
             registry=registry,
         )
+        self.score_requests = Counter(
+            "embedserve_score_requests",
+            "Rerank (/v1/rerank, /rerank, /v2/rerank) and score (/v1/score, /score) requests by HTTP status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.score_seconds = Histogram(
+            "embedserve_score_request_seconds",
+            "End-to-end latency of the rerank and score routes",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.model_tokens = Counter(
+            "embedserve_model_tokens",
+            "Tokens sent to the engines, by served model (embeddings and pairs)",
+            ["model"],
+            registry=registry,
+        )
+        self.model_requests = Counter(
+            "embedserve_model_requests",
+            "Requests answered, by served model and route (embeddings, rerank, score)",
+            ["model", "route"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "embedserve_client_disconnects",
             "Requests abandoned by their client",
@@ -79,16 +114,27 @@ class GatewayMetrics:
 
 
 class EngineCacheCollector(Collector):
-    """The engines' prefix-cache counters, read by the pool's health loop: how many prompt
-    tokens each engine embedded and how many of those its radix cache served."""
+    """The engines' prefix-cache counters, read by the pools' health loops: how many prompt
+    tokens each engine embedded and how many of those its radix cache served; and which model
+    each engine serves (``embedserve_engine_model{engine, model} 1``, to join on)."""
 
-    def __init__(self, pool: EnginePool) -> None:
-        self.pool = pool
+    def __init__(self, pools: list[EnginePool]) -> None:
+        self.pools = pools
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
+    def _models(self) -> Iterator[Metric]:
+        served = GaugeMetricFamily(
+            "embedserve_engine_model", "The model an engine serves", labels=["engine", "model"]
+        )
+        for pool in self.pools:
+            for engine in pool.engines:
+                served.add_metric([engine.url, pool.model], 1)
+        yield served
+
     def collect(self) -> Iterator[Metric]:
+        yield from self._models()
         prompt = CounterMetricFamily(
             "embedserve_engine_prompt_tokens", "Prompt tokens the engine embedded", labels=["engine"]
         )
@@ -97,7 +143,7 @@ class EngineCacheCollector(Collector):
             "Prompt tokens the engine's prefix cache served",
             labels=["engine"],
         )
-        for engine in self.pool.engines:
+        for engine in (e for pool in self.pools for e in pool.engines):
             if engine.cache_counters is not None:
                 prompt.add_metric([engine.url], engine.cache_counters[0])
                 cached.add_metric([engine.url], engine.cache_counters[1])

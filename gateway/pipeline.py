@@ -11,11 +11,8 @@ from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import encode_base64
-from embedserve.engines.pool import EngineError, EngineTimeout
-from embedserve.gateway.admission import TokenAdmission
-from embedserve.gateway.coalesce import Coalescer
+from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
-from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
@@ -49,49 +46,27 @@ def _as_batch(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
     return None, [list(x) for x in raw]
 
 
-class ServingGate:
-    """Closed while the stack starts: requests get an immediate 503 with Retry-After
-    instead of waiting behind the engines' start and warm-up."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self.reason is None
-
-    def close(self, reason: str) -> None:
-        self.reason = reason
-
-    def open(self) -> None:
-        self.reason = None
-
-
 class EmbeddingPipeline:
     def __init__(
         self,
         settings: GatewaySettings,
         info: ModelInfo,
         tokenizer: ModelTokenizer,
-        coalescer: Coalescer,
-        admission: TokenAdmission,
+        caller: EngineCaller,
+        gate: ServingGate,
         metrics: GatewayMetrics,
         executor: Executor,
-        load: LoadSignal,
         inline_tokenize_chars: int,
     ) -> None:
-        """``load``: the load signal, whose capacity (the engines' measured tokens per
-        second) also bounds what one request may ask for. Requests of at most
-        ``inline_tokenize_chars`` characters are tokenised on the loop, others on ``executor``."""
+        """Requests of at most ``inline_tokenize_chars`` characters are tokenised on the loop,
+        others on ``executor``."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
-        self.gate = ServingGate()
-        self.coalescer = coalescer
-        self.admission = admission
+        self.caller = caller
+        self.gate = gate
         self.metrics = metrics
         self.executor = executor
-        self.load = load
         self.inline_tokenize_chars = inline_tokenize_chars
 
     # -- validation ------------------------------------------------------------------
@@ -102,6 +77,14 @@ class EmbeddingPipeline:
                 f"The model '{req.model}' does not exist; this server has '{self.info.name}'",
                 param="model",
                 code="model_not_found",
+            )
+        if not self.info.embeds:
+            raise APIError(
+                400,
+                f"The model '{req.model}' is a reranker ({self.info.scoring}): it answers /v1/rerank and "
+                "/v1/score, not /v1/embeddings",
+                param="model",
+                code="model_not_embedding",
             )
         if req.dimensions is not None:
             allowed = self.info.matryoshka_dimensions
@@ -189,13 +172,7 @@ class EmbeddingPipeline:
 
     # -- the pipeline ------------------------------------------------------------------
     async def run(self, req: EmbeddingRequest) -> EmbeddingResult:
-        if not self.gate.is_open:
-            raise APIError(
-                503,
-                f"The service is starting ({self.gate.reason}); retry shortly",
-                code="warming_up",
-                headers={"Retry-After": "2"},
-            )
+        self.gate.check()
         self._check_request(req)
         texts, id_batch = _as_batch(req.input)
         t0 = time.perf_counter()
@@ -231,55 +208,9 @@ class EmbeddingPipeline:
                 param="input",
                 code="max_tokens_per_request",
             )
-        self._check_capacity(total)
-        self.load.offered(total)
-        if not self.admission.try_acquire(total):
-            self.metrics.rejected.labels("tokens_in_flight").inc()
-            self.load.refused(total)
-            raise APIError(
-                429,
-                "The server is at capacity; retry shortly",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
-        self.metrics.tokens_in_flight.set(self.admission.in_flight)
-        self.load.in_flight(self.admission.in_flight)
-        try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
-                vectors, times = await self.coalescer.embed([x.ids for x in inputs])
-        except TimeoutError as exc:
-            raise APIError(
-                504, "The engine did not answer within the deadline", code="engine_timeout"
-            ) from exc
-        except EngineTimeout as exc:
-            raise APIError(504, str(exc), code="engine_timeout") from exc
-        except EngineError as exc:
-            headers = {"Retry-After": "5"} if exc.status == 503 else None
-            code = "engine_unavailable" if exc.status == 503 else "engine_rejected"
-            raise APIError(exc.status, str(exc), code=code, headers=headers) from exc
-        finally:
-            self.admission.release(total)
-            self.metrics.tokens_in_flight.set(self.admission.in_flight)
-            self.load.in_flight(self.admission.in_flight)
+        vectors, times = await self.caller.run([x.ids for x in inputs])
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
-
-    def _check_capacity(self, total: int) -> None:
-        """Refuse at once what the engines could not embed before the deadline, rather
-        than compute it and answer 504 after the work was done."""
-        rate = self.load.capacity()
-        deadline = self.settings.request_timeout_s
-        if rate is None or total <= rate * deadline:
-            return
-        self.metrics.rejected.labels("capacity").inc()
-        raise APIError(
-            413,
-            f"This request has {total:,} tokens; the engines embed about {rate:,.0f} tokens/s, "
-            f"so it would need about {total / rate:,.0f} s, longer than the {deadline:g} s deadline. "
-            f"Send at most {int(rate * deadline / 2):,} tokens per request.",
-            param="input",
-            code="request_exceeds_capacity",
-        )
 
     def _check_truncation(self, req: EmbeddingRequest, inputs: list[TokenizedInput]) -> None:
         cut = [i for i, x in enumerate(inputs) if x.truncated]
@@ -308,28 +239,40 @@ class EmbeddingPipeline:
             for i, x in enumerate(inputs)
             if x.truncated
         ]
+        unknown = [
+            {"index": i, "unknown_tokens": x.unknown.tokens, "unknown_chars": x.unknown.chars}
+            for i, x in enumerate(inputs)
+            if x.unknown
+        ]
         m = self.metrics
         m.stage_seconds.labels("tokenize").observe(tokenize_s)
         m.stage_seconds.labels("queue").observe(times.queue_s)
         m.stage_seconds.labels("engine").observe(times.engine_s)
         m.tokens.inc(total)
+        m.model_tokens.labels(self.info.name).inc(total)
+        m.model_requests.labels(self.info.name, "embeddings").inc()
         m.inputs.inc(len(inputs))
         m.request_tokens.observe(total)
         if truncated:
             m.inputs_truncated.inc(len(truncated))
             m.tokens_truncated.inc(sum(t["original_tokens"] - t["kept_tokens"] for t in truncated))
+        if unknown:
+            m.inputs_unknown.inc(len(unknown))
+            m.unknown_chars.inc(sum(u["unknown_chars"] for u in unknown))
         body = {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
             "model": req.model,
             "usage": {"prompt_tokens": total, "total_tokens": total},
             "truncated_inputs": truncated,
+            "unknown_token_inputs": unknown,
         }
         headers = {
             "x-embedserve-tokenize-ms": f"{tokenize_s * 1000:.2f}",
             "x-embedserve-queue-ms": f"{times.queue_s * 1000:.2f}",
             "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
             "x-embedserve-truncated-inputs": str(len(truncated)),
+            "x-embedserve-unknown-token-inputs": str(len(unknown)),
         }
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"

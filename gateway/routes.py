@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -15,17 +15,16 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from embedserve.engines.pool import EnginePool
-from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.errors import APIError, error_response, validation_error
 from embedserve.gateway.jsonbody import parse_object
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.pipeline import EmbeddingPipeline
+from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.schemas import EmbeddingRequest
+from embedserve.gateway.served import ModelRuntime
 from embedserve.http_server import wait_disconnect
-from embedserve.model_info import ModelInfo
 
 Handler = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -37,8 +36,47 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
-def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> Handler:
-    """POST /v1/embeddings: OpenAI's endpoint (and ``truncate``, ``input_type``, ``instruction``)."""
+class ClientGone(Exception):
+    """The client left before its answer was ready (mid-upload or while its work ran)."""
+
+
+async def read_object(request: Request, metrics: GatewayMetrics) -> dict[str, Any]:
+    """The JSON object of the body; ``APIError`` 400 / 415, ``ClientGone`` mid-upload."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise APIError(
+            415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
+        )
+    try:
+        raw = await request.body()
+    except ClientDisconnect as exc:  # gone mid-upload: nobody to answer, nothing to log as an error
+        metrics.client_disconnects.inc()
+        raise ClientGone from exc
+    return parse_object(raw)
+
+
+async def unless_gone(request: Request, work: Awaitable[T], metrics: GatewayMetrics) -> T:
+    """``work``'s result, or ``ClientGone`` as soon as the client leaves (the work cancelled,
+    so its queued inputs are dropped and nobody is answered)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        metrics.client_disconnects.inc()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone
+    watch.cancel()
+    return task.result()
+
+
+def embeddings_handler(
+    run: Callable[[EmbeddingRequest], Awaitable[EmbeddingResult]], metrics: GatewayMetrics,
+    accept_token_ids: bool,
+) -> Handler:
+    """POST /v1/embeddings: OpenAI's endpoint (and ``truncate``, ``input_type``, ``instruction``);
+    ``run``: the request's model's pipeline; ``accept_token_ids``: as the gateway is set."""
 
     async def embeddings(request: Request) -> Response:
         with metrics.request_seconds.time():
@@ -46,36 +84,18 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
                 response = await _embeddings(request)
             except APIError as err:
                 response = error_response(err)
+            except ClientGone:
+                response = Response(status_code=499)
         metrics.requests.labels(str(response.status_code)).inc()
         return response
 
     async def _embeddings(request: Request) -> Response:
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
-        if ctype != "application/json" and not ctype.endswith("+json"):
-            raise APIError(
-                415, f"Content-Type must be application/json, got '{ctype}'", code="unsupported_media_type"
-            )
-        try:
-            raw = await request.body()
-        except ClientDisconnect:  # gone mid-upload: nobody to answer, nothing to log as an error
-            metrics.client_disconnects.inc()
-            return Response(status_code=499)
-        obj = parse_object(raw)
+        obj = await read_object(request, metrics)
         try:
             req = EmbeddingRequest.model_validate(obj)
         except ValidationError as exc:
-            raise validation_error(exc, obj) from exc
-        work = asyncio.ensure_future(pipeline.run(req))
-        watch = asyncio.ensure_future(wait_disconnect(request))
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client went away: drop its queued inputs, answer nobody
-            work.cancel()
-            metrics.client_disconnects.inc()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            return Response(status_code=499)
-        watch.cancel()
-        result = work.result()
+            raise validation_error(exc, obj, accept_token_ids) from exc
+        result = await unless_gone(request, run(req), metrics)
         return json_response(result.body, headers=result.headers)
 
     return embeddings
@@ -84,9 +104,7 @@ def embeddings_handler(pipeline: EmbeddingPipeline, metrics: GatewayMetrics) -> 
 def add_routes(
     app: FastAPI,
     embeddings: Handler,
-    info: ModelInfo,
-    pool: EnginePool,
-    coalescer: Coalescer,
+    runtimes: list[ModelRuntime],
     metrics: GatewayMetrics,
     registry: CollectorRegistry,
 ) -> None:
@@ -100,32 +118,36 @@ def add_routes(
         },
     )
 
-    def model_entry(model_id: str) -> dict[str, Any]:
+    def model_entry(model_id: str, r: ModelRuntime) -> dict[str, Any]:
+        info = r.info
         return {
             "id": model_id,
             "object": "model",
             "created": info.created,
             "owned_by": "embedserve",
+            "kind": r.kind,  # embed: /v1/embeddings and rerank by cosine; rerank: /v1/rerank and /v1/score
             "dimension": info.dimension,
             "max_seq_len": info.max_seq_len,
         }
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        data = [model_entry(name) for name in (info.name, *info.aliases)]
+        data = [model_entry(name, r) for r in runtimes for name in (r.info.name, *r.info.aliases)]
         return json_response({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
-        if not info.serves(model_id):
+        found = next((r for r in runtimes if r.info.serves(model_id)), None)
+        if found is None:
             raise APIError(
                 404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
             )
-        return json_response(model_entry(model_id))
+        return json_response(model_entry(model_id, found))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        for e in pool.engines:
-            metrics.engine_ready.labels(e.url).set(1 if e.ready else 0)
-        metrics.queue_inputs.set(coalescer.queued_inputs)
+        for r in runtimes:
+            for e in r.pool.engines:
+                metrics.engine_ready.labels(e.url).set(1 if e.ready else 0)
+        metrics.queue_inputs.set(sum(r.coalescer.queued_inputs for r in runtimes))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

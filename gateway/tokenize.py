@@ -4,6 +4,13 @@ We use the ``tokenizers`` library directly (``transformers`` would import torch)
 encoded without special tokens, cut to ``max_seq_len`` minus the model's frame (CLS/SEP for
 BERT, the trailing EOS that Qwen3-Embedding's last-token pooling reads), then framed: the
 same result as Hugging Face's ``truncation=True, max_length=max_seq_len``.
+
+Text the tokenizer cannot spell becomes its unknown token (WordPiece, as in all-MiniLM-L6-v2,
+turns a whole word into ``[UNK]`` when it has a character outside the vocabulary or is over
+100 characters long: a 200,000-character string without spaces is one token). The model sees
+none of that text, so each input is checked for the unknown id (a scan of ids already made);
+only an input that holds it is tokenised again, with character offsets, to count the
+characters lost. A byte-level tokenizer (Qwen3's) has no unknown token and skips all of it.
 """
 
 from __future__ import annotations
@@ -19,9 +26,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class UnknownTokens:
+    """The unknown tokens among an input's embedded ids and the characters they stand for."""
+
+    tokens: int
+    chars: int
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizedInput:
     ids: list[int]
     original_tokens: int
+    unknown: UnknownTokens | None = None
 
     @property
     def truncated(self) -> bool:
@@ -45,6 +61,8 @@ class ModelTokenizer:
         # Qwen3-Embedding-4B has 151,665 embedding rows and a tokenizer of 151,669 tokens: a
         # text that spells one of the last four cannot be embedded.
         self.exceeds_vocab = self._tok.get_vocab_size(True) > self.vocab_size
+        unk = getattr(self._tok.model, "unk_token", None)
+        self.unknown_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
         self.prefix, self.suffix = self._special_frame()
         if not self.suffix and self._pools_last_token(model_dir):
             eos = self._eos_id(model_dir)
@@ -75,19 +93,29 @@ class ModelTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or str(token_id)
 
-    @property
-    def content_budget(self) -> int:
-        return self.max_seq_len - len(self.prefix) - len(self.suffix)
-
-    def encode_texts(self, texts: list[str]) -> list[TokenizedInput]:
-        """Batched (parallel in Rust, releases the GIL); truncates every input to the cap."""
-        budget = self.content_budget
+    def encode_texts(self, texts: list[str], max_seq_len: int | None = None) -> list[TokenizedInput]:
+        """Batched (parallel in Rust, releases the GIL); truncates every input to the cap (or to
+        ``max_seq_len``, when a request asks for less)."""
+        cap = self.max_seq_len if max_seq_len is None else min(self.max_seq_len, max_seq_len)
+        budget = max(cap - len(self.prefix) - len(self.suffix), 1)
         frame = len(self.prefix) + len(self.suffix)
+        unk = self.unknown_id
         out: list[TokenizedInput] = []
-        for enc in self._tok.encode_batch_fast(texts, add_special_tokens=False):
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        for text, enc in zip(texts, encodings, strict=True):
             ids = enc.ids
-            out.append(TokenizedInput(self.prefix + ids[:budget] + self.suffix, len(ids) + frame))
+            kept = ids[:budget]
+            unknown = self._unknown(text, len(kept)) if unk is not None and unk in kept else None
+            out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unknown))
         return out
+
+    def _unknown(self, text: str, kept: int) -> UnknownTokens:
+        """The unknown tokens among the first ``kept`` of ``text`` and the characters they
+        cover (the fast batch encoding has no offsets, so this input is encoded again)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        spans = [end - start for t, (start, end) in zip(enc.ids[:kept], enc.offsets, strict=False)
+                 if t == self.unknown_id]
+        return UnknownTokens(len(spans), sum(spans))
 
     def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
         """Client-sent ids are embedded as sent; when over-long, a leading prefix and a

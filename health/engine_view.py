@@ -14,6 +14,8 @@ class EngineView:
     ``alive``: the engine process exists and answers (its own schedule, not the probe's).
     ``oldest_inflight_age_s``: age of the oldest request the engine holds, ``None`` if idle.
     ``last_success_age_s``: seconds since the engine last returned a result.
+    ``closed_for``: why the gateway does not serve yet though engines may be ready (its
+    warm-up, an engine being replaced), ``None`` while it serves.
     """
 
     ready: bool
@@ -25,3 +27,4 @@ class EngineView:
     detail: str = ""
     engines: tuple[EngineStatus, ...] = ()
     replacements: int = 0
+    closed_for: str | None = None

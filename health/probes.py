@@ -38,6 +38,10 @@ def startup(view: EngineView) -> ProbeResult:
 def readiness(view: EngineView, advice: Advice | None, warning_hours: float) -> ProbeResult:
     hours = _hours(advice)
     checks = {"engine_ready": view.ready, "hours_until_oom": hours, "warning_hours": warning_hours}
+    if not view.ready and view.closed_for:
+        return ProbeResult(
+            False, f"not serving yet: {view.closed_for} ({view.detail or 'no detail'})", checks
+        )
     if not view.ready:
         return ProbeResult(False, f"engine not ready: {view.detail or 'no detail'}", checks)
     if hours is not None and hours <= warning_hours:

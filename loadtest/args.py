@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_target_args(o: Any) -> None:
     """The verdict's options (shared with ``loadtest.rescore``)."""
-    o.add_argument("--max-error-rate", type=float, help="fail above this (0.001 = 0.1%%)")
+    o.add_argument("--max-error-rate", type=float,
+                   help="fail above this share of attempts (0.001 = 0.1%%; default 0: any error "
+                        "fails, with or without other targets; 429s are throttling, not errors)")
     o.add_argument("--max-p95-drift", type=float,
                    help="fail if the last window's P95 exceeds the first's by this fraction")
     o.add_argument("--max-memory-growth-mib", type=float,

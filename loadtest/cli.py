@@ -52,6 +52,7 @@ from embedserve.loadtest.runner import RunConfig, Runner, RunOutcome
 from embedserve.loadtest.sampling import GaugeSampler, MemorySampler, ProcessSampler
 from embedserve.loadtest.textbuild import TextBuilder, WordBuilder, load_tokenizer
 from embedserve.loadtest.traffic import RequestFactory, auto_build_workers
+from embedserve.loadtest.verdict import growth_caveats, verdict_label
 
 
 async def discover_model(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
@@ -203,7 +204,8 @@ def content_meta(a: argparse.Namespace, factory: RequestFactory, info: dict[str,
 
 async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFactory,
                     info: dict[str, Any]) -> int:
-    """Run, then write results.json, summary.md and the plots; 0 on PASS, 1 on FAIL."""
+    """Run, then write results.json, summary.md and the plots; 0 when nothing failed (PASS,
+    or no targets and no errors), 1 on FAIL."""
     url, health_url = cfg.url, info["health_url"]
     card = await discover_model(url, cfg.headers) or {}
     if not factory.model:
@@ -290,16 +292,19 @@ async def run_async(a: argparse.Namespace, cfg: RunConfig, factory: RequestFacto
     jp, mp = report.write(res, out, names)
     m, pc = res["measured"], res["prefix_cache"]
     label = "repeated content: " if res["meta"]["content"]["scenario"] != "unique inputs" else ""
-    print(f"{label}{'PASS' if res['verdict']['passed'] else 'FAIL'}: {m['ok']}/{m['attempts']} ok, "
+    print(f"{label}{verdict_label(res['verdict'])}: {m['ok']}/{m['attempts']} ok, "
           f"{m['requests_per_s']:.2f} req/s, {headline(m)}, "
           f"p95 {m['latency_ms']['p95']} ms, errors {m['errors']}, 429 {m['throttled_429']}; "
           f"{cachehits.describe(pc)}{' (WARNING: above 1%)' if pc['flagged'] else ''}"
           f"\nreport: {mp}\nresults: {jp}", file=sys.stderr)
+    for caveat in growth_caveats(res["memory"]["growth_after_warmup"]):
+        print(f"WARNING: memory growth: {caveat}", file=sys.stderr)
     return 0 if res["verdict"]["passed"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: 0 when the verdict passes, 1 when it fails, 2 on bad arguments."""
+    """Entry point: 0 when the verdict passes, 1 when it fails (errors fail a run without
+    targets too), 2 on bad arguments."""
     ap = build_parser()
     try:
         a = ap.parse_args(argv)

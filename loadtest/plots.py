@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from embedserve.loadtest.stats import embedded_per_s
 
 GIB = 1024.0**3
 
@@ -51,8 +54,9 @@ def throughput(res: dict[str, Any], path: Path) -> None:
     ax.set(xlabel="minutes since start", ylabel="successful requests/s",
            title="Throughput per window")
     ax2 = ax.twinx()
-    ax2.plot(xs, [w["tokens_per_s"] for w in wins], marker=".", color="C1", label="tokens/s")
-    ax2.set_ylabel("tokens/s sent (successful)")
+    label, values = token_line(wins)
+    ax2.plot(xs, values, marker=".", color="C1", label=label)
+    ax2.set_ylabel(label)
     errs = [w["errors"] + w["throttled_429"] for w in wins]
     if any(errs):
         width = res["meta"]["window_s"] / 60.0 * 0.8
@@ -64,6 +68,15 @@ def throughput(res: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def token_line(wins: list[dict[str, Any]]) -> tuple[str, list[float]]:
+    """Tokens/s embedded (the server's usage, after its truncation) per window, NaN (a gap)
+    where it is unknown; tokens/s sent, labelled so, only when the server reported no usage."""
+    if any(w["usage_reported"] for w in wins):
+        return "tokens/s embedded (server usage)", [
+            math.nan if (v := embedded_per_s(w)) is None else v for w in wins]
+    return "tokens/s sent (the server reported no usage)", [w["tokens_per_s"] for w in wins]
 
 
 def memory(res: dict[str, Any], path: Path) -> None:

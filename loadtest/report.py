@@ -10,8 +10,8 @@ import numpy as np
 
 from embedserve.loadtest.cachehits import describe as describe_cache
 from embedserve.loadtest.runner import RunOutcome
-from embedserve.loadtest.stats import aggregate, auto_window, columns, windows
-from embedserve.loadtest.verdict import Targets, evaluate, growth
+from embedserve.loadtest.stats import aggregate, auto_window, columns, embedded_per_s, windows
+from embedserve.loadtest.verdict import Targets, evaluate, growth, growth_caveats, verdict_label
 
 
 def memory_series(memory: dict[str, Any] | None, processes: dict[str, Any]
@@ -69,7 +69,7 @@ def build_results(outcome: RunOutcome, meta: dict[str, Any], targets: Targets,
     }
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -105,7 +105,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     """A one-page summary an operator can read at a glance."""
     m, meta, v = res["measured"], res["meta"], res["verdict"]
     lat = m["latency_ms"]
-    verdict = "PASS" if v["passed"] else "FAIL"
+    verdict = verdict_label(v)
     if str(meta.get("stop_reason", "")).startswith("running"):
         verdict = f"running, {meta['wall_s'] / 60:.0f} min in (checkpoint; so far: {verdict})"
     lines = [
@@ -123,24 +123,25 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         f"| duration | {m['duration_s']:.1f} s |",
         f"| attempts / ok / errors / 429 | {m['attempts']} / {m['ok']} / {m['errors']} / "
         f"{m['throttled_429']} |",
-        f"| throughput | {_fmt(m['requests_per_s'])} req/s · {_fmt(m['tokens_per_s'])} tokens/s "
-        f"sent · {_fmt(m['embedded_tokens_per_s'])} tokens/s embedded (server usage) |",
-        f"| latency ms p50 / p90 / p95 / p99 / max | {_fmt(lat['p50'])} / {_fmt(lat['p90'])} / "
-        f"{_fmt(lat['p95'])} / {_fmt(lat['p99'])} / {_fmt(lat['max'])} |",
+        f"| throughput | {fmt(m['requests_per_s'])} req/s · {fmt(m['tokens_per_s'])} tokens/s "
+        f"sent · {fmt(m['embedded_tokens_per_s'])} tokens/s embedded (server usage) |",
+        f"| latency ms p50 / p90 / p95 / p99 / max | {fmt(lat['p50'])} / {fmt(lat['p90'])} / "
+        f"{fmt(lat['p95'])} / {fmt(lat['p99'])} / {fmt(lat['max'])} |",
         f"| error rate | {m['error_rate']:.4%} |",
         f"| by status | {', '.join(f'{k}: {n}' for k, n in m['by_status'].items()) or '-'} |",
         f"| totals incl. warm-up | {res['totals']['attempts']} attempts, "
         f"{res['totals']['tokens_sent']} tokens sent |",
         "",
     ]
-    if v["checks"]:
-        lines += ["## Verdict", "", "| check | value | target | result | detail |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {c['check']} | {_fmt(c['value'])} | {_fmt(c['target'])} | "
-                  f"{c['status'].upper()} | {c['detail']} |" for c in v["checks"]]
-        lines.append("")
-    else:
-        lines += ["No targets were given: the verdict only says the run completed.", ""]
+    lines += ["## Verdict", ""]
+    if not v.get("targets_given", True):
+        lines += ["No targets were given (`--max-p95-ms`, `--min-rps`, ...): the run fails on "
+                  "errors (`--max-error-rate` allows a share; 429s are throttling, not errors) "
+                  "or when nothing was sent, and never passes.", ""]
+    lines += ["| check | value | target | result | detail |", "|---|---|---|---|---|"]
+    lines += [f"| {c['check']} | {fmt(c['value'])} | {fmt(c['target'])} | "
+              f"{c['status'].upper()} | {c['detail']} |" for c in v["checks"]]
+    lines.append("")
     growths = res["memory"]["growth_after_warmup"]
     hm = res["memory"].get("health_memory") or {}
     lines += ["## Memory", "", f"`/health/memory`: {hm.get('status', 'not requested')}.", ""]
@@ -148,14 +149,17 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         lines += ["| series | after warm-up | last | growth | per hour | samples |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {k} | {g['first_mib']} MiB | {g['last_mib']} MiB | {g['growth_mib']} MiB | "
-                  f"{g['growth_mib_per_hour']} MiB/h | {g['samples']} |"
+                  + (f"{g['growth_mib_per_hour']} MiB/h" if g.get("growth_mib_per_hour") is not None
+                     else "-") + f" | {g['samples']} |"
                   for k, g in growths.items() if g]
         lines.append("")
+        for caveat in growth_caveats(growths):
+            lines += [f"> **WARNING (memory growth): {caveat}.**", ""]
     fc = [s for s in hm.get("samples", []) if s.get("hours_to_oom") is not None]
     if fc:
         hrs = [s["hours_to_oom"] for s in fc]
-        lines += [f"Forecast hours to OOM along the run: first {_fmt(hrs[0])}, min "
-                  f"{_fmt(min(hrs))}, last {_fmt(hrs[-1])}; restart advised in "
+        lines += [f"Forecast hours to OOM along the run: first {fmt(hrs[0])}, min "
+                  f"{fmt(min(hrs))}, last {fmt(hrs[-1])}; restart advised in "
                   f"{sum(1 for s in fc if s.get('recommends_restart'))} of {len(fc)} samples.",
                   ""]
     elif hm.get("samples"):
@@ -167,26 +171,30 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
                  if s.get(f"{kind}_hours_low")]
         if worst:
             lines += [f"{kind.upper()} worst case (steepest slope in its interval) in "
-                      f"{len(worst)} samples: min {_fmt(min(worst))} h, last {_fmt(worst[-1])} h.",
+                      f"{len(worst)} samples: min {fmt(min(worst))} h, last {fmt(worst[-1])} h.",
                       ""]
     for name, g in (res.get("gauges") or {}).get("measured", {}).items():
         lines += [f"Gauge `{name}` on the target's /metrics over the measured time: median "
-                  f"{_fmt(g['median'])}, min {_fmt(g['min'])}, max {_fmt(g['max'])} "
+                  f"{fmt(g['median'])}, min {fmt(g['min'])}, max {fmt(g['max'])} "
                   f"({g['samples']} samples).", ""]
     wins = res["windows"]
     if wins:
         lines += [f"## Windows ({meta['window_s']:g} s)", "",
-                  "| start s | req/s | tokens/s | errors | 429 | p50 ms | p95 ms | p99 ms |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "Tokens/s embedded: the server's `usage` (what it embedded, after its "
+                  "truncation); tokens/s sent: what the successful requests carried.", "",
+                  "| start s | req/s | tokens/s embedded | tokens/s sent | errors | 429 | "
+                  "p50 ms | p95 ms | p99 ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         shown = wins if len(wins) <= 24 else [*wins[:12], None, *wins[-12:]]
         for w in shown:
             if w is None:
-                lines.append("| ... | | | | | | | |")
+                lines.append("| ... | | | | | | | | |")
                 continue
             lw = w["latency_ms"]
-            lines.append(f"| {w['t_start']:.0f} | {_fmt(w['requests_per_s'])} | "
-                         f"{_fmt(w['tokens_per_s'])} | {w['errors']} | {w['throttled_429']} | "
-                         f"{_fmt(lw['p50'])} | {_fmt(lw['p95'])} | {_fmt(lw['p99'])} |")
+            lines.append(f"| {w['t_start']:.0f} | {fmt(w['requests_per_s'])} | "
+                         f"{fmt(embedded_per_s(w))} | {fmt(w['tokens_per_s'])} | "
+                         f"{w['errors']} | {w['throttled_429']} | "
+                         f"{fmt(lw['p50'])} | {fmt(lw['p95'])} | {fmt(lw['p99'])} |")
         lines.append("")
     if res["error_samples"]:
         lines += ["## First error of each kind", ""]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from embedserve.loadtest import plots, report
 from embedserve.loadtest.args import add_target_args, targets_from
-from embedserve.loadtest.verdict import evaluate
+from embedserve.loadtest.verdict import evaluate, verdict_label
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     res["verdict"] = evaluate(targets_from(a), res["measured"], res["windows"], growths)
     names = [] if a.no_plots else plots.write_all(res, a.folder)
     report.write(res, a.folder, names)
-    print(("PASS" if res["verdict"]["passed"] else "FAIL") + f": {a.folder / 'summary.md'}",
+    print(f"{verdict_label(res['verdict'])}: {a.folder / 'summary.md'}",
           file=sys.stderr)
     return 0 if res["verdict"]["passed"] else 1
 

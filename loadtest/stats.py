@@ -67,6 +67,12 @@ def aggregate(c: dict[str, np.ndarray], mask: np.ndarray, span_s: float) -> dict
     }
 
 
+def embedded_per_s(agg: dict[str, Any]) -> float | None:
+    """Tokens/s the server embedded (its ``usage``), or None where successful requests came
+    back without usage (then only tokens sent are known)."""
+    return None if agg["ok"] and not agg["usage_reported"] else agg["embedded_tokens_per_s"]
+
+
 def window_edges(start: float, end: float, window_s: float) -> list[tuple[float, float]]:
     """Consecutive windows covering [start, end); a short tail (< half a window) is
     folded into the window before it so the last window is never a handful of requests."""

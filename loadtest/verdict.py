@@ -10,6 +10,12 @@ from typing import Any
 import numpy as np
 
 MIB = 1024.0 * 1024.0
+#: A per-hour memory slope needs this much time of samples after the warm-up, and the growth
+#: should start at least ``MIN_WARMUP_S`` into the load: the defaults of the target's own
+#: forecast (``health.min_span_s``, ``health.warmup_s``; docs/HEALTH.md). The first minutes
+#: of load fill caches and allocator pools, and a short span scaled to an hour is its noise.
+MIN_SLOPE_SPAN_S = 1800.0
+MIN_WARMUP_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -32,20 +38,36 @@ class Targets:
         return any(v is not None for k, v in asdict(self).items() if k != "memory_series")
 
 
-def growth(ts: list[float], values: list[float], start: float) -> dict[str, float] | None:
-    """Memory growth after ``start``: median of the last tenth of the samples minus the
-    median of the first tenth (at least one sample each; steps count, jitter does not)."""
+def growth(ts: list[float], values: list[float], start: float) -> dict[str, Any] | None:
+    """Memory growth after ``start`` (the end of the warm-up, in seconds since the run
+    began): median of the last tenth of the samples minus the median of the first tenth (at
+    least one sample each; steps count, jitter does not). The per-hour figure is None under
+    ``MIN_SLOPE_SPAN_S``; ``caveat`` says why, and when the growth rests on the warm-up."""
     pts = [(t, v) for t, v in zip(ts, values, strict=True) if t >= start and v is not None]
     if len(pts) < 2:
         return None
     k = max(1, len(pts) // 10)
     first = float(np.median([v for _, v in pts[:k]]))
     last = float(np.median([v for _, v in pts[-k:]]))
-    span_h = max((pts[-1][0] - pts[0][0]) / 3600.0, 1e-9)
+    span_s = pts[-1][0] - pts[0][0]
+    caveats = []
+    if span_s < MIN_SLOPE_SPAN_S:
+        caveats.append(f"no per-hour figure: {span_s:.0f} s of samples after the warm-up, under "
+                       f"the {MIN_SLOPE_SPAN_S / 60:.0f} min a slope needs")
+    if start < MIN_WARMUP_S:
+        caveats.append(f"the growth starts {start:.0f} s into the load, inside the first "
+                       f"{MIN_WARMUP_S / 60:.0f} min in which memory still settles (caches, "
+                       f"allocator pools): give --warmup {MIN_WARMUP_S / 60:.0f}m")
+    per_hour = (last - first) / MIB / (span_s / 3600.0) if span_s >= MIN_SLOPE_SPAN_S else None
     return {"first_mib": round(first / MIB, 2), "last_mib": round(last / MIB, 2),
             "growth_mib": round((last - first) / MIB, 2),
-            "growth_mib_per_hour": round((last - first) / MIB / span_h, 2),
-            "samples": len(pts), "span_s": round(pts[-1][0] - pts[0][0], 1)}
+            "growth_mib_per_hour": None if per_hour is None else round(per_hour, 2),
+            "samples": len(pts), "span_s": round(span_s, 1), "caveat": "; ".join(caveats) or None}
+
+
+def growth_caveats(growths: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """The distinct caveats of the memory series' growth figures, for the report and console."""
+    return list(dict.fromkeys(g["caveat"] for g in growths.values() if g and g.get("caveat")))
 
 
 def p95_drift(windows: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -67,16 +89,17 @@ def _check(name: str, value: float | None, target: float | None, ok: bool | None
 
 
 def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]],
-             memory_series: Mapping[str, Mapping[str, float] | None]) -> dict[str, Any]:
+             memory_series: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
     """The verdict: each requested check, and ``passed`` when none failed."""
     checks: list[dict[str, Any]] = []
     attempts = measured["attempts"]
-    if t.max_error_rate is not None:
-        v = measured["error_rate"] if attempts else None
-        checks.append(_check("error rate", v, t.max_error_rate,
-                             v is not None and v <= t.max_error_rate,
-                             f"{measured['errors']} errors in {attempts} attempts "
-                             "(429s counted apart)"))
+    # Errors fail every run unless --max-error-rate allows a share; a 429 is throttling.
+    allowed = 0.0 if t.max_error_rate is None else t.max_error_rate
+    v = measured["error_rate"] if attempts else None
+    checks.append(_check("error rate", v, allowed, v is not None and v <= allowed,
+                         f"{measured['errors']} errors in {attempts} attempts (429s counted "
+                         "apart)" + ("; any error fails without --max-error-rate"
+                                     if t.max_error_rate is None else "")))
     if t.max_throttle_rate is not None:
         v = round(measured["throttled_429"] / attempts, 6) if attempts else None
         checks.append(_check("429 rate", v, t.max_throttle_rate,
@@ -108,11 +131,20 @@ def evaluate(t: Targets, measured: dict[str, Any], windows: list[dict[str, Any]]
             v = g["growth_mib"]
             checks.append(_check(f"memory growth MiB: {name}", v, t.max_memory_growth_mib,
                                  v <= t.max_memory_growth_mib,
-                                 f"{g['first_mib']} -> {g['last_mib']} MiB over "
-                                 f"{g['span_s']} s ({g['growth_mib_per_hour']} MiB/h)"))
+                                 f"{g['first_mib']} -> {g['last_mib']} MiB over {g['span_s']} s"
+                                 + (f" ({g['growth_mib_per_hour']} MiB/h)"
+                                    if g.get("growth_mib_per_hour") is not None else "")))
     if not attempts:
         checks.append(_check("requests sent", 0.0, None, False, "no request was sent"))
     failed = [c["check"] for c in checks if c["status"] == "fail"]
     no_data = [c["check"] for c in checks if c["status"] == "no data"]
     return {"passed": not failed, "failed": failed, "no_data": no_data, "checks": checks,
-            "targets": asdict(t)}
+            "targets": asdict(t), "targets_given": t.any()}
+
+
+def verdict_label(verdict: Mapping[str, Any]) -> str:
+    """``PASS`` or ``FAIL``; a run without targets that did not fail says ``no targets``,
+    since it met nothing it was asked to meet."""
+    if not verdict["passed"]:
+        return "FAIL"
+    return "PASS" if verdict.get("targets_given", True) else "no targets"

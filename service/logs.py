@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from typing import TextIO
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -49,6 +50,24 @@ class TextFormatter(JsonFormatter):
         return line + (f"\n{exc}" if exc else "")
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a line is logged, not as it was at set-up (as
+    logging's own last-resort handler does): a stream put in its place for a while (pytest's
+    capture, a redirect) may be closed by the next line, which logging then reports with a
+    traceback (``ValueError: I/O operation on closed file``) instead of the line."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: TextIO) -> None:
+        """Ignored: the stream is always the current ``sys.stderr``."""
+
+
 def resolve_format(fmt: str) -> str:
     """``auto``: readable lines on a terminal, JSON lines for log collectors."""
     if fmt != "auto":
@@ -57,7 +76,7 @@ def resolve_format(fmt: str) -> str:
 
 
 def setup_logging(level: str = "INFO", fmt: str = "json") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(TextFormatter() if resolve_format(fmt) == "text" else JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

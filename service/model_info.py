@@ -7,7 +7,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from embedserve.config import ModelSettings
 from embedserve.settings_errors import ConfigError
@@ -20,6 +20,13 @@ MODEL_ACCEPTS = "a sentence-transformers or Hugging Face model folder, or bundle
 #: activation memory of one sequence bounded; raise ``model.max_seq_len`` to go further.
 DEFAULT_MAX_SEQ_LEN_CAP = 8192
 QWEN3_QUERY_TEMPLATE = "Instruct: {task}\nQuery:{text}"
+
+#: How a model scores a query-document pair: ``cosine`` (an embedding model's vectors),
+#: ``cross-encoder`` (a ``*ForSequenceClassification`` with one label: its logit) or
+#: ``qwen3-reranker`` (Qwen3-Reranker, a causal LM: the logit of "yes" over "no" after its prompt).
+Scoring = Literal["cosine", "cross-encoder", "qwen3-reranker"]
+#: Sequence-classification models read as cross-encoders (their tokenizers frame a pair).
+CROSS_ENCODER_TYPES = ("bert", "xlm-roberta", "roberta", "distilbert", "electra", "camembert")
 
 
 @dataclass(frozen=True)
@@ -34,9 +41,15 @@ class ModelInfo:
     matryoshka_dimensions: tuple[int, ...] | None
     is_qwen3: bool
     created: int
+    scoring: Scoring = "cosine"
 
     def serves(self, model: str) -> bool:
         return model == self.name or model in self.aliases
+
+    @property
+    def embeds(self) -> bool:
+        """An embedding model (it also scores pairs, by cosine); else a reranker."""
+        return self.scoring == "cosine"
 
     @classmethod
     def load(cls, m: ModelSettings) -> ModelInfo:
@@ -51,6 +64,9 @@ class ModelInfo:
                 "config.json with hidden_size, nor 1_Pooling/config.json)"
             )
         is_qwen3 = str(config.get("model_type", "")).startswith("qwen3")
+        scoring = scoring_of(folder, config)
+        if scoring != "cosine":
+            dim = 1  # an engine answers one score per input
         if m.query_template is not None:
             template = m.query_template or None
         else:
@@ -66,7 +82,28 @@ class ModelInfo:
             matryoshka_dimensions=tuple(m.matryoshka_dimensions) if m.matryoshka_dimensions else None,
             is_qwen3=is_qwen3,
             created=int(time.time()),
+            scoring=scoring,
         )
+
+
+def scoring_of(folder: Path, config: dict[str, Any]) -> Scoring:
+    """From the folder: a ``*ForSequenceClassification`` of a BERT-like type is a cross-encoder (one
+    label, its logit); a Qwen3 causal LM without sentence-transformers' pooling is Qwen3-Reranker;
+    the rest are embedding models. ``ConfigError`` for a classifier that cannot rank."""
+    archs = [str(a) for a in config.get("architectures") or []]
+    model_type = str(config.get("model_type", ""))
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        labels = len(config.get("id2label") or {}) or int(config.get("num_labels") or 1)
+        if model_type not in CROSS_ENCODER_TYPES or labels != 1:
+            raise ConfigError(
+                f"{MODEL_SETTING}: {folder} is a {archs[0]} with {labels} label(s); a reranker here is a "
+                f"cross-encoder of type {', '.join(CROSS_ENCODER_TYPES)} with one label (its relevance logit)"
+            )
+        return "cross-encoder"
+    pooled = (folder / "modules.json").exists() or (folder / "1_Pooling").exists()
+    if model_type == "qwen3" and "Qwen3ForCausalLM" in archs and not pooled:
+        return "qwen3-reranker"
+    return "cosine"
 
 
 def model_folder(m: ModelSettings) -> Path:
@@ -100,5 +137,7 @@ def _default_max_seq_len(folder: Path, config: dict[str, Any]) -> int:
         return st_max
     positions = config.get("max_position_embeddings")
     if isinstance(positions, int):
+        if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+            positions -= 2  # RoBERTa's positions start after the padding index (514 rows, 512 tokens)
         return min(positions, DEFAULT_MAX_SEQ_LEN_CAP)
     return 512

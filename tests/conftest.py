@@ -136,6 +136,22 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight BertForSequenceClassification with the bundled model's tokenizer."""
+    from embedserve.runtime.synth_rerank import build_cross_encoder
+
+    return build_cross_encoder(tmp_path_factory.mktemp("tiny-ce") / "tiny-cross-encoder")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Qwen3 causal LM with Qwen3's tokenizer, as Qwen3-Reranker ships."""
+    from embedserve.runtime.synth_model import build_qwen3_reranker
+
+    return build_qwen3_reranker(tmp_path_factory.mktemp("tiny-rr") / "tiny-qwen3-reranker")
+
+
+@pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding Qwen3-Embedding's tokenizer (tokenizer.json and its config)."""
     from embedserve.runtime.synth_model import write_tokenizer_files

@@ -17,6 +17,8 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from embedserve.contracts import score_wire
+from embedserve.contracts.score_wire import EncodeRequest
 from embedserve.contracts.wire import EngineRequest, encode_response
 from embedserve.engines.client import JSON, CallFailed, CallTimeout
 
@@ -110,4 +112,20 @@ class FakeEngine:
             answer = encode_response(req.model, vectors, tokens, req.encoding_format == "base64")
             return Response(answer, media_type="application/json")
 
+        @app.post("/encode")
+        async def encode(request: Request) -> Response:
+            """A cross-encoder's logits as SGLang's /encode answers them (one per input)."""
+            req = EncodeRequest.model_validate_json(await request.body())
+            self.calls.append(req.batch())
+            if self.fail_status:
+                return Response(b'{"message":"boom"}', status_code=self.fail_status)
+            scores = [fake_score(ids) for ids in req.batch()]
+            return Response(score_wire.encode_response(scores, [len(x) for x in req.batch()], req.single),
+                            media_type="application/json")
+
         return app
+
+
+def fake_score(ids: list[int]) -> float:
+    """A logit that follows the ids, so a test can tell which pair it belongs to."""
+    return float(sum(ids) % 97) / 10 - 4.8

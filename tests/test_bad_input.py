@@ -166,6 +166,96 @@ CASES = [
 ]
 
 
+@dataclass
+class ScoreCase(Case):
+    path: str = "/v1/rerank"
+
+
+def rr(path: str = "/v1/rerank", **fields: Any) -> dict[str, Any]:
+    """A rerank body (``path`` decides the shape: TEI's ``texts`` for /rerank with ``texts``)."""
+    base: dict[str, Any] = {"model": MODEL, "query": "q", "documents": ["a", "b"]}
+    if path.endswith("score"):
+        base = {"model": MODEL, "text_1": "q", "text_2": ["a", "b"]}
+    return {**base, **fields}
+
+
+def sc(name: str, path: str, body: Any, status: int = 400, param: str | None = None, code: str | None = None,
+       real: bool = False) -> ScoreCase:
+    return ScoreCase(name, body, status, param, code, real=real, path=path)
+
+
+SCORE_CASES = [
+    # -- the rerank routes (Cohere, Jina, vLLM v2; TEI's body on /rerank) --------------------
+    sc("no documents", "/v1/rerank", rr(documents=[]), param="documents", code="empty_input", real=True),
+    sc("documents missing", "/v1/rerank", {"model": MODEL, "query": "q"}, param="documents"),
+    sc("documents a string", "/v1/rerank", rr(documents="a"), param="documents"),
+    sc("document a number", "/v1/rerank", rr(documents=["a", 5]), param="documents", real=True),
+    sc("document object without text", "/v1/rerank", rr(documents=[{"content": "a"}]), param="documents"),
+    sc("document text a number", "/v2/rerank", rr(documents=[{"text": 3}]), param="documents"),
+    sc("empty document", "/v1/rerank", rr(documents=["a", " "]), param="documents", code="empty_input"),
+    sc("empty query", "/v1/rerank", rr(query=""), param="query", code="empty_input", real=True),
+    sc("whitespace query", "/v2/rerank", rr(query=" \n"), param="query", code="empty_input"),
+    sc("query missing", "/v1/rerank", {"model": MODEL, "documents": ["a"]}, param="query"),
+    sc("query a list", "/v1/rerank", rr(query=["q"]), param="query"),
+    sc("top_n 0", "/v1/rerank", rr(top_n=0), param="top_n", real=True),
+    sc("top_n negative", "/v2/rerank", rr(top_n=-3), param="top_n"),
+    sc("top_n a string", "/v1/rerank", rr(top_n="2"), param="top_n"),
+    sc("top_n a float", "/v1/rerank", rr(top_n=1.5), param="top_n"),
+    sc("top_n a bool", "/v1/rerank", rr(top_n=True), param="top_n"),
+    sc("return_documents a string", "/v1/rerank", rr(return_documents="yes"), param="return_documents"),
+    sc("max_tokens_per_doc 0", "/v2/rerank", rr(max_tokens_per_doc=0), param="max_tokens_per_doc"),
+    sc("rerank unknown model", "/v1/rerank", rr(model="rerank-english-v3.0"), 404, "model", "model_not_found",
+       real=True),
+    sc("rerank model a number", "/rerank", rr(model=7), param="model"),
+    sc("1001 documents", "/v1/rerank", rr(documents=["a"] * 1001), param="documents",
+       code="too_many_documents", real=True),
+    sc("over 300k pair tokens", "/v1/score", rr("/v1/score", text_1=["word " * 300] * 700,
+                                                 text_2=["word " * 300] * 700),
+       param="text_2", code="max_tokens_per_request"),
+    sc("over-long pair, truncate false", "/v1/rerank", rr(documents=["word " * 600], truncate=False),
+       param="documents", code="context_length_exceeded"),
+    sc("10M-character document", "/v1/rerank", rr(documents=["a" * 10_000_000]), param="documents",
+       code="input_too_long"),
+    sc("rerank not an object", "/v1/rerank", raw('["q", "a"]'), code="invalid_json"),
+    sc("rerank duplicate query", "/rerank", raw('{"query": "a", "documents": ["b"], "query": "c"}'),
+       param="query", code="duplicate_key"),
+    sc("rerank text/plain", "/v1/rerank", rr(), 415),
+    sc("TEI no texts", "/rerank", {"query": "q", "texts": []}, param="texts", code="empty_input", real=True),
+    sc("TEI text a number", "/rerank", {"query": "q", "texts": ["a", 1]}, param="texts"),
+    sc("TEI empty query", "/rerank", {"query": "", "texts": ["a"]}, param="query", code="empty_input"),
+    sc("TEI left truncation", "/rerank", {"query": "q", "texts": ["a"], "truncation_direction": "left"},
+       param="truncation_direction"),
+    sc("TEI raw_scores a string", "/rerank", {"query": "q", "texts": ["a"], "raw_scores": "no"},
+       param="raw_scores"),
+    sc("texts and documents both", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]},
+       param="texts"),
+    sc("neither texts nor documents", "/rerank", {"query": "q"}, param="documents"),
+    # -- the score routes (vLLM) ---------------------------------------------------------------
+    sc("score no text_2", "/v1/score", rr("/v1/score", text_2=[]), param="text_2", code="empty_input",
+       real=True),
+    sc("score no text_1", "/score", rr("/score", text_1=[]), param="text_1", code="empty_input"),
+    sc("score text_1 missing", "/v1/score", {"text_2": ["a"]}, param="text_1"),
+    sc("score text_1 a number", "/v1/score", rr("/v1/score", text_1=5), param="text_1"),
+    sc("score text_2 with a number", "/score", rr("/score", text_2=["a", None]), param="text_2"),
+    sc("score 2 against 3", "/v1/score", rr("/v1/score", text_1=["a", "b"], text_2=["a", "b", "c"]),
+       param="text_2", real=True),
+    sc("score empty text_1", "/v1/score", rr("/v1/score", text_1=""), param="text_1", code="empty_input"),
+    sc("score empty text in text_2", "/score", rr("/score", text_2=["a", ""]), param="text_2",
+       code="empty_input"),
+    sc("score truncate_prompt_tokens -2", "/v1/score", rr("/v1/score", truncate_prompt_tokens=-2),
+       param="truncate_prompt_tokens"),
+    sc("score use_activation a string", "/v1/score", rr("/v1/score", use_activation="no"),
+       param="use_activation"),
+    sc("score unknown model", "/v1/score", rr("/v1/score", model="bge-reranker-v2-m3"), 404, "model",
+       "model_not_found"),
+    sc("score 1001 pairs", "/score", rr("/score", text_2=["a"] * 1001), param="text_2",
+       code="too_many_documents"),
+]
+for _case in SCORE_CASES:
+    if _case.name == "rerank text/plain":
+        _case.headers = {"content-type": "text/plain"}
+
+
 def check_error(r: httpx.Response, case: Case) -> None:
     assert r.status_code == case.status, (case.name, r.status_code, r.text[:300])
     err = r.json()["error"]
@@ -200,6 +290,23 @@ def test_bad_input_fake_engine(fake_client: TestClient, case: Case) -> None:
     assert fake_client.get("/health/live").status_code == 200
 
 
+def test_score_table_has_a_case_per_route() -> None:
+    assert {c.path for c in SCORE_CASES} == {"/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score"}
+    assert len({c.name for c in SCORE_CASES}) == len(SCORE_CASES)
+
+
+def score_still_healthy(c: TestClient) -> None:
+    assert c.post("/v1/rerank", json=rr()).status_code == 200
+    assert c.post("/v1/score", json=rr("/v1/score")).status_code == 200
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=lambda c: c.name)
+def test_bad_score_input_fake_engine(fake_client: TestClient, case: ScoreCase) -> None:
+    r = fake_client.post(case.path, content=case.content(), headers=case.headers)
+    check_error(r, case)  # type: ignore[arg-type]
+    score_still_healthy(fake_client)
+
+
 def test_streamed_body_over_the_cap_is_413() -> None:
     """No Content-Length (chunked): the cap counts bytes as they arrive."""
     with make_client(FakeEngine(), max_body_bytes=100_000) as c:
@@ -221,6 +328,16 @@ def test_bad_input_real_stack(served: Served, case: Case) -> None:
             check_error(r, case)
         good = c.post("/v1/embeddings", json={**GOOD, "model": served.model_name})
         assert good.status_code == 200
+        assert c.get("/health/ready").status_code == 200
+
+
+@pytest.mark.parametrize("case", [c for c in SCORE_CASES if c.real], ids=lambda c: c.name)
+def test_bad_score_input_real_stack(served: Served, case: ScoreCase) -> None:
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        body = case.content().replace(MODEL.encode(), served.model_name.encode())
+        check_error(c.post(case.path, content=body, headers=case.headers), case)
+        good = rr(model=served.model_name)
+        assert c.post("/v1/rerank", json=good).status_code == 200
         assert c.get("/health/ready").status_code == 200
 
 
@@ -278,6 +395,33 @@ def test_fuzz_request_schema(fake_client: TestClient) -> None:
 
     fuzz()
     assert_still_healthy(fake_client)
+
+
+SCORE_FIELDS = {
+    "model": st.sampled_from([MODEL, "", "rerank-v3.5"]) | json_any,
+    "query": st.text(max_size=20) | json_any,
+    "documents": st.lists(st.text(max_size=10) | st.fixed_dictionaries({"text": st.text(max_size=5)}),
+                          max_size=4) | json_any,
+    "texts": st.lists(st.text(max_size=10), max_size=4) | json_any,
+    "text_1": st.text(max_size=10) | st.lists(st.text(max_size=10), max_size=3) | json_any,
+    "text_2": st.text(max_size=10) | st.lists(st.text(max_size=10), max_size=3) | json_any,
+    "top_n": st.integers(min_value=-2, max_value=6) | json_any,
+    "return_documents": st.booleans() | json_any,
+    "raw_scores": st.booleans() | json_any,
+    "truncate_prompt_tokens": st.integers(min_value=-3, max_value=600) | json_any,
+    "truncate": st.booleans() | json_any,
+}
+score_bodies = st.fixed_dictionaries({}, optional=dict(SCORE_FIELDS)) | json_any
+
+
+def test_fuzz_score_routes(fake_client: TestClient) -> None:
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=score_bodies, path=st.sampled_from(["/v1/rerank", "/rerank", "/v2/rerank", "/v1/score"]))
+    def fuzz(body: Any, path: str) -> None:
+        assert_contract(fake_client.post(path, content=json.dumps(body), headers=JSON))
+
+    fuzz()
+    score_still_healthy(fake_client)
 
 
 def test_fuzz_raw_bytes(fake_client: TestClient) -> None:

@@ -175,3 +175,28 @@ def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception):
         tool_missing("promtool")
+
+
+RERANK = ROOT / "deploy" / "compose" / "rerank-one-gpu.yaml"
+
+
+def test_the_reranker_override_adds_an_engine_on_the_same_gpu_and_routes_to_it():
+    """compose.yaml with deploy/compose/rerank-one-gpu.yaml: Compose accepts the pair, the
+    gateway's models reach both engines by name and port, and the reranker takes GPU 0 too."""
+    from embedserve.config import Settings
+
+    r = subprocess.run([*_compose_v2(), "-f", str(COMPOSE), "-f", str(RERANK), "--profile", "gpu", "config",
+                        "--format", "json"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    gateway, reranker = services["gateway"], services["engine-reranker"]
+    models = json.loads(gateway["environment"]["EMBEDSERVE_SERVED__MODELS"])
+    settings = Settings(_env_file=None, served={"models": models})
+    urls = {m.kind: m.engine["urls"] for m in settings.served.models}
+    port = reranker["environment"]["EMBEDSERVE_ENGINE__PORT"]
+    assert urls == {"embed": ["http://engine:30000"], "rerank": [f"http://reranker:{port}"]}
+    assert "reranker" in reranker["networks"]["default"]["aliases"]
+    assert gateway["depends_on"]["engine-reranker"]["condition"] == "service_healthy"
+    (device,) = reranker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["device_ids"] == ["0"] and reranker["pid"] == "service:engine-gpu"
+    assert reranker["environment"]["EMBEDSERVE_MODEL__PATH"] == models[1]["path"]

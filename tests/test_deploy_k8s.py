@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from embedserve.config import Settings
 from tests.conftest import tool_missing
 
 yaml = pytest.importorskip("yaml")
@@ -349,8 +350,52 @@ def test_components_list_their_manifests():
     for folder in COMPONENTS.iterdir():
         kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
         on_disk = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml", ADAPTER_RULES.name}
-        assert set(kust["resources"]) == on_disk, folder.name
-    assert {p.name for p in COMPONENTS.iterdir()} == {"autoscaling-keda", "autoscaling-hpa"}
+        listed = set(kust.get("resources", [])) | {p["path"] for p in kust.get("patches", []) if "path" in p}
+        assert listed == on_disk, folder.name
+    assert {p.name for p in COMPONENTS.iterdir()} == {"autoscaling-keda", "autoscaling-hpa", "rerank-one-gpu"}
+
+
+def _patched_server(component: str) -> dict[str, Any]:
+    """The Deployment with a component's strategic-merge patch applied as kustomize merges it
+    (containers by name, their env by name)."""
+    server = json.loads(json.dumps(_server()))
+    folder = COMPONENTS / component
+    for ref in yaml.safe_load((folder / "kustomization.yaml").read_text())["patches"]:
+        patch = yaml.safe_load((folder / ref["path"]).read_text())
+        containers = {c["name"]: c for c in server["spec"]["template"]["spec"]["containers"]}
+        for c in patch["spec"]["template"]["spec"]["containers"]:
+            if c["name"] not in containers:
+                server["spec"]["template"]["spec"]["containers"].append(c)
+                continue
+            env = {e["name"]: e for e in containers[c["name"]].get("env", [])}
+            env.update({e["name"]: e for e in c.get("env", [])})
+            containers[c["name"]]["env"] = list(env.values())
+    return server
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_reranker_component_serves_two_models_from_one_pod(version, monkeypatch):
+    """Its Deployment validates; the gateway's models reach the two engine containers' ports, and
+    each engine serves the folder the gateway names for it."""
+    kv = pytest.importorskip("kubernetes_validate")
+    server = _patched_server("rerank-one-gpu")
+    kv.validate(server, version, strict=True)
+    containers = {c["name"]: c for c in server["spec"]["template"]["spec"]["containers"]}
+    gateway = {e["name"]: e.get("value") for e in containers["gateway"]["env"]}
+    for k in [k for k in os.environ if k.startswith("EMBEDSERVE_")]:
+        monkeypatch.delenv(k)
+    settings = Settings(_env_file=None, served={"models": json.loads(gateway["EMBEDSERVE_SERVED__MODELS"])})
+    engines = {}
+    for name in ("engine", "reranker"):
+        c = containers[name]
+        env = _env(c)
+        (port,) = [p["containerPort"] for p in c["ports"]]
+        assert int(env["EMBEDSERVE_ENGINE__PORT"]) == port == c["startupProbe"]["httpGet"]["port"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        engines[f"http://127.0.0.1:{port}"] = env["EMBEDSERVE_MODEL__PATH"]
+    served = {url: m.path for m in settings.served.models for url in m.engine["urls"]}
+    assert served == engines
+    assert [m.kind for m in settings.served.models] == ["embed", "rerank"]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

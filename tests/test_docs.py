@@ -5,7 +5,10 @@ README's Clients snippets run against the CPU stack."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import sys
 import tomllib
 import typing
 from pathlib import Path
@@ -170,32 +173,108 @@ def test_results_readme_lists_every_measurement() -> None:
         assert {"README.md", "results.md"} & {p.name for p in (ROOT / "results" / folder).iterdir()}, folder
 
 
+# -- docs/SGLANG.md's dry run ----------------------------------------------------------------------
+
+
+def test_the_sglang_dry_run_sample_is_what_the_launcher_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The sample's first line is run as written (its /models folder made here, no GPU);
+    the output must equal the sample but for the JSON's ``...`` and the command's wrapping."""
+    from embedserve.engines import sglang
+
+    doc = (ROOT / "docs" / "SGLANG.md").read_text().split("\n## What the launcher emits", 1)[1]
+    block = doc.split("```\n", 2)[1].split("\n```", 1)[0]
+    first, *printed = block.replace(" \\\n  ", " ").splitlines()
+    words = shlex.split(first.removeprefix("$ "))
+    assert words[-3:] == ["embedserve", "engine", "--dry-run"]
+    models = tmp_path / "models"
+    model = models / "Qwen3-Embedding-4B"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "qwen3", "max_position_embeddings": 32768, '
+                                      '"hidden_size": 2560}')
+    (model / "sentence_bert_config.json").write_text('{"max_seq_length": 8192}')
+    for k in [k for k in os.environ if k.startswith("EMBEDSERVE_")]:
+        monkeypatch.delenv(k)
+    for name, value in (w.split("=", 1) for w in words[:-3]):
+        monkeypatch.setenv(name, value.replace("/models/", f"{models}/"))
+    monkeypatch.chdir(tmp_path)  # no stray .env
+    monkeypatch.setattr(sglang, "gpu_compute_capability", lambda: None)
+    assert sglang.main(["--dry-run"]) == 0
+    got = capsys.readouterr().out.replace(str(models), "/models").replace(sys.executable, "/usr/bin/python3")
+    got_lines = got.splitlines()
+    assert len(got_lines) == len(printed)
+    for want, line in zip(printed, got_lines, strict=True):
+        assert re.fullmatch(re.escape(want).replace(re.escape("..."), ".*"), line), (want, line)
+
+
 # -- the README's Clients snippets -------------------------------------------------------------
 
 
-def _clients_block() -> str:
+def _python_block(title: str) -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
-@pytest.mark.slow
-def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningStack) -> None:
-    """Each paragraph of the block runs as written, but for the URL; a client library that
-    is not installed here (LlamaIndex) is reported, not failed."""
-    code = _clients_block().replace("http://127.0.0.1:8000", minilm_stack.url)
-    chunks = [c for c in code.split("\n\n") if c.strip()]
+@pytest.mark.parametrize("title", ["Clients", "Rerank clients"])
+def test_the_clients_pip_command_installs_what_the_snippets_import(title: str) -> None:
+    """Each module a section's snippets import comes from a package its pip command names:
+    the installed distribution that provides it, or, for one not installed here (LlamaIndex),
+    the package its dotted name spells (llama_index.embeddings.openai:
+    llama-index-embeddings-openai; llama_index.core.schema: llama-index-core)."""
+    import importlib.metadata
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    pip = next(line for line in section.splitlines() if line.startswith("pip install "))
+    named = set(pip.split()[2:])
+    provides = importlib.metadata.packages_distributions()
+    modules = re.findall(r"^(?:from|import) ([\w.]+)", _python_block(title), re.M)
+    assert len(modules) >= 4
+    for module in modules:
+        installed = {d.lower() for d in provides.get(module.split(".")[0], [])}
+        spelled = module.replace("_", "-").replace(".", "-")
+        assert installed & named or any(spelled == n or spelled.startswith(n + "-") for n in named), (
+            module, installed or spelled, pip)
+
+
+def _run_paragraphs(code: str, title: str) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Each paragraph as written; one whose client library is not installed (LlamaIndex) is
+    reported, not failed."""
     namespace: dict[str, Any] = {}
     ran, missing = [], []
-    for chunk in chunks:
-        title = chunk.strip().splitlines()[0]
+    for chunk in (c for c in code.split("\n\n") if c.strip()):
+        first = chunk.strip().splitlines()[0]
         try:
-            exec(compile(chunk, f"README Clients: {title}", "exec"), namespace)
+            exec(compile(chunk, f"README {title}: {first}", "exec"), namespace)
         except ModuleNotFoundError as exc:
             assert exc.name and exc.name.split(".")[0] in ("llama_index",), exc
             missing.append(exc.name)
             continue
-        ran.append(title)
+        ran.append(first)
     print(f"ran: {ran}; not installed: {missing}")
+    return namespace, ran, missing
+
+
+@pytest.mark.slow
+def test_the_rerank_client_snippets_rank_as_the_server_does(minilm_stack: RunningStack) -> None:
+    import httpx
+
+    code = _python_block("Rerank clients").replace("http://127.0.0.1:8000", minilm_stack.url)
+    namespace, ran, _ = _run_paragraphs(code, "Rerank clients")
+    body = {"model": namespace["model"], "query": namespace["query"], "documents": namespace["docs"],
+            "top_n": 2}
+    server = [r["index"] for r in httpx.post(minilm_stack.url + "/v1/rerank", json=body).json()["results"]]
+    orders = {k: v for k, v in namespace.items() if k.endswith("_order")}
+    assert {"cohere_order", "langchain_order", "haystack_order"} <= orders.keys() and len(ran) >= 4
+    assert all(order == server for order in orders.values()), (server, orders)
+
+
+@pytest.mark.slow
+def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningStack) -> None:
+    """Each paragraph of the block runs as written, but for the URL."""
+    code = _python_block("Clients").replace("http://127.0.0.1:8000", minilm_stack.url)
+    namespace, ran, _ = _run_paragraphs(code, "Clients")
     assert namespace["model"] == minilm_stack.model_name  # taken from /v1/models
     assert len(ran) >= 4, ran

@@ -20,7 +20,7 @@ from embedserve.engines.pool import EnginePool
 from embedserve.engines.sizing import ModelShape, SizingError, engine_memory, plan_engines_per_gpu
 from embedserve.model_info import ModelInfo
 from embedserve.runtime import replace
-from embedserve.runtime.stack import resolve_engines_per_gpu
+from embedserve.runtime.model_plan import resolve_engines_per_gpu
 
 # The published Qwen3-Embedding configs (config.json), the fields that decide memory.
 QWEN3_4B = {"model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,

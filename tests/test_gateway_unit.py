@@ -18,16 +18,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.config import Settings
 from embedserve.gateway.app import create_app
-from tests.conftest import wait_until
+from tests.conftest import metric, wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_vector
 
 MODEL = "all-MiniLM-L6-v2"
 
 
-def make_client(engine: FakeEngine, **gateway: object) -> TestClient:
+def make_client(engine: FakeEngine, served: Any = None, **gateway: object) -> TestClient:
+    """The gateway over ``engine``; ``served``: the served section (rerank limits, models)."""
     settings = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
         gateway={"request_timeout_s": 10.0, "accept_token_ids": True, **gateway},
+        served=served or {},
         health={"sample_interval_s": 60},
         _env_file=None,
     )
@@ -251,6 +253,43 @@ def test_truncated_inputs_header(client: TestClient, words: int, truncated: int)
     assert r.headers["x-embedserve-truncated-inputs"] == str(truncated)
     cut = r.json()["truncated_inputs"]
     assert [t["index"] for t in cut] == ([1] if truncated else [])
+
+
+def test_text_turned_into_unknown_tokens_is_reported(client: TestClient) -> None:
+    """A 200,000-character string without spaces is one [UNK] on MiniLM (usage 3): the
+    response lists it as dropped content, as it lists truncated inputs, and /metrics counts it."""
+    texts = ["a short one", "a" * 200_000, "hello 😀 world"]
+    r = post(client, {"model": MODEL, "input": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == 5 + 3 + 5  # [CLS] a short one [SEP], [CLS] [UNK] [SEP], ...
+    assert body["unknown_token_inputs"] == [{"index": 1, "unknown_tokens": 1, "unknown_chars": 200_000},
+                                            {"index": 2, "unknown_tokens": 1, "unknown_chars": 1}]
+    assert r.headers["x-embedserve-unknown-token-inputs"] == "2" and body["truncated_inputs"] == []
+    text = client.get("/metrics").text
+    assert metric(text, "embedserve_inputs_with_unknown_tokens_total") == 2
+    assert metric(text, "embedserve_unknown_token_chars_total") == 200_001
+    plain = post(client, {"model": MODEL, "input": "nothing unknown here"})
+    assert plain.json()["unknown_token_inputs"] == []
+    assert plain.headers["x-embedserve-unknown-token-inputs"] == "0"
+
+
+@pytest.mark.parametrize("accept_ids", [False, True])
+@pytest.mark.parametrize("bad", [5, {"text": "a"}, [1.5, 2.0], ["a", 1], [[1, 2], "a"], [None]])
+def test_a_wrong_input_type_says_what_this_server_accepts(
+    engine: FakeEngine, accept_ids: bool, bad: object
+) -> None:
+    """Token ids are named as accepted only where gateway.accept_token_ids is on (the
+    default refuses them)."""
+    with make_client(engine, accept_token_ids=accept_ids) as c:
+        wait_ready(c)
+        message = str(assert_error(post(c, {"model": MODEL, "input": bad}), 400, "input")["message"])
+    if accept_ids:
+        assert "only token ids" in message or "a list of token ids or a list of token-id lists" in message
+        assert "takes no token ids" not in message
+    else:
+        assert "token-id list" not in message and "only token ids" not in message
+        assert "takes no token ids" in message
 
 
 @pytest.mark.parametrize(("inline_chars", "on_thread"), [(0, True), (2048, False)])

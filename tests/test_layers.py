@@ -5,6 +5,7 @@ pyproject's package-dir, which import-linter's graph builder does not follow).""
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,11 @@ from tests.__main__ import installed_layout
 # lowest first; a module may import its own layer and any layer before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", ("embedserve.contracts",)),
-    ("config", ("embedserve.config", "embedserve.settings_errors", "embedserve.model_info", "embedserve.logs",
-                "embedserve.nvml", "embedserve.http_server")),
+    ("config", ("embedserve.config", "embedserve.catalog",
+                "embedserve.settings_errors", "embedserve.model_info", "embedserve.logs", "embedserve.nvml",
+                "embedserve.http_server")),
     ("core", ("embedserve.gateway.tokenize", "embedserve.gateway.admission", "embedserve.gateway.coalesce",
-              "embedserve.gateway.vectors")),
+              "embedserve.gateway.vectors", "embedserve.gateway.scorers", "embedserve.gateway.pairs")),
     ("engines", ("embedserve.engines",)),
     ("health", ("embedserve.health",)),
     ("api", ("embedserve.gateway",)),
@@ -65,6 +67,46 @@ def imports(module: str, path: Path) -> set[str]:
     return {m for m in out if m.startswith("embedserve")}
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:``: imports for the type checker, never run."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` this file imports when it runs, at any depth (a deferred
+    import inside a function still closes a cycle), ``if TYPE_CHECKING:`` blocks aside.
+    ``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``."""
+    out: set[str] = set()
+    pending: list[ast.AST] = [ast.parse(path.read_text())]
+    while pending:
+        node = pending.pop()
+        if _type_checking_only(node):
+            assert isinstance(node, ast.If)
+            pending.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                out.add(child if child in known else node.module)
+        pending.extend(ast.iter_child_nodes(node))
+    return out & known
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> the modules it imports), first module
+    repeated at the end; empty when there is none."""
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as exc:
+        return list(exc.args[1])
+    return []
+
+
 ALL = modules()
 
 
@@ -98,3 +140,36 @@ def test_the_contract_can_fail(tmp_path: Path) -> None:
     assert engines is not None
     found = imports("embedserve.engines.probe", probe)
     assert [t for t in found if (rank := layer_of(t)) is not None and rank > engines]
+
+
+def test_no_import_cycles() -> None:
+    """The product's modules import in one direction: a cycle means two modules that only
+    work imported in one order, or a deferred import hiding that they are one module."""
+    known = set(ALL)
+    graph = {module: runtime_imports(path, known) - {module} for module, path in ALL.items()}
+    cycle = import_cycle(graph)
+    assert cycle == [], f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_check_can_fail(tmp_path: Path) -> None:
+    """A deferred import that closes a loop is found; one under TYPE_CHECKING is not."""
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text("def f():\n    from embedserve.probe.second import g\n")
+    second.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import embedserve.probe.first\n"
+    )
+    known = {"embedserve.probe.first", "embedserve.probe.second"}
+    graph = {m: runtime_imports(tmp_path / f"{m.rsplit('.', 1)[1]}.py", known) for m in known}
+    assert import_cycle(graph) == []
+    second.write_text("from embedserve.probe.first import f\n")
+    graph = {m: runtime_imports(tmp_path / f"{m.rsplit('.', 1)[1]}.py", known) for m in known}
+    assert sorted(set(import_cycle(graph))) == sorted(known)
+
+
+#: Small modules with one job each.
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_over_the_line_limit() -> None:
+    long = {m: n for m, path in ALL.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"over {MAX_MODULE_LINES} lines, split by job: {long}"

@@ -31,7 +31,7 @@ class Clock:
 
 def exported(signal: LoadSignal) -> dict[str, float]:
     registry = CollectorRegistry()
-    registry.register(LoadCollector(signal))
+    registry.register(LoadCollector({"m": signal}))
     text = generate_latest(registry).decode()
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 

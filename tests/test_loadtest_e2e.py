@@ -14,6 +14,8 @@ pytest.importorskip("aiohttp", reason="loadtest needs aiohttp (the loadtest extr
 
 from embedserve.loadtest.cli import main
 from embedserve.loadtest.fake_target import FakeConfig, FakeServer
+from embedserve.loadtest.plots import token_line
+from embedserve.loadtest.report import fmt
 from embedserve.loadtest.textbuild import load_tokenizer
 
 
@@ -83,7 +85,7 @@ def test_timeouts_are_counted_and_health_404_skipped(tmp_path: Path) -> None:
     with FakeServer(cfg) as srv:
         rc, res = _run([srv.url, "--requests", "4", "--concurrency", "4", "--timeout", "0.2",
                         "--mix", "fixed:10"], tmp_path)
-    assert rc == 0  # no targets given
+    assert rc == 1 and res["verdict"]["failed"] == ["error rate"]  # no targets, but errors
     assert res["totals"]["by_status"] == {"timeout": 4}
     assert res["memory"]["health_memory"]["status"].startswith("absent (HTTP 404)")
     assert "timeout" in res["error_samples"]
@@ -182,7 +184,21 @@ def test_inputs_longer_than_the_server_embeds_are_flagged(
     assert f"{m['embedded_tokens_per_s']:.0f} tokens/s embedded ({m['tokens_per_s']:.0f} sent;" in err
     assert "cut off by the server's truncation" in err
     assert res["meta"]["server_max_seq_len"] == 256
-    assert "WARNING" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "WARNING" in summary
+    # the windows and throughput.png show what the server embedded; sent only where so labelled
+    assert "| start s | req/s | tokens/s embedded | tokens/s sent |" in summary
+    w = res["windows"][0]
+    assert w["embedded_tokens_per_s"] < w["tokens_per_s"] / 2
+    row = next(line for line in summary.splitlines() if line.startswith(f"| {w['t_start']:.0f} |"))
+    assert row.split(" | ")[2:4] == [fmt(w["embedded_tokens_per_s"]), fmt(w["tokens_per_s"])]
+    assert token_line(res["windows"]) == ("tokens/s embedded (server usage)",
+                                          [x["embedded_tokens_per_s"] for x in res["windows"]])
+
+
+def test_throughput_plot_says_sent_when_the_server_reports_no_usage() -> None:
+    wins = [{"ok": 3, "usage_reported": 0, "embedded_tokens_per_s": 0.0, "tokens_per_s": 90.0}]
+    assert token_line(wins) == ("tokens/s sent (the server reported no usage)", [90.0])
 
 
 def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
@@ -199,3 +215,40 @@ def test_gauges_are_read_from_the_targets_metrics(tmp_path: Path) -> None:
     assert g["measured"]["fake_requests_seen"]["max"] > 0
     assert g["measured"]["not_exported"]["median"] is None
     assert "Gauge `fake_requests_seen`" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_memory_slope_on_a_short_span_is_left_out_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with FakeServer() as srv:
+        _, res = _run([srv.url, "--concurrency", "2", "--duration", "2", "--mix", "fixed:5",
+                       "--no-plots"], tmp_path)
+    g = res["memory"]["growth_after_warmup"]["target host"]
+    assert g["growth_mib_per_hour"] is None and "under the 30 min a slope needs" in g["caveat"]
+    warning = f"WARNING (memory growth): {g['caveat']}."
+    assert warning in (tmp_path / "summary.md").read_text()
+    assert f"WARNING: memory growth: {g['caveat']}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("fake", "allow", "rc", "label"), [
+    (FakeConfig(fail_every=11), [], 1, "FAIL"),  # 9% 503s
+    (FakeConfig(fail_every=11), ["--max-error-rate", "0.1"], 0, "PASS"),
+    (FakeConfig(throttle_every=5, retry_after_s=0.01), [], 0, "no targets"),  # 429s only
+])
+def test_without_targets_errors_fail_and_nothing_passes(
+    fake: FakeConfig, allow: list[str], rc: int, label: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run with no targets says "no targets", never PASS, and still fails on errors unless
+    --max-error-rate allows their share; a 429 with Retry-After is throttling, not an error."""
+    with FakeServer(fake) as srv:
+        got, res = _run([srv.url, "--concurrency", "2", "--requests", "60", "--mix", "fixed:5",
+                         "--no-plots", *allow], tmp_path)
+        seen = srv.counters
+    m = res["measured"]
+    assert got == rc
+    assert m["errors"] == seen.failed_503 and m["throttled_429"] == seen.throttled_429
+    assert (m["errors"] > 0) == (fake.fail_every > 0)
+    assert (m["throttled_429"] > 0) == (fake.throttle_every > 0)
+    assert (tmp_path / "summary.md").read_text().startswith(f"# Load test: {label}\n")
+    assert capsys.readouterr().err.startswith(f"{label}: ")

@@ -32,7 +32,15 @@ from embedserve.loadtest.traffic import (
     poisson_arrivals,
     prefetcher,
 )
-from embedserve.loadtest.verdict import Targets, evaluate, growth, p95_drift
+from embedserve.loadtest.verdict import (
+    MIB,
+    Targets,
+    evaluate,
+    growth,
+    growth_caveats,
+    p95_drift,
+    verdict_label,
+)
 from embedserve.runtime.synth_model import EOS, build_tokenizer
 
 
@@ -238,6 +246,22 @@ def test_growth_ignores_warmup_and_jitter() -> None:
     assert growth(ts[:1], leak[:1], 0.0) is None
 
 
+def test_a_per_hour_slope_needs_half_an_hour_after_a_warm_up_of_five_minutes() -> None:
+    """60 s of samples from the first request (a server still warming up) scaled to an hour
+    made a one-off step of 60 MiB 3,600 MiB/h; now there is no per-hour figure, and a caveat
+    says why."""
+    ts = [float(t) for t in range(0, 61, 5)]
+    step = [1e9 if t < 30 else 1e9 + 60 * MIB for t in ts]
+    g = growth(ts, step, 0.0)
+    assert g is not None and g["growth_mib"] == 60.0 and g["growth_mib_per_hour"] is None
+    assert "60 s of samples after the warm-up, under the 30 min a slope needs" in g["caveat"]
+    assert "starts 0 s into the load" in g["caveat"] and "--warmup 5m" in g["caveat"]
+    long = [float(t) for t in range(300, 300 + 1801, 60)]
+    g = growth(long, [1e9 if t < 1200 else 1e9 + 60 * MIB for t in long], 300.0)
+    assert g is not None and g["growth_mib_per_hour"] == 120.0 and g["caveat"] is None
+    assert growth_caveats({"a": g, "b": None}) == []
+
+
 def _measured(errors: int = 0, attempts: int = 100, p95: float = 10.0) -> dict[str, Any]:
     return {"attempts": attempts, "errors": errors, "throttled_429": 0,
             "error_rate": errors / attempts if attempts else 0.0, "requests_per_s": 5.0,
@@ -263,7 +287,10 @@ def test_verdict() -> None:
     v = evaluate(t, _measured(), [_win(0, 10.0)], {})
     assert v["passed"] and v["no_data"] == ["P95 drift", "memory growth MiB"]
     assert not evaluate(Targets(), _measured(attempts=0), [], {})["passed"]
-    assert evaluate(Targets(), _measured(), [], {})["passed"]
+    assert verdict_label(evaluate(t, _measured(), [], {})) == "PASS"
+    assert verdict_label(evaluate(Targets(), _measured(), [], {})) == "no targets"
+    v = evaluate(Targets(max_p95_ms=100), _measured(errors=9), [], {})  # errors fail any run
+    assert verdict_label(v) == "FAIL" and v["failed"] == ["error rate"]
 
 
 def test_urls_and_parsing() -> None:
@@ -305,7 +332,7 @@ def test_memory_series_filter() -> None:
     t = Targets(max_memory_growth_mib=100, memory_series="engine|gateway")
     v = evaluate(t, _measured(), [], mem)
     assert v["passed"] and [c["check"] for c in v["checks"]] == [
-        "memory growth MiB: target engine RSS"]
+        "error rate", "memory growth MiB: target engine RSS"]
 
 
 def test_a_shared_prefix_counts_in_the_exact_length(tok: Any) -> None:

@@ -5,7 +5,9 @@ pooling), which exports in seconds."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from embedserve.config import Settings
 from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
 from embedserve.engines import onnx_export
 from embedserve.engines.onnx_export import Exporter, ExportMismatch, ensure_export, export_folder, publish
+
+from .conftest import wait_until
 
 META = OnnxExport(key="abc", model_path="m", exporter="torchscript", quantization="none", opset=17,
                   versions={}, dimension=8, vocab_size=16, export_seconds=1.0, min_cosine_vs_torch=1.0)
@@ -31,7 +35,7 @@ def test_exported_once_then_reused(
     folder, meta = ensure_export(s)  # in a child process, as the engine does it
     assert folder == export_folder(s) and folder.parent == tmp_path
     assert (folder / MODEL_FILE).stat().st_size > 0
-    assert meta.quantization == "none" and meta.min_cosine_vs_torch >= 0.9999
+    assert meta.quantization == "none" and (meta.min_cosine_vs_torch or 0) >= 0.9999
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temporary folder left
 
     def no_export(*args: object, **kwargs: object) -> None:
@@ -81,3 +85,61 @@ def test_an_export_unlike_torch_is_refused(
     with pytest.raises(ExportMismatch, match=refused):
         Exporter(settings(tiny_qwen_dir, tmp_path)).build("none")
     assert list(tmp_path.iterdir()) == []  # nothing cached, no temporary folder left
+
+
+#: The export child (``python -m embedserve.engines.onnx_export``) with a trace that stops
+#: half-way: it writes the file named on its command line and waits to be stopped.
+STALLED_EXPORT = """
+import sys, time
+from pathlib import Path
+from embedserve.engines import onnx_export
+
+def stalled(self, out):
+    Path(sys.argv[1]).write_text(str(out))
+    time.sleep(120)
+
+onnx_export.Exporter.trace = stalled
+sys.exit(onnx_export.main())
+"""
+
+
+def stalled_export(s: Settings, marker: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_EXPORT, str(marker)],
+                            env={**os.environ, **s.child_env()})
+    wait_until(lambda: marker.exists() or proc.poll() is not None, timeout=60)
+    assert proc.poll() is None, "the export child ended before it was stopped"
+    return proc
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_an_export_stopped_half_way_leaves_nothing(
+    tiny_qwen_dir: Path, tmp_path: Path, stop: signal.Signals
+) -> None:
+    """``up`` stopping a starting engine sends its process group SIGTERM; a Ctrl-C on
+    ``embedserve engine`` sends SIGINT. The export deletes its temporary folder and exits."""
+    cache = tmp_path / "cache"
+    proc = stalled_export(settings(tiny_qwen_dir, cache), tmp_path / "tracing")
+    assert Path((tmp_path / "tracing").read_text()).parent.parent == cache  # it had begun writing
+    proc.send_signal(stop)
+    code = proc.wait(30)
+    assert list(cache.iterdir()) == []
+    assert code == 128 + stop  # an exit of its own, no KeyboardInterrupt traceback
+
+
+def test_a_killed_exports_leftovers_are_removed_by_the_next(
+    tiny_qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL leaves the temporary folder; the next export (holding the cache's lock, so
+    no other export can be running) deletes it, and touches nothing else in the folder."""
+    cache = tmp_path / "cache"
+    s = settings(tiny_qwen_dir, cache)
+    proc = stalled_export(s, tmp_path / "tracing")
+    proc.kill()
+    proc.wait(30)
+    left = [p.name for p in cache.iterdir()]
+    assert len(left) == 1 and left[0].startswith(f".{export_folder(s).name}.")
+    (cache / "notes.txt").write_text("the user's own file")
+    monkeypatch.setattr(onnx_export.Exporter, "trace", lambda self, out: out.write_bytes(b"graph"))
+    monkeypatch.setattr(onnx_export.Exporter, "min_cosine", lambda self, graph: 1.0)
+    folder, _ = Exporter(s).build("none")
+    assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, "notes.txt"])

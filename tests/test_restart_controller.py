@@ -12,24 +12,21 @@ from typing import Any
 import httpx
 import pytest
 
-from embedserve.config import Settings
+from embedserve.config import ControllerSettings, Settings
 from embedserve.contracts.memory import MemoryReport, ResourceForecast
 from embedserve.health.report import advice
-from embedserve.runtime.kube import ServiceAccountToken
-from embedserve.runtime.restart_controller import (
-    ControllerSettings,
+from embedserve.runtime.kube import EvictionBlocked, KubeApi, ServiceAccountToken
+from embedserve.runtime.restart_decision import (
     Decision,
-    EvictionBlocked,
-    KubeApi,
     MemoryVerdict,
     Observation,
     PodState,
     Policy,
     decide,
-    parse_health_memory,
     policy_from,
-    run_once,
 )
+from embedserve.runtime.restart_observe import parse_health_memory
+from embedserve.runtime.restart_round import run_once
 
 # ---------------------------------------------------------------- reports
 # Every /health/memory answer below is built by health's own producer (forecasts ->
@@ -373,7 +370,7 @@ def test_evict_raises_blocked_on_429():
 
 
 def test_http_fetcher_reads_the_gateway(monkeypatch):
-    from embedserve.runtime import restart_controller as rc
+    from embedserve.runtime import restart_observe as rc
 
     seen = []
 

@@ -285,3 +285,31 @@ def test_compute_capability_from_nvml_none_without_a_driver(monkeypatch: pytest.
 
     monkeypatch.setattr(nvml, "open_nvml", no_driver)
     assert nvml.gpu_compute_capability() is None
+
+
+def test_no_kv_cache_is_one_forward_per_request_with_sglangs_flag(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir, kv_cache="none"), gpu_capability=(9, 0), fa3=True).argv
+    assert arg(argv, "--attention-backend") == "fa3"
+    assert arg(argv, "--chunked-prefill-size") == "-1"  # SGLang's fa_skip_kv_cache path needs it
+    assert {"--prefill-only-disable-kv-cache", "--disable-radix-cache"} <= set(argv)
+    assert [f for f in flags_of(argv) if f not in SGLANG_FLAGS] == []
+    assert arg(argv, "--max-prefill-tokens") == "16384"  # the batch budget still bounds a batch
+    assert arg(argv, "--cuda-graph-max-bs-prefill") == "16384"  # graphs sized by it, not by -1
+    paged = build_launch(make(model_dir), gpu_capability=(9, 0), fa3=True).argv
+    assert "--prefill-only-disable-kv-cache" not in paged and arg(paged, "--chunked-prefill-size") == "16384"
+
+
+@pytest.mark.parametrize(("engine", "why"), [
+    ({"attention_backend": "flashinfer"}, "attention backend 'flashinfer' is not fa3 or fa4"),
+    ({"attention_backend": "fa3", "prefix_cache": True}, "engine.prefix_cache is on"),
+])
+def test_no_kv_cache_only_where_sglang_allows_it(
+    model_dir: Path, engine: dict[str, object], why: str
+) -> None:
+    with pytest.raises(LaunchConfigError, match=why):
+        build_launch(make(model_dir, kv_cache="none", **engine))
+    spec = build_launch(make(model_dir, kv_cache="auto", **engine))
+    assert "--prefill-only-disable-kv-cache" not in spec.argv
+    assert any(why in note for note in spec.notes)
+    auto = build_launch(make(model_dir, kv_cache="auto", attention_backend="fa3")).argv
+    assert "--prefill-only-disable-kv-cache" in auto

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from embedserve.config import BUNDLED_MODEL
+from embedserve.config import BUNDLED_MODEL, Settings
 from embedserve.runtime.ports import PortInUse, check_free, check_owner
 from tests.conftest import free_port, start_stack, wait_until
 from tests.fake_engine import FakeEngine
@@ -77,6 +77,48 @@ def test_a_taken_gateway_port_exits_2_naming_it() -> None:
     assert "Traceback" not in done.stderr
 
 
+MISTAKES = [  # a newcomer's start-up commands, and the setting each sentence must name
+    (("up", "--port", "{port}", "--engine-port", "{port}"), "EMBEDSERVE_GATEWAY__PORT (--port) and"),
+    (("up", "--host", "999.1.1.1"), "EMBEDSERVE_GATEWAY__HOST (--host)"),
+    (("up", "--host", "nosuchhost.invalid"), "EMBEDSERVE_GATEWAY__HOST (--host)"),
+    (("up", "--host", "10.255.255.1"), "not one of its addresses"),
+    (("up", "--engine-kind", "sglang"), "EMBEDSERVE_ENGINE__KIND (--engine-kind) is 'sglang'"),
+    (("up", "--engine-kind", "external"), "EMBEDSERVE_ENGINE__URLS (--engine-url)"),
+    (("gateway",), "EMBEDSERVE_ENGINE__URLS (--engine-url)"),
+    (("up", "--drill-leak", "-5MB/s"), "--drill-leak must be a rate above zero: '-5MB/s'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "names"), MISTAKES, ids=[" ".join(a) for a, _ in MISTAKES])
+def test_start_up_mistakes_exit_2_with_one_sentence(
+    argv: tuple[str, ...], names: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before anything starts: exit 2, one line naming the setting, no traceback, no URL."""
+    from embedserve.runtime.cli import main
+
+    for name in [k for k in os.environ if k.startswith("EMBEDSERVE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("EMBEDSERVE_GATEWAY__PORT", str(free_port()))
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__PORT", str(free_port()))
+    port = str(free_port())
+    code = main([a.format(port=port) for a in argv])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("embedserve: ") and names in lines[0], err
+    assert "embedserve is up" not in out
+
+
+def test_engine_ports_must_fit_below_65536() -> None:
+    from embedserve.runtime.preflight import check_ports
+    from embedserve.settings_errors import ConfigError
+
+    settings = Settings(engine={"port": 65535, "replicas": 2}, _env_file=None)
+    with pytest.raises(ConfigError, match="must leave room for 2 engines below 65536"):
+        check_ports(settings, local_engines=True)
+
+
 def test_an_engine_that_is_not_ours_is_never_adopted(stranger: int) -> None:
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # "our engine"
     try:
@@ -104,7 +146,10 @@ def test_warming_up_answers_503_with_retry_after() -> None:
         r = c.post("/v1/embeddings", json={"model": MODEL, "input": "hello"})
         assert r.status_code == 503 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "warming_up" and "warming up" in r.json()["error"]["message"]
-        assert c.get("/health/ready").status_code == 503
+        ready = c.get("/health/ready")
+        assert ready.status_code == 503
+        # the engines answer: the probe says why the gateway waits, not "engine not ready: ... ready"
+        assert ready.json()["reason"].startswith("not serving yet: warming up"), ready.json()
         assert engine.calls == []
         c.app.state.gate.open()  # type: ignore[attr-defined]
         assert c.post("/v1/embeddings", json={"model": MODEL, "input": "hello"}).status_code == 200
@@ -135,15 +180,25 @@ def test_start_up_tells_the_truth(tmp_path: Path) -> None:
         assert stack.stop() == 0
 
 
-def test_ctrl_c_while_starting_exits_fast(tmp_path: Path) -> None:
-    stack = start_stack(BUNDLED_MODEL, tmp_path, wait=False)
-    wait_until(lambda: _answers(stack.url), timeout=60, interval=0.05)
-    t0 = time.monotonic()
-    stack.proc.send_signal(signal.SIGINT)
-    stack.proc.wait(30)
-    took = time.monotonic() - t0
-    print(f"stopped {took:.2f} s after Ctrl-C")
-    assert took < NO_HANG_S
+def test_ctrl_c_while_starting_exits_fast_with_130(tmp_path: Path) -> None:
+    """An interrupted start exits 130 (128 + SIGINT) whenever it comes, while Python loads or
+    once the gateway answers 503 "warming up"; only a stack that was up stops with 0."""
+    for moment in ("loading", "answering"):
+        (tmp_path / moment).mkdir()
+        stack = start_stack(BUNDLED_MODEL, tmp_path / moment, wait=False)
+        if moment == "loading":
+            time.sleep(0.5)
+        else:
+            wait_until(lambda s=stack: _answers(s.url), timeout=60, interval=0.05)
+        was_up = "embedserve is up" in stack.log_text()
+        t0 = time.monotonic()
+        stack.proc.send_signal(signal.SIGINT)
+        stack.proc.wait(30)
+        took = time.monotonic() - t0
+        print(f"{moment}: stopped {took:.2f} s after Ctrl-C, exit {stack.proc.returncode}")
+        assert took < NO_HANG_S
+        assert stack.proc.returncode == (0 if was_up else 130), stack.log_text()[-2000:]
+        assert "Traceback" not in stack.log_text()
 
 
 def _answers(url: str, path: str = "/health/live") -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from embedserve.engines.launch import LaunchSpec
+from embedserve.contracts.launch import LaunchSpec
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 from tests.conftest import free_port
 

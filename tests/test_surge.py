@@ -21,16 +21,9 @@ from embedserve.contracts.surge import SURGE_ANNOTATION, Surge
 from embedserve.runtime import cli
 from embedserve.runtime import surge as surging
 from embedserve.runtime.kube import KubeApi
-from embedserve.runtime.restart_controller import (
-    ControllerMetrics,
-    Decision,
-    MemoryVerdict,
-    PodState,
-    Policy,
-    parse_health_memory,
-    parse_load,
-    run_once,
-)
+from embedserve.runtime.restart_decision import Decision, MemoryVerdict, PodState, Policy
+from embedserve.runtime.restart_observe import parse_health_memory, parse_load
+from embedserve.runtime.restart_round import ControllerMetrics, run_once
 from tests.test_restart_controller import FLAT, GPU_LEAK_WARNING
 
 NS = "ml"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.gateway.tokenize import ModelTokenizer, UnknownTokens
 from tests.conftest import MINILM_DIR
 
 TEXTS = ["short", "数据 模型 😀 " * 300, "word " * 1000, "x"]
@@ -54,3 +54,39 @@ def test_eos_is_appended_when_tokenizer_forgets(tiny_qwen_dir: Path, tmp_path: P
     ours = ModelTokenizer(tmp_path / "m", 16)
     eos = ModelTokenizer(tiny_qwen_dir, 16).suffix
     assert ours.suffix == eos and ours.encode_texts(["hello"])[0].ids[-1] == eos[0]
+
+
+class CountingTokenizer:
+    """A ``tokenizers.Tokenizer`` that counts its one-at-a-time encodes (the second look)."""
+
+    def __init__(self, tok: object) -> None:
+        self.tok, self.encodes = tok, 0
+
+    def encode(self, *args: object, **kwargs: object) -> object:
+        self.encodes += 1
+        return self.tok.encode(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.tok, name)
+
+
+def test_text_the_tokenizer_cannot_spell_is_counted_as_unknown() -> None:
+    """MiniLM's WordPiece turns a word over 100 characters, or one with a character outside
+    its vocabulary, into one [UNK]: the model sees none of those characters. Only inputs that
+    hold [UNK] are tokenised a second time; only the [UNK]s that are embedded count."""
+    ours = ModelTokenizer(MINILM_DIR, 256)
+    counting = CountingTokenizer(ours._tok)
+    ours._tok = counting  # type: ignore[assignment]
+    texts = ["plain English text, 日本語 and café", "a" * 200_000, "hello 😀 world",
+             ("x" * 150 + " ") * 1000]
+    plain, blob, emoji, long_words = ours.encode_texts(texts)
+    assert plain.unknown is None and counting.encodes == 3  # the plain text: one look only
+    assert blob.unknown == UnknownTokens(tokens=1, chars=200_000) and len(blob.ids) == 3
+    assert emoji.unknown == UnknownTokens(tokens=1, chars=1)
+    assert long_words.truncated and long_words.unknown == UnknownTokens(tokens=254, chars=254 * 150)
+
+
+def test_a_byte_level_tokenizer_has_no_unknown_token(tiny_qwen_dir: Path) -> None:
+    ours = ModelTokenizer(tiny_qwen_dir, 64)
+    assert ours.unknown_id is None
+    assert all(x.unknown is None for x in ours.encode_texts(["a" * 5000, "hello 😀 world"]))

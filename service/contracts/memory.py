@@ -102,6 +102,7 @@ class EngineStatus(_Doc):
     """One engine behind the gateway."""
 
     url: str
+    model: str = Field("", description="the model it serves (several models: each has engines of its own)")
     gpu: int | None = Field(None, description="the GPU a local engine runs on; several may share one")
     ready: bool
     outstanding_tokens: int = 0

@@ -24,4 +24,6 @@ class OnnxExport(BaseModel):
     vocab_size: int
     export_seconds: float
     #: the lowest cosine between this graph's vectors and torch's, on padded batches of mixed lengths
-    min_cosine_vs_torch: float
+    min_cosine_vs_torch: float | None = None
+    #: a reranker's graph: the largest difference between its raw scores and torch's, on the same batches
+    max_score_diff_vs_torch: float | None = None

@@ -24,6 +24,7 @@ class EngineStats(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     pid: int = Field(default_factory=os.getpid)
+    model: str = Field("", description="the model the engine serves")
     started_at: float = Field(default_factory=time.time)
     time: float = 0.0
     source: Literal["torch.cuda", "cpu"] = "cpu"

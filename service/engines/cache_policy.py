@@ -2,7 +2,7 @@
 
 The SGLang plugin (``service/sglang_plugin.py``) asks :meth:`CachePolicy.decide` after every
 batch and calls ``torch.cuda.empty_cache()`` when it says so. The rules are OR-ed
-(``CacheClearSettings`` in ``service/config.py``):
+(``CacheClearSettings`` in ``service/config/engine.py``):
 
 * ``every_n_batches``: after every N-th batch (1 = every batch, 0 = never). Unthrottled:
   the operator asked for exactly this rhythm.

@@ -1,4 +1,5 @@
-"""The CPU engine: the model on ONNX Runtime (or torch) behind SGLang's token-id ``/v1/embeddings``.
+"""The CPU engine: the model on ONNX Runtime (or torch) behind SGLang's token-id ``/v1/embeddings``
+(and, for a reranker, ``/encode`` or ``/v1/score``: ``contracts/score_wire.py``).
 
 It speaks exactly what SGLang speaks when launched with ``--is-embedding
 --skip-tokenizer-init`` (docs/ARCHITECTURE.md), so the gateway cannot tell the two apart.
@@ -28,10 +29,11 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from embedserve.config import Settings, load_settings
-from embedserve.contracts import wire
+from embedserve.contracts import score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
+from embedserve.gateway.pairs import label_ids
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
 
@@ -51,7 +53,10 @@ class CpuEmbedder:
 
     def __init__(self, settings: Settings) -> None:
         self.forward = load_forward(settings)
-        self.max_seq_len = ModelInfo.load(settings.model).max_seq_len
+        self.info = ModelInfo.load(settings.model)
+        self.max_seq_len = self.info.max_seq_len
+        # Qwen3-Reranker's "no" and "yes" ids, the labels its /v1/score answers for
+        self.labels = label_ids(self.info.path) if self.info.scoring == "qwen3-reranker" else ()
         self.token_budget = settings.engine.batch_token_budget
         self.path = str(settings.model.resolved_path)
         self.dimension = self.forward.dimension
@@ -106,7 +111,7 @@ def create_engine_app(
     ``embedder``: the model loaded already (else the app loads it as it starts)."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine")
     state: dict[str, Any] = {}
-    stats = EngineStats(source="cpu")
+    stats = EngineStats(source="cpu", model=settings.model.served_name)
     proc = psutil.Process()
 
     async def publish_stats(stats_dir: str) -> None:
@@ -128,8 +133,10 @@ def create_engine_app(
         if drill_leak_bytes_per_s:
             log.warning("leak drill: growing on purpose", extra={"bytes_per_s": drill_leak_bytes_per_s})
             leak = asyncio.create_task(Leak(drill_leak_bytes_per_s).run())
-        log.info("cpu engine ready", extra={"model": state["embedder"].path,
-                                            "backend": state["embedder"].forward.description})
+        log.info(
+            "cpu engine ready",
+            extra={"model": state["embedder"].path, "backend": state["embedder"].forward.description},
+        )
         try:
             yield
         finally:
@@ -155,14 +162,8 @@ def create_engine_app(
             media_type="application/json",
         )
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        e: CpuEmbedder = state["embedder"]
-        try:
-            req = wire.EngineRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return _error(400, f"expected {{'input': [[token ids], ...]}}: {exc.errors()[0]['msg']}")
-        batch = req.batch()
+    def _problem(e: CpuEmbedder, batch: list[list[int]]) -> Response | None:
+        """What SGLang would refuse in these inputs (the gateway never sends it)."""
         if not batch or not all(batch):
             return _error(400, "input must be a non-empty list of non-empty token-id lists")
         bad = next((t for ids in batch for t in ids if not 0 <= t < e.vocab_size), None)
@@ -176,22 +177,96 @@ def create_engine_app(
                     f"The input ({len(ids)} tokens) is longer than the model's "
                     f"context length ({context} tokens).",
                 )
+        return None
+
+    async def _rows(request: Request, batch: list[list[int]]) -> np.ndarray | Response:
+        """The model's rows for ``batch``, or the response that answers instead (a refusal, or
+        499 when the caller left: the work stops at the next micro-batch)."""
+        e: CpuEmbedder = state["embedder"]
+        problem = _problem(e, batch)
+        if problem is not None:
+            return problem
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled)
         watch = asyncio.ensure_future(wait_disconnect(request))
         racers: list[asyncio.Future[Any]] = [job, watch]
         await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
-        if not job.done():  # the caller left: stop at the next micro-batch, answer nobody
+        if not job.done():
             cancelled.set()
             with contextlib.suppress(CallCancelled):
                 await job
             return Response(status_code=499)
         watch.cancel()
-        matrix = job.result()
         stats.batches += 1
-        tokens = sum(len(x) for x in batch)
-        body = wire.encode_response(name, matrix, tokens, req.encoding_format == "base64")
+        matrix: np.ndarray = job.result()
+        return matrix
+
+    def _json(body: bytes) -> Response:
         return Response(body, media_type="application/json")
+
+    async def _call(
+        request: Request, shape: type[Any], expected: str
+    ) -> tuple[Any, list[list[int]], Any] | Response:
+        """The request as ``shape``, its inputs and the model's rows for them, or the response
+        that answers instead (its body malformed, the inputs refused, the caller gone)."""
+        try:
+            req = shape.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return _error(400, f"expected {expected}: {exc.errors()[0]['msg']}")
+        batch = req.batch()
+        rows = await _rows(request, batch)
+        return rows if isinstance(rows, Response) else (req, batch, rows)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        got = await _call(request, wire.EngineRequest, "{'input': [[token ids], ...]}")
+        if isinstance(got, Response):
+            return got
+        req, batch, rows = got
+        tokens = sum(len(x) for x in batch)
+        return _json(wire.encode_response(name, rows, tokens, req.encoding_format == "base64"))
+
+    @app.post("/encode")
+    async def encode(request: Request) -> Response:
+        """A cross-encoder's logits, as SGLang's /encode gives them (contracts/score_wire.py)."""
+        if state["embedder"].info.scoring != "cross-encoder":
+            return _error(
+                400,
+                "/encode scores pairs with a cross-encoder; this engine serves "
+                f"{state['embedder'].info.scoring}",
+            )
+        got = await _call(request, score_wire.EncodeRequest, "{'input_ids': [[token ids], ...]}")
+        if isinstance(got, Response):
+            return got
+        req, batch, rows = got
+        return _json(score_wire.encode_response(rows[:, 0].tolist(), [len(x) for x in batch], req.single))
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        """Qwen3-Reranker's "no" and "yes" probabilities after each prompt, normalised over the
+        two (SGLang's /v1/score with apply_softmax)."""
+        e: CpuEmbedder = state["embedder"]
+        labels = list(e.labels)
+        if e.info.scoring != "qwen3-reranker":
+            return _error(
+                400, f"/v1/score scores Qwen3-Reranker's labels; this engine serves {e.info.scoring}"
+            )
+        got = await _call(
+            request,
+            score_wire.LabelScoreRequest,
+            "{'items': [[token ids], ...], 'label_token_ids': [no, yes]}",
+        )
+        if isinstance(got, Response):
+            return got
+        req, batch, rows = got
+        if req.label_token_ids != labels or not req.apply_softmax:
+            return _error(
+                400,
+                f"this engine scores the labels {labels} of Qwen3-Reranker, normalised (apply_softmax true)",
+            )
+        yes = 1.0 / (1.0 + np.exp(-rows[:, 0].astype(np.float64)))
+        probabilities = np.stack([1.0 - yes, yes], axis=1).tolist()
+        return _json(score_wire.label_score_response(name, probabilities, sum(map(len, batch))))
 
     return app
 

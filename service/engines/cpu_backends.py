@@ -2,7 +2,8 @@
 attention mask in, unit vectors out, one row per input.
 
 ``onnx`` runs the model's cached ONNX export on ONNX Runtime and never imports torch (the
-export is made in a child process, ``onnx_export``); ``torch`` runs sentence-transformers.
+export is made in a child process, ``onnx_export``); ``torch`` runs sentence-transformers, or a
+reranker's module (``score_modules``). A reranker's "vectors" are one raw score each.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from embedserve.config import Settings
 from embedserve.contracts.onnx_export import MODEL_FILE
 from embedserve.engines.cores import usable_cores
+from embedserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,29 @@ class TorchForward:
         return vectors
 
 
+class TorchScoreForward:
+    """A reranker on torch (``engines/score_modules.py``): one raw score per input."""
+
+    def __init__(self, settings: Settings, info: ModelInfo) -> None:
+        import torch
+
+        from embedserve.engines.score_modules import load_score_module, vocab_size
+
+        torch.set_num_threads(compute_threads(settings))
+        self._torch = torch
+        self.module = load_score_module(info)
+        self.dimension = 1
+        self.vocab_size = vocab_size(self.module)
+        self.description = f"torch ({info.scoring})"
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        with self._torch.inference_mode():
+            out: np.ndarray = self.module(self._torch.from_numpy(ids), self._torch.from_numpy(mask)).numpy()
+        return out
+
+
 def load_forward(settings: Settings) -> Forward:
     if settings.engine.cpu_backend == "onnx":
         return OnnxForward(settings)
-    return TorchForward(settings)
+    info = ModelInfo.load(settings.model)
+    return TorchForward(settings) if info.embeds else TorchScoreForward(settings, info)

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import os
-import shlex
 import sys
-from dataclasses import dataclass, field
 
 from embedserve.config import Settings
+from embedserve.contracts.launch import LaunchSpec
 from embedserve.engines.drill import LEAK_ENV
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def command_line(self) -> str:
-        return shlex.join(self.argv)
-
-    def env_lines(self) -> list[str]:
-        return [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-
+from embedserve.engines.sglang import build_launch
 
 #: Engines' progress bars would interleave with the stack's log lines.
 QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
@@ -41,8 +27,6 @@ def engine_launch(
         env = {"HF_HUB_OFFLINE": "1", **QUIET, **own.child_env()}
         drill = ["--drill-leak", repr(drill_leak)] if drill_leak else []
         return LaunchSpec([sys.executable, "-m", "embedserve.engines.cpu", *drill], env)
-    from embedserve.engines.sglang import build_launch
-
     spec = build_launch(own)
     env = dict(spec.env)
     if settings.engine.replicas > 1:

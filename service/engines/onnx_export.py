@@ -1,33 +1,43 @@
 """The ONNX export of a sentence-transformers model folder: made once, checked, cached.
 
 The graph holds the whole model as sentence-transformers runs it (transformer, the folder's
-pooling, normalisation): token ids and attention mask in, unit vectors out. It is traced by
-torch.onnx on a padded batch, then checked on padded batches of mixed lengths against torch
-run on each input alone; an fp32 graph whose vectors fall below ``MIN_FP32_COSINE`` is
-refused, never cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
+pooling, normalisation): token ids and attention mask in, unit vectors out; for a reranker, its
+module from ``score_modules`` (ids and mask in, one raw score out). It is traced by torch.onnx on
+a padded batch, then checked on padded batches of mixed lengths against torch run on each input
+alone; an fp32 graph whose answers are not torch's is refused (``export_check``), never cached.
+int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
 
 Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
 the model's files, the exporter, the quantisation and the library versions, and appears
-there whole or not at all: it is written to a temporary folder and renamed into place, so two
-starts racing each other never leave a half-written model. Run as a module, it makes the
-export for the settings it inherits (``Settings.child_env``); the engine runs it in a child
-process so that torch never loads into the serving process.
+there whole or not at all: it is written to a temporary folder and renamed into place, so a
+start never finds a half-written model. One export at a time is made in a cache folder (a lock
+on the folder, which the kernel drops when its holder dies), so the lock's holder may delete
+any temporary folder it finds there: it was left by an export that was killed. One stopped by
+SIGTERM or SIGINT (``up`` stopping a starting engine, a Ctrl-C) deletes its own first. Run as a
+module, it makes the export for the settings it inherits (``Settings.child_env``); the engine
+runs it in a child process so that torch never loads into the serving process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -35,6 +45,7 @@ from pydantic import ValidationError
 
 from embedserve.config import Settings, load_settings
 from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
+from embedserve.engines.export_check import ExportMismatch, padded_batch, refuse_mismatch
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
 
@@ -45,9 +56,10 @@ log = logging.getLogger(__name__)
 #: (bench/cpu/onnx_variants.py compares the two).
 EXPORTER = "torchscript"
 OPSET = 17
-MIN_FP32_COSINE = 0.9999
 #: Bump when the graph's construction changes, so old exports are not reused.
 FORMAT = 1
+#: A temporary export folder: ``.<export folder's name>.<tempfile.mkdtemp's 8 characters>``.
+_WORK_FOLDER = re.compile(r"\..+-[0-9a-f]{20}\.[a-z0-9_]{8}")
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
 
 
@@ -136,12 +148,9 @@ def ensure_export(settings: Settings) -> tuple[Path, OnnxExport]:
             "set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch) to serve it on torch"
         )
     log.info("onnx export ready", extra={"folder": str(folder), "export_s": found.export_seconds,
-                                          "min_cosine_vs_torch": found.min_cosine_vs_torch})
+                                          "min_cosine_vs_torch": found.min_cosine_vs_torch,
+                                          "max_score_diff_vs_torch": found.max_score_diff_vs_torch})
     return folder, found
-
-
-class ExportMismatch(RuntimeError):
-    """The exported graph's vectors are not torch's."""
 
 
 class Exporter:
@@ -151,44 +160,76 @@ class Exporter:
         self.settings = settings
         self.info = ModelInfo.load(settings.model)
         self._model: Any = None
+        self._module: Any = None
 
     @property
     def model(self) -> Any:
+        """An embedding model as sentence-transformers runs it."""
         if self._model is None:
             from sentence_transformers import SentenceTransformer
 
             self._model = SentenceTransformer(str(self.info.path), device="cpu", local_files_only=True).eval()
         return self._model
 
+    @property
+    def module(self) -> Any:
+        """What the graph holds: (ids, mask) to unit vectors, or to a reranker's raw score."""
+        if self._module is None:
+            from embedserve.engines.score_modules import load_score_module
+
+            self._module = pooled(self.model) if self.info.embeds else load_score_module(self.info)
+        return self._module
+
     def vocab_size(self) -> int:
-        return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
+        if self.info.embeds:
+            return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
+        from embedserve.engines.score_modules import vocab_size
+
+        return vocab_size(self.module)
+
+    def sep_id(self) -> int | None:
+        """A BERT cross-encoder's [SEP], which the check batches carry to exercise its segments."""
+        return getattr(self.module, "sep_id", None)
+
+    def check(self, graph: Path) -> float:
+        """Embeddings: the lowest cosine to torch's vectors; rerankers: the largest score difference."""
+        return self.min_cosine(graph) if self.info.embeds else self.max_score_diff(graph)
 
     def build(self, quantization: str) -> tuple[Path, OnnxExport]:
-        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one)."""
+        """The export for ``quantization``, from the cache or made now (int8 from the fp32 one),
+        holding the cache folder's lock; the leftovers of killed exports are deleted first."""
         folder = export_folder(self.settings, quantization)
         found = read_export(folder)
         if found is not None:
             return folder, found
-        t0 = time.monotonic()
         folder.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive(folder.parent):
+            remove_leftovers(folder.parent)
+            return self._build(quantization)
+
+    def _build(self, quantization: str) -> tuple[Path, OnnxExport]:
+        folder = export_folder(self.settings, quantization)
+        found = read_export(folder)  # made by the start that held the lock before us
+        if found is not None:
+            return folder, found
+        t0 = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
         try:
             if quantization == "int8":
-                base, _ = self.build("none")
+                base, _ = self._build("none")
                 quantize_int8(base / MODEL_FILE, work / MODEL_FILE)
             else:
                 self.trace(work / MODEL_FILE)
-            cosine = self.min_cosine(work / MODEL_FILE)
-            if quantization == "none" and cosine < MIN_FP32_COSINE:
-                raise ExportMismatch(
-                    f"the ONNX graph's vectors differ from torch's (min cosine {cosine:.6f} < "
-                    f"{MIN_FP32_COSINE}); set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch)"
-                )
+            agreement = self.check(work / MODEL_FILE)
+            if quantization == "none":
+                refuse_mismatch(self.info.embeds, agreement)
             meta = OnnxExport(
                 key=export_key(self.info.path, quantization), model_path=str(self.info.path),
                 exporter=EXPORTER, quantization=quantization, opset=OPSET, versions=library_versions(),
                 dimension=self.info.dimension, vocab_size=self.vocab_size(),
-                export_seconds=round(time.monotonic() - t0, 2), min_cosine_vs_torch=round(cosine, 7),
+                export_seconds=round(time.monotonic() - t0, 2),
+                min_cosine_vs_torch=round(agreement, 7) if self.info.embeds else None,
+                max_score_diff_vs_torch=None if self.info.embeds else float(f"{agreement:.3g}"),
             )
             (work / META_FILE).write_text(meta.model_dump_json(indent=2))
             publish(work, folder)
@@ -200,14 +241,15 @@ class Exporter:
         """torch.onnx's tracer on a padded batch, so the graph keeps the masked path."""
         import torch
 
-        ids, mask = _padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0))
+        ids, mask = padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
+        output = "embedding" if self.info.embeds else "score"
         axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-                "embedding": {0: "batch"}}
+                output: {0: "batch"}}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
             torch.onnx.export(
-                pooled(self.model), (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
-                input_names=["input_ids", "attention_mask"], output_names=["embedding"],
+                self.module, (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
+                input_names=["input_ids", "attention_mask"], output_names=[output],
                 dynamic_axes=axes, opset_version=OPSET, dynamo=False,
             )
 
@@ -221,7 +263,7 @@ class Exporter:
         cap = min(self.info.max_seq_len, 512)  # enough to cross every length the graph handles alike
         worst = 1.0
         for lengths in ([2, cap, 1 + cap // 7, 17], [3, 9, 30]):
-            ids, mask = _padded_batch(lengths, self.vocab_size(), rng)
+            ids, mask = padded_batch(lengths, self.vocab_size(), rng)
             got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
             with torch.inference_mode():
                 want = np.stack([
@@ -232,6 +274,26 @@ class Exporter:
                 ])
             cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
             worst = min(worst, float(cos.min()))
+        return worst
+
+
+    def max_score_diff(self, graph: Path) -> float:
+        """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
+        import onnxruntime as ort
+        import torch
+
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(1)
+        cap = min(self.info.max_seq_len, 512)
+        worst = 0.0
+        for lengths in ([4, cap, 1 + cap // 7, 17], [5, 9, 30]):
+            ids, mask = padded_batch(lengths, self.vocab_size(), rng, self.sep_id())
+            got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0][:, 0]
+            with torch.inference_mode():
+                alone = [(torch.from_numpy(ids[i : i + 1, :n]), torch.from_numpy(mask[i : i + 1, :n]))
+                         for i, n in enumerate(lengths)]
+                want = np.array([float(self.module(*x)) for x in alone])
+            worst = max(worst, float(np.abs(got - want).max()))
         return worst
 
 
@@ -251,16 +313,6 @@ def pooled(st: Any) -> Any:
     return Pooled().eval()
 
 
-def _padded_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Random ids, right-padded to the longest, as the engine pads."""
-    ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, :n] = rng.integers(min(1000, vocab // 2), vocab, n)
-        mask[row, :n] = 1
-    return ids, mask
-
-
 def quantize_int8(fp32: Path, out: Path) -> None:
     """ONNX Runtime's dynamic quantisation: 8-bit weights, one scale per output channel,
     activations quantised per call. Unsigned weights: on CPUs without VNNI the signed kernel
@@ -270,6 +322,30 @@ def quantize_int8(fp32: Path, out: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(fp32, out, weight_type=QuantType.QUInt8, per_channel=True)
+
+
+@contextlib.contextmanager
+def exclusive(root: Path) -> Iterator[None]:
+    """An exclusive lock on the cache folder itself (no lock file to leave behind)."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Temporary folders of exports that were killed; call only holding ``exclusive(root)``."""
+    for path in root.iterdir():
+        if _WORK_FOLDER.fullmatch(path.name) and path.is_dir():
+            log.info("removing an interrupted onnx export", extra={"folder": str(path)})
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT: unwind, so the temporary folder is deleted, then exit 128 + signal."""
+    raise SystemExit(128 + signum)
 
 
 def publish(work: Path, folder: Path) -> None:
@@ -284,6 +360,8 @@ def publish(work: Path, folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from embedserve.logs import setup_logging
 
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,5 @@
-"""HTTP client for one or more engines speaking SGLang's token-id /v1/embeddings.
+"""HTTP client for one or more engines speaking SGLang's token-id /v1/embeddings (or, for a
+reranker, its /encode or /v1/score: ``protocols.py``).
 
 Picks the ready engine with the fewest outstanding tokens, marks an engine unready the
 moment a call cannot reach it (so waiting clients get a prompt 503, not a hang), and
@@ -19,6 +20,7 @@ from embedserve.contracts import wire
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
 from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
+from embedserve.engines.protocols import EMBEDDINGS, EngineProtocol
 from embedserve.engines.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -113,10 +115,13 @@ class EnginePool:
         base64_vectors: bool = True,
         capacity_call_tokens: int = 0,
         gpus: list[int | None] | None = None,
+        protocol: EngineProtocol = EMBEDDINGS,
     ) -> None:
         """``client`` replaces the network to the engines (tests use a fake engine);
         calls of at least ``capacity_call_tokens`` measure the engines' capacity; ``gpus``:
-        each engine's GPU, where known."""
+        each engine's GPU, where known; ``protocol``: how the model's rows are asked for
+        (vectors, or a reranker's scores)."""
+        self.protocol = protocol
         self._capacity_call_tokens = capacity_call_tokens
         self.engines = [
             EngineState(u.rstrip("/"), gpu=g, throughput=Throughput(min_tokens=capacity_call_tokens))
@@ -148,6 +153,10 @@ class EnginePool:
 
     # -- state -------------------------------------------------------------------------
     @property
+    def model(self) -> str:
+        return self._model
+
+    @property
     def any_ready(self) -> bool:
         return any(e.ready for e in self.engines)
 
@@ -166,6 +175,7 @@ class EnginePool:
         return [
             EngineStatus(
                 url=e.url,
+                model=self._model,
                 gpu=e.gpu,
                 ready=e.ready,
                 outstanding_tokens=e.outstanding_tokens,
@@ -291,8 +301,8 @@ class EnginePool:
         engine.throughput.started(tokens)
         ok = False
         try:
-            body = wire.encode_request(self._model, batch, self._base64)
-            status, content = await self._client.post_json(f"{engine.url}/v1/embeddings", body)
+            body = self.protocol.encode(self._model, batch, self._base64)
+            status, content = await self._client.post_json(f"{engine.url}{self.protocol.path}", body)
             ok = status < 400
         except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
@@ -320,7 +330,7 @@ class EnginePool:
         engine.stalled_since = None
         engine.calls += 1
         try:
-            return wire.decode_response(content, len(batch))
+            return self.protocol.decode(content, len(batch))
         except wire.WireError as exc:
             # the engine's fault: 503 to the client, never a 500
             raise EngineUnavailable(f"the engine returned an invalid response: {exc}", engine.url) from exc

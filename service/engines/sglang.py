@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from embedserve.config import Settings, load_settings
-from embedserve.engines.launch import LaunchSpec
+from embedserve.contracts.launch import LaunchSpec
 from embedserve.engines.sizing import EnginesPlan, ModelShape, SizingError, plan_engines_per_gpu
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_compute_capability, gpu_total_bytes
@@ -117,6 +117,26 @@ def auto_attention_backend(capability: tuple[int, int] | None, fa3: bool, notes:
     return "flashinfer"
 
 
+#: SGLang's prefill backends that attend over a batch's raw K/V (its fa_skip_kv_cache path)
+RAW_KV_BACKENDS = ("fa3", "fa4")
+
+
+def resolve_kv_cache(asked: str, backend: str, prefix_cache: bool, notes: list[str]) -> str:
+    """``engine.kv_cache`` as launched: ``paged`` or ``none``; ``none`` only where SGLang 0.5.17
+    allows it (server_args.py: an FA prefill backend, no radix cache)."""
+    possible = backend in RAW_KV_BACKENDS and not prefix_cache
+    why_not = (f"attention backend {backend!r} is not fa3 or fa4" if backend not in RAW_KV_BACKENDS
+               else "engine.prefix_cache is on")
+    if asked == "none" and not possible:
+        raise LaunchConfigError(f"engine.kv_cache=none needs the fa3 or fa4 attention backend and "
+                                f"engine.prefix_cache off, but {why_not}")
+    if asked == "auto":
+        if not possible:
+            notes.append(f"kv_cache auto: paged, because {why_not}")
+        return "none" if possible else "paged"
+    return asked
+
+
 def engine_env(settings: Settings) -> dict[str, str]:
     """What the SGLang processes (and so our plugin in each scheduler) get on top of the
     parent's environment: this launch's settings whole (the plugin activates only where
@@ -134,6 +154,26 @@ def engine_env(settings: Settings) -> dict[str, str]:
         env["TRITON_CACHE_DIR"] = os.path.join(base, "triton")
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
     return env
+
+
+def model_mode(info: ModelInfo) -> list[str]:
+    """``--is-embedding`` for embedding models and cross-encoders (their pooled logit comes back
+    from ``/encode``); none for Qwen3-Reranker, which SGLang scores in generation mode
+    (``/v1/score`` reads the "yes" and "no" logprobs; with ``--is-embedding`` it refuses).
+    ``LaunchConfigError`` for a cross-encoder that reads segment types: SGLang 0.5.17 takes token
+    type ids only from text it tokenises itself, and token ids come with none."""
+    if info.scoring == "qwen3-reranker":
+        return []
+    if info.scoring == "cross-encoder":
+        config = json.loads((info.path / "config.json").read_text())
+        if int(config.get("type_vocab_size") or 1) > 1:
+            raise LaunchConfigError(
+                f"{info.path} is a cross-encoder that reads token type ids (type_vocab_size "
+                f"{config['type_vocab_size']}), which SGLang 0.5.17 takes only from text it tokenises "
+                "itself, not with token ids: serve it on the CPU engine (engine.kind=cpu), or choose one "
+                "with a single segment type (the XLM-R bge-rerankers)"
+            )
+    return ["--is-embedding"]
 
 
 def build_launch(
@@ -171,6 +211,7 @@ def build_launch(
             fa3 if fa3 is not None else fa3_installed(),
             notes,
         )
+    kv_cache = resolve_kv_cache(eng.kv_cache, backend, eng.prefix_cache, notes)
 
     argv = [
         python or sys.executable, "-m", "sglang.launch_server",
@@ -178,12 +219,13 @@ def build_launch(
         "--served-model-name", model.served_name,
         "--host", eng.host,
         "--port", str(eng.port),
-        "--is-embedding",
+        *model_mode(info),
         "--skip-tokenizer-init",
         "--attention-backend", backend,
         "--dtype", eng.dtype,
         "--context-length", str(cap + 1),
-        "--chunked-prefill-size", str(budget),
+        # no KV cache: each request in one forward, so K/V never outlives it
+        "--chunked-prefill-size", str(budget) if kv_cache == "paged" else "-1",
         "--max-prefill-tokens", str(budget),
         "--max-total-tokens", str(kv),
         "--max-running-requests", str(eng.max_running_requests),
@@ -199,6 +241,10 @@ def build_launch(
     ]
     if not eng.prefix_cache:
         argv.append("--disable-radix-cache")
+    if kv_cache == "none":
+        # SGLang sizes its prefill CUDA graphs from --chunked-prefill-size, which is -1 here:
+        # without the budget it captured none, and small batches ran eagerly
+        argv += ["--prefill-only-disable-kv-cache", "--cuda-graph-max-bs-prefill", str(budget)]
     if eng.quantization != "none":
         argv += ["--quantization", eng.quantization]
     if model.matryoshka_dimensions:

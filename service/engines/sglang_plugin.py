@@ -194,12 +194,14 @@ def _get_monitor() -> Monitor | None:
             return None
         from embedserve.config import load_settings
 
-        eng = load_settings().engine
+        settings = load_settings()
+        eng = settings.engine
         leak = float(os.environ.get(LEAK_ENV) or 0) or None
         _monitor = Monitor(
             CudaBackend(), CachePolicy.from_settings(eng.cache_clear),
             eng.stats_dir, eng.stats_interval_s, leak_bytes_per_s=leak,
         )
+        _monitor.stats.model = settings.model.served_name
         log.info(
             "embedserve plugin active in pid %d: cache clear %s, stats to %s every %.1fs",
             os.getpid(), eng.cache_clear.model_dump(), eng.stats_dir, eng.stats_interval_s,

@@ -87,6 +87,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _joined_values(argv: list[str], flag: str) -> list[str]:
+    """``FLAG -5MB/s`` as ``FLAG=-5MB/s``: argparse takes a value that starts with a dash for
+    another option and answers "expected one argument", where the value's own check has the
+    sentence that says what is wrong with it."""
+    out: list[str] = []
+    values = iter(argv)
+    for arg in values:
+        out.append(arg)
+        if arg == flag:
+            value = next(values, None)
+            if value is not None:
+                out[-1] = f"{flag}={value}"
+    return out
+
+
 def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, drill: bool = False) -> int:
     parser = _stack_parser(prog, doc)
     if drill:
@@ -96,15 +111,16 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
             "memory for SGLang engines and host memory for the CPU engine, "
             "so the forecast and up's engine replacement can be watched working",
         )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_joined_values(argv, "--drill-leak") if drill else argv)
     leak = None
     if getattr(args, "drill_leak", None) is not None:
         from embedserve.engines.drill import parse_rate
+        from embedserve.settings_errors import ConfigError
 
         try:
             leak = parse_rate(args.drill_leak)
         except ValueError as exc:
-            parser.error(f"--drill-leak: {exc}")
+            raise ConfigError(f"--drill-leak must be a rate above zero: {exc}") from exc
     from embedserve.config import load_settings
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
@@ -114,7 +130,11 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
-        parser.error("--drill-leak needs engines that up starts (not --engine-url)")
+        from embedserve.settings_errors import ConfigError
+
+        raise ConfigError(
+            "--drill-leak needs engines that up starts, not --engine-url or engine kind 'external'"
+        )
     from embedserve.runtime.event_loop import run_on
 
     return run_on(settings.gateway.event_loop, run_stack(settings, drill_leak=leak))

@@ -84,7 +84,11 @@ class EngineReplacer:
         open_gate: Callable[[], None],
         on_replaced: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
+        spare_ports: tuple[int, int] | None = None,
     ) -> None:
+        """``spare_ports``: (first, step) of the ports replacements listen on; default: the ones
+        after this model's engines (several models: each its own series past all their engines)."""
+        self.spare_ports = spare_ports or (settings.engine.port + settings.local_engine_count(), 1)
         self.settings = settings
         self.pool = pool
         self.supervisors = supervisors
@@ -145,7 +149,8 @@ class EngineReplacer:
 
     def _spare_port(self) -> int:
         e = self.settings.engine
-        port = e.port + self.settings.local_engine_count() + self.count
+        first, step = self.spare_ports
+        port = first + step * self.count
         check_free(e.host, port, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
         return port
 
@@ -201,12 +206,25 @@ class EngineReplacer:
         self.pool.remove(url)
 
     async def run(self, report: Callable[[], MemoryReport | None]) -> None:
-        interval = self.settings.health.sample_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            d = self.check(report())
-            if d is not None:
-                try:
-                    await self.replace(d)
-                except Exception:
-                    log.exception("engine replacement failed; the old engine keeps serving")
+        await run_replacers([self], report, self.settings.health.sample_interval_s)
+
+
+async def run_replacers(
+    replacers: list[EngineReplacer], report: Callable[[], MemoryReport | None], interval_s: float
+) -> None:
+    """One replacement at a time over all the models' engines, the cooldown shared: after one
+    model's engine is replaced, no other model's is until the cooldown has passed."""
+    while True:
+        await asyncio.sleep(interval_s)
+        current = report()
+        for r in replacers:
+            d = r.check(current)
+            if d is None:
+                continue
+            try:
+                await r.replace(d)
+            except Exception:
+                log.exception("engine replacement failed; the old engine keeps serving")
+            for other in replacers:
+                other.last = r.last
+            break

@@ -4,39 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import httpx
 import uvicorn
 
 from embedserve.config import Settings
+from embedserve.engines.client import JSON
 from embedserve.engines.launch import engine_launch
-from embedserve.engines.sglang import LaunchConfigError, plan_engines
+from embedserve.engines.protocols import protocol_for
+from embedserve.engines.sglang import LaunchConfigError
 from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
-from embedserve.nvml import gpu_count
-from embedserve.runtime.ports import PortInUse, check_free, check_owner
-from embedserve.runtime.replace import EngineReplacer
+from embedserve.runtime.model_plan import PlannedModel, plan_models
+from embedserve.runtime.ports import PortInUse, check_owner
+from embedserve.runtime.preflight import check_ports
+from embedserve.runtime.replace import EngineReplacer, run_replacers
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
 log = logging.getLogger(__name__)
-
-
-def resolve_engine_kind(settings: Settings) -> str:
-    kind = settings.engine.kind
-    if kind != "auto":
-        return kind
-    if settings.engine.urls:
-        return "external"
-    return "sglang" if importlib.util.find_spec("sglang") and gpu_count() > 0 else "cpu"
 
 
 async def warm_up(
@@ -47,27 +41,37 @@ async def warm_up(
     and seconds: the engines' first measured capacity."""
     cap = info.max_seq_len
     n = max(1, settings.engine_call_tokens(kind) // cap)
-    body = {"model": info.name, "input": [[1] * cap for _ in range(n)]}
+    protocol = protocol_for(info)  # a reranker's call, for a reranker
+    body = protocol.encode(info.name, [[1] * cap for _ in range(n)], False)
     timings = []
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
         for url in urls:
             t0 = time.monotonic()
-            r = await client.post(url + "/v1/embeddings", json=body)
+            r = await client.post(url + protocol.path, content=body, headers=JSON)
             if r.status_code != 200:
                 raise EngineStartError(f"warm-up of {url} failed: {r.status_code} {r.text[:300]}")
             timings.append((n * cap, time.monotonic() - t0))
     return timings
 
 
-def _banner(settings: Settings) -> str:
+def _banner(settings: Settings, models: list[ModelInfo]) -> str:
     g = settings.gateway
     host = "127.0.0.1" if g.host in ("0.0.0.0", "::") else g.host
     url = f"http://{host}:{g.port}"
-    return (
-        f"\nembedserve is up: {url}  (model '{settings.model.served_name}')\n"
+    names = ", ".join(f"'{m.name}'" + ("" if m.embeds else " (rerank)") for m in models)
+    first = next((m for m in models if m.embeds), None)
+    example = (
         f"  curl -s {url}/v1/embeddings -H 'Content-Type: application/json' \\\n"
-        f'    -d \'{{"model": "{settings.model.served_name}", "input": "hello world"}}\'\n'
-        f"  health: {url}/health/memory   metrics: {url}/metrics\n"
+        f'    -d \'{{"model": "{first.name}", "input": "hello world"}}\'\n'
+        if first else
+        f"  curl -s {url}/v1/rerank -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{models[0].name}", "query": "hello", "documents": ["hello world"]}}\'\n'
+    )
+    label = "model" if len(models) == 1 else "models"
+    return (
+        f"\nembedserve is up: {url}  ({label} {names})\n"
+        + example
+        + f"  health: {url}/health/memory   metrics: {url}/metrics\n"
     )
 
 
@@ -86,45 +90,24 @@ class _StackServer(QuietServer):
 STARTING_ENGINE_GRACE_S = 2.0
 
 
-def check_ports(settings: Settings, local_engines: bool) -> None:
-    """Before anything starts: every port this stack will listen on is free."""
-    g, e = settings.gateway, settings.engine
-    check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
-    if local_engines:
-        for index in range(settings.local_engine_count()):
-            check_free(e.host, e.port + index, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
+@dataclass
+class ModelEngines:
+    """One model's plan and the supervisors of its local engines."""
+
+    plan: PlannedModel
+    supervisors: list[ProcessSupervisor]
 
 
 async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
-    """Exit status: 0 after a clean stop, 1 when an engine failed to start, 2 when a port is
-    taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
+    """Exit status: 0 after a clean stop of a stack that was up, 130 (SIGINT) or 143 (SIGTERM)
+    when a signal stopped it before it was up, 1 when an engine failed to start, 2 when a port
+    is taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
     on purpose (a leak drill)."""
     try:
         return await _run_stack(settings, drill_leak)
     except (PortInUse, LaunchConfigError) as exc:  # one plain sentence, on a terminal or in a log collector
         print(f"embedserve: {exc}", file=sys.stderr, flush=True)
         return 2
-
-
-def resolve_engines_per_gpu(settings: Settings, info: ModelInfo, kind: str) -> Settings:
-    """``engine.engines_per_gpu`` as a number: SGLang's from the model and the GPU (fewer than
-    asked for by ``auto`` when they would not fit, with the reason logged); one otherwise."""
-    if kind != "sglang":
-        if settings.engine.engines_per_gpu not in ("auto", 1):
-            log.warning("engines_per_gpu applies to SGLang engines only: starting one",
-                        extra={"engine_kind": kind})
-        return settings.with_engine(engines_per_gpu=1)
-    plan = plan_engines(settings, info)
-    for note in plan.notes:
-        log.warning(note)
-    memory = plan.engine
-    log.info("engines per GPU", extra={
-        "engines_per_gpu": plan.per_gpu,
-        "engine_gb": round(memory.total / 1e9, 1) if memory else None,
-        "all_engines_gb": round(plan.per_gpu * memory.total / 1e9, 1) if memory else None,
-        "usable_gb": round(plan.usable_bytes / 1e9, 1) if plan.usable_bytes else None,
-    })
-    return settings.with_engine(engines_per_gpu=plan.per_gpu)
 
 
 async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
@@ -134,44 +117,60 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     # before it serves, the engines stopped like any; once it serves, the server shuts down.
     loop = asyncio.get_running_loop()
     early_stop = asyncio.Event()
+    announced = asyncio.Event()
+    interrupted: list[int] = []  # a signal that came before the stack was up
     servers: list[_StackServer] = []
 
     def on_signal(sig: int) -> None:
         early_stop.set()
+        if not announced.is_set():
+            interrupted.append(sig)
         for srv in servers:
             srv.handle_exit(sig, None)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    kind = resolve_engine_kind(settings)
-    info = ModelInfo.load(settings.model)
-    local = kind != "external"
-    settings = resolve_engines_per_gpu(settings, info, kind)
-    check_ports(settings, local)
-    if kind == "cpu" and settings.engine.cpu_backend == "onnx":
-        from embedserve.engines.onnx_export import check_export_dir
+    settings, planned = plan_models(settings)
+    for m in planned:  # the gateway's port, then each model's engines'
+        check_ports(m.settings, m.local)
+    for m in planned:
+        if m.kind == "cpu" and m.settings.engine.cpu_backend == "onnx":
+            from embedserve.engines.onnx_export import check_export_dir
 
-        check_export_dir(settings)
+            check_export_dir(m.settings)
     private_stats = None
-    if local and settings.engine.stats_dir is None:  # two stacks on one host never mix stats
+    if any(m.local for m in planned) and settings.engine.stats_dir is None:  # two stacks never mix stats
         private_stats = tempfile.mkdtemp(prefix="embedserve-stats-")
-        settings = settings.with_engine(stats_dir=private_stats)
-    settings = settings.model_copy(update={"log_format": resolve_format(settings.log_format)})
-    def supervisor(index: int, port: int, name: str) -> ProcessSupervisor:
+    shared = {"log_format": resolve_format(settings.log_format)}
+
+    def own(s: Settings) -> Settings:
+        s = s.with_engine(stats_dir=private_stats) if private_stats else s
+        return s.model_copy(update=shared)
+
+    settings = own(settings)
+    planned = [m.with_settings(own(m.settings)) for m in planned]
+
+    def supervisor(m: PlannedModel, index: int, port: int, name: str) -> ProcessSupervisor:
+        e = m.settings.engine
         return ProcessSupervisor(
             name,
-            engine_launch(settings, kind, index, port=port, drill_leak=drill_leak),
-            f"http://{settings.engine.host}:{port}/health",
-            startup_timeout_s=settings.engine.startup_timeout_s,
-            backoff_s=settings.engine.restart_backoff_s,
-            backoff_max_s=settings.engine.restart_backoff_max_s,
+            engine_launch(m.settings, m.kind, index, port=port, drill_leak=drill_leak),
+            f"http://{e.host}:{port}/health",
+            startup_timeout_s=e.startup_timeout_s,
+            backoff_s=e.restart_backoff_s,
+            backoff_max_s=e.restart_backoff_max_s,
         )
 
+    def engine_name(n: int, m: PlannedModel, index: int) -> str:
+        return f"{m.kind}-{index}" if len(planned) == 1 else f"{m.kind}-{n}.{index}"
+
     replaced = 0
-    supervisors = [
-        supervisor(index, settings.engine.port + index, f"{kind}-{index}")
-        for index in range(len(settings.engine_urls()) if local else 0)
+    groups = [
+        ModelEngines(m, [supervisor(m, i, port, engine_name(n, m, i)) for i, port in enumerate(m.ports())])
+        for n, m in enumerate(planned)
     ]
+    supervisors = [s for g in groups for s in g.supervisors]
+
     async def stop_engines() -> None:
         grace = settings.gateway.graceful_shutdown_s
         await asyncio.gather(
@@ -184,7 +183,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         await sup.start()
     if early_stop.is_set():  # stopped while the engines started: no app to build
         await stop_engines()
-        return 0
+        return 128 + interrupted[0]
 
     def view() -> SupervisorView:
         dead = [s for s in supervisors if not s.alive]
@@ -198,8 +197,10 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         )
 
     app = create_app(
-        settings, info, supervisor=view if supervisors else None, engine_kind=kind, starting=True
+        settings, supervisor=view if supervisors else None, starting=True,
+        models=[(m.info, m.kind) for m in planned],
     )
+    runtimes = app.state.runtimes
     g = settings.gateway
     server = _StackServer(
         uvicorn.Config(
@@ -217,19 +218,22 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
 
     async def announce() -> None:
         try:
-            for index, sup in enumerate(supervisors):
-                await sup.wait_ready()
-                assert sup.pid is not None
-                check_owner(settings.engine.port + index, sup.pid, sup.name)
-            if supervisors:
-                timings = await warm_up(settings, info, kind, settings.engine_urls())
-                for engine, (tokens, seconds) in zip(app.state.pool.engines, timings, strict=True):
-                    engine.throughput.record(tokens, seconds)
+            for group in groups:
+                for port, sup in zip(group.plan.ports(), group.supervisors, strict=True):
+                    await sup.wait_ready()
+                    assert sup.pid is not None
+                    check_owner(port, sup.pid, sup.name)
+            for group, runtime in zip(groups, runtimes, strict=True):
+                if group.supervisors:
+                    m = group.plan
+                    timings = await warm_up(m.settings, m.info, m.kind, m.settings.engine_urls())
+                    for engine, (tokens, seconds) in zip(runtime.pool.engines, timings, strict=True):
+                        engine.throughput.record(tokens, seconds)
             while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
             app.state.gate.open()
             announced.set()
-            print(_banner(settings), flush=True)
+            print(_banner(settings, [r.info for r in runtimes]), flush=True)
         except (EngineStartError, PortInUse) as exc:
             failure.append(exc)
             if isinstance(exc, EngineStartError):
@@ -244,38 +248,45 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         while True:
             await asyncio.sleep(min(5.0, hang_after / 4))
             now = time.monotonic()
-            for sup in list(supervisors):
-                url = sup.ready_url.removesuffix("/health")
-                stuck = app.state.pool.by_url(url).stuck_for_s(now)
-                if stuck is not None and stuck > hang_after:
-                    sup.kill(f"a call has waited {stuck:.0f} s (limit {hang_after:.0f} s)")
-                    app.state.pool.forget_stuck(url)
+            for group, runtime in zip(groups, runtimes, strict=True):
+                for sup in list(group.supervisors):
+                    url = sup.ready_url.removesuffix("/health")
+                    stuck = runtime.pool.by_url(url).stuck_for_s(now)
+                    if stuck is not None and stuck > hang_after:
+                        sup.kill(f"a call has waited {stuck:.0f} s (limit {hang_after:.0f} s)")
+                        runtime.pool.forget_stuck(url)
 
     def on_replaced(reason: str) -> None:
         nonlocal replaced
         replaced += 1
         app.state.metrics.engine_replacements.inc()
 
-    async def warm_one(url: str) -> tuple[int, float]:
-        return (await warm_up(settings, info, kind, [url]))[0]
+    def warm_one(m: PlannedModel) -> Callable[[str], Awaitable[tuple[int, float]]]:
+        async def warm(url: str) -> tuple[int, float]:
+            return (await warm_up(m.settings, m.info, m.kind, [url]))[0]
 
-    replacer = EngineReplacer(
-        settings,
-        app.state.pool,
-        supervisors,
-        lambda index, port: supervisor(index, port, f"{kind}-{index}.{replaced + 1}"),
-        warm_one,
-        app.state.gate.close,
-        app.state.gate.open,
-        on_replaced,
-    )
+        return warm
+
+    def make(n: int, m: PlannedModel) -> Callable[[int, int], ProcessSupervisor]:
+        return lambda index, port: supervisor(m, index, port, f"{engine_name(n, m, index)}.{replaced + 1}")
+
+    spare = max((p for m in planned for p in m.ports()), default=settings.engine.port) + 1
+    replacers = [
+        EngineReplacer(
+            g.plan.settings, r.pool, g.supervisors, make(n, g.plan), warm_one(g.plan), app.state.gate.close,
+            app.state.gate.open, on_replaced,
+            spare_ports=None if len(groups) == 1 else (spare + n, len(groups)),
+        )
+        for n, (g, r) in enumerate(zip(groups, runtimes, strict=True))
+        if g.supervisors
+    ]
 
     async def replace_when_due() -> None:
         await announced.wait()
         monitor = app.state.health.monitor
-        await replacer.run(lambda: monitor.state.report if monitor.state else None)
+        interval = settings.health.sample_interval_s
+        await run_replacers(replacers, lambda: monitor.state.report if monitor.state else None, interval)
 
-    announced = asyncio.Event()
     announcer = asyncio.create_task(announce())
     watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None
     replacing = (
@@ -294,4 +305,6 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         await stop_engines()
     if any(isinstance(f, PortInUse) for f in failure):
         raise failure[0]
+    if interrupted:  # a start cut short: as a shell reports a process a signal ended
+        return 128 + interrupted[0]
     return 1 if failure or any(s.failed for s in supervisors) else 0

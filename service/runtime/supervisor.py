@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from embedserve.engines.launch import LaunchSpec
+from embedserve.contracts.launch import LaunchSpec
 
 log = logging.getLogger(__name__)
 

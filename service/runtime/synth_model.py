@@ -189,8 +189,10 @@ def build_model(
     seed: int = 0,
     max_seq_length: int = 512,
     device: str = "cpu",
+    pooling: bool = True,
 ) -> Path:
-    """A complete model folder: weights (bf16 on GPU, fp32 on CPU), tokenizer, ST config."""
+    """A complete model folder: weights (bf16 on GPU, fp32 on CPU), tokenizer, ST config
+    (without ``pooling``: no sentence-transformers files, a causal LM as Qwen3-Reranker ships)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -220,20 +222,45 @@ def build_model(
             torch.nn.init.ones_(p)
     model.config.torch_dtype = dtype
     model.save_pretrained(out, safe_serialization=True)
-    write_sentence_transformers_files(out, max_seq_length, dims["hidden_size"])
+    if pooling:
+        write_sentence_transformers_files(out, max_seq_length, dims["hidden_size"])
+    return out
+
+
+def build_qwen3_reranker(out: Path, shape: str = "tiny", seed: int = 0, device: str = "cpu") -> Path:
+    """A Qwen3 causal LM with Qwen3's tokenizer and no sentence-transformers files, as
+    Qwen3-Reranker ships (its tokenizer adds no EOS)."""
+    build_model(out, shape, seed, device=device, pooling=False)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    from embedserve.runtime import synth_rerank
+
     ap = argparse.ArgumentParser(prog="embedserve synth-model", description=__doc__)
-    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("shape", choices=sorted({*SHAPES, *synth_rerank.CROSS_ENCODER_SHAPES}))
     ap.add_argument("out", type=Path)
+    ap.add_argument("--kind", choices=("embedding", "cross-encoder", "qwen3-reranker"), default="embedding",
+                    help="cross-encoder: a BertForSequenceClassification with the bundled model's tokenizer "
+                    f"(shapes {', '.join(synth_rerank.CROSS_ENCODER_SHAPES)}); qwen3-reranker: a Qwen3 "
+                    "causal LM as Qwen3-Reranker ships")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-seq-length", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    build_model(a.out, a.shape, a.seed, a.max_seq_length, a.device)
-    print(f"wrote {a.shape} model to {a.out}")
+    shapes = synth_rerank.CROSS_ENCODER_SHAPES if a.kind == "cross-encoder" else SHAPES
+    if a.shape not in shapes:
+        ap.error(f"a {a.kind} comes in the shapes {', '.join(sorted(shapes))}")
+    if a.kind == "cross-encoder":
+        synth_rerank.build_cross_encoder(a.out, a.shape, a.seed)
+    elif a.kind == "qwen3-reranker":
+        build_qwen3_reranker(a.out, a.shape, a.seed, a.device)
+    else:
+        build_model(a.out, a.shape, a.seed, a.max_seq_length, a.device)
+    print(f"wrote {a.shape} {a.kind} to {a.out}")
     return 0
 
 

@@ -1,0 +1,155 @@
+"""How a model scores query-document pairs: what it sends the engine, and how the engine's rows
+become one score per pair. No HTTP here; ``gateway/scoring.py`` runs the steps.
+
+- ``CosineScorer``: an embedding model. The query (with the model's instruction format, as
+  ``input_type: "query"`` gets it) and each document are embedded alone, each cut to the cap, and
+  a pair scores the cosine of the two vectors: what vLLM's score API does for embedding models.
+  The query is embedded once however many documents it is paired with.
+
+- ``PairScorer``: a reranker. Each pair is one input (``gateway/pairs.py`` frames and cuts it),
+  and the engine answers its logit: a cross-encoder's one label, or Qwen3-Reranker's "yes" over
+  "no"; the relevance score is its sigmoid.
+
+A scorer's ``prepare`` is CPU-heavy (it tokenises): call it off the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from embedserve.contracts.wire import Matrix
+from embedserve.gateway.pairs import CrossEncoderPairs, PairIds, YesNoPrompts
+from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.model_info import ModelInfo
+
+Scores = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class PairJob:
+    """Pairs to score: pair ``i`` is ``(queries[query_of[i]], documents[i])``."""
+
+    queries: list[str]
+    documents: list[str]
+    query_of: list[int]
+    instruction: str | None = None
+    max_pair_tokens: int | None = None  # a request's own, lower cap (vLLM's truncate_prompt_tokens)
+    max_document_tokens: int | None = None  # Cohere v2's max_tokens_per_doc
+
+
+@dataclass(frozen=True)
+class PairTokens:
+    """One pair's tokens before and after truncation."""
+
+    original: int
+    kept: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.original > self.kept
+
+
+@dataclass
+class PreparedPairs:
+    """What to send the engine and how to read its answer."""
+
+    inputs: list[list[int]]
+    pairs: list[PairTokens]
+    combine: Callable[[Matrix], Scores]  # the engine's rows (one per input) -> raw score per pair
+
+
+class Scorer(Protocol):
+    #: what the raw score is: "cosine", or "logit" (a relevance probability after the sigmoid)
+    score_kind: str
+
+    def prepare(self, job: PairJob) -> PreparedPairs: ...
+
+
+def sigmoid(x: Scores) -> Scores:
+    out: Scores = 1.0 / (1.0 + np.exp(-x))
+    return out
+
+
+class CosineScorer:
+    """An embedding model's cosine between the query's vector and each document's."""
+
+    score_kind = "cosine"
+
+    def __init__(self, info: ModelInfo, tokenizer: ModelTokenizer) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+
+    def _query_texts(self, job: PairJob) -> list[str]:
+        template = self.info.query_template
+        if template is None:
+            return job.queries
+        task = job.instruction or self.info.default_task
+        return [template.format(task=task, text=q) for q in job.queries]
+
+    def prepare(self, job: PairJob) -> PreparedPairs:
+        queries = self.tokenizer.encode_texts(self._query_texts(job), job.max_pair_tokens)
+        frame = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
+        own = job.max_document_tokens + frame if job.max_document_tokens else None
+        doc_cap = min(c for c in (job.max_pair_tokens, own, self.tokenizer.max_seq_len) if c)
+        documents = self.tokenizer.encode_texts(job.documents, doc_cap)
+        pairs = [
+            PairTokens(queries[q].original_tokens + d.original_tokens, len(queries[q].ids) + len(d.ids))
+            for q, d in zip(job.query_of, documents, strict=True)
+        ]
+        n_queries = len(queries)
+        query_of = np.asarray(job.query_of)
+
+        def combine(rows: Matrix) -> Scores:
+            unit = rows.astype(np.float64)
+            unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+            cos: Scores = np.einsum("pd,pd->p", unit[:n_queries][query_of], unit[n_queries:])
+            return cos
+
+        return PreparedPairs([x.ids for x in queries + documents], pairs, combine)
+
+
+class PairScorer:
+    """A reranker's logit per pair: a cross-encoder, or Qwen3-Reranker (its prompt and ``instruction``)."""
+
+    score_kind = "logit"
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.pairs = (
+            CrossEncoderPairs(info.path, info.max_seq_len)
+            if info.scoring == "cross-encoder"
+            else YesNoPrompts(info.path, info.max_seq_len)
+        )
+
+    def _encode(self, job: PairJob) -> list[PairIds]:
+        if isinstance(self.pairs, CrossEncoderPairs):
+            return self.pairs.encode(
+                job.queries, job.documents, job.query_of, job.max_pair_tokens, job.max_document_tokens
+            )
+        return self.pairs.encode(
+            job.queries,
+            job.documents,
+            job.query_of,
+            job.instruction,
+            job.max_pair_tokens,
+            job.max_document_tokens,
+        )
+
+    def prepare(self, job: PairJob) -> PreparedPairs:
+        encoded = self._encode(job)
+        pairs = [PairTokens(p.original_tokens, len(p.ids)) for p in encoded]
+
+        def combine(rows: Matrix) -> Scores:
+            logits: Scores = rows[:, 0].astype(np.float64)
+            return logits
+
+        return PreparedPairs([p.ids for p in encoded], pairs, combine)
+
+
+def scorer_for(info: ModelInfo, tokenizer: ModelTokenizer) -> Scorer:
+    return CosineScorer(info, tokenizer) if info.embeds else PairScorer(info)

@@ -1,0 +1,157 @@
+"""The one typed configuration object of the stack.
+
+Read once by ``load_settings`` (``EMBEDSERVE_*`` environment variables, an optional ``.env``
+and the command line's flags), then passed down; engine processes that ``up`` starts get
+the parent's resolved settings whole, as JSON in one variable. Nested fields use ``__``:
+``EMBEDSERVE_ENGINE__PORT=30001``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+
+from embedserve.config.controller import ControllerSettings
+from embedserve.config.engine import CacheClearSettings, EngineSettings
+from embedserve.config.gateway import GatewaySettings
+from embedserve.config.health import HealthSettings
+from embedserve.config.model import ModelSettings
+from embedserve.config.served import ServedSettings
+from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
+from embedserve.settings_errors import ConfigError, bad_json, describe
+
+__all__ = [
+    "BUNDLED_MODEL",
+    "CHILD_SETTINGS_ENV",
+    "CacheClearSettings",
+    "ControllerSettings",
+    "EngineSettings",
+    "GatewaySettings",
+    "HealthSettings",
+    "ModelSettings",
+    "ServedSettings",
+    "Settings",
+    "load_settings",
+    "resolve_model_path",
+]
+
+#: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
+CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
+
+
+class Settings(BaseSettings):
+    """Everything, read once at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EMBEDSERVE_", env_nested_delimiter="__", env_file=".env", extra="ignore"
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    controller: ControllerSettings = Field(default_factory=ControllerSettings)
+    served: ServedSettings = Field(default_factory=ServedSettings)
+    log_level: str = "INFO"
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto", description="auto: readable lines on a terminal, JSON lines otherwise"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.health.critical_hours >= self.health.warning_hours:
+            raise ValueError(
+                f"EMBEDSERVE_HEALTH__CRITICAL_HOURS ({self.health.critical_hours:g}) must be below "
+                f"EMBEDSERVE_HEALTH__WARNING_HOURS ({self.health.warning_hours:g})"
+            )
+        if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
+            raise ValueError(
+                f"EMBEDSERVE_ENGINE__CPU_QUANTIZATION={self.engine.cpu_quantization} (--cpu-quantization) "
+                "needs EMBEDSERVE_ENGINE__CPU_BACKEND=onnx (--cpu-backend)"
+            )
+        return self
+
+    def tokens_in_flight_limit(self, engine_kind: str) -> int:
+        if self.gateway.max_tokens_in_flight is not None:
+            return self.gateway.max_tokens_in_flight
+        return 32_768 if engine_kind == "cpu" else 262_144
+
+    def inline_tokenize_limit(self, engine_kind: str) -> int:
+        if self.gateway.inline_tokenize_chars is not None:
+            return self.gateway.inline_tokenize_chars
+        return 2048 if engine_kind == "cpu" else 0
+
+    def engine_calls(self, engine_kind: str) -> int:
+        if self.gateway.engine_calls_per_engine is not None:
+            return self.gateway.engine_calls_per_engine
+        return 1 if engine_kind == "cpu" else 4
+
+    def engine_call_tokens(self, engine_kind: str) -> int:
+        if self.gateway.max_tokens_per_engine_call is not None:
+            return self.gateway.max_tokens_per_engine_call
+        return 512 if engine_kind == "cpu" else self.engine.batch_token_budget
+
+    def hang_after_s(self) -> float:
+        return self.health.hang_after_s or 4 * self.gateway.request_timeout_s
+
+    def engines_per_gpu(self) -> int:
+        """As resolved at start (``auto`` counts as one until then)."""
+        n = self.engine.engines_per_gpu
+        return n if isinstance(n, int) else 1
+
+    def local_engine_count(self) -> int:
+        return self.engine.replicas * self.engines_per_gpu()
+
+    def engine_gpu(self, index: int) -> int:
+        """The GPU (among the visible ones) of local engine ``index``."""
+        return index // self.engines_per_gpu()
+
+    def engine_urls(self) -> list[str]:
+        e = self.engine
+        return e.urls or [f"http://{e.host}:{e.port + i}" for i in range(self.local_engine_count())]
+
+    def engine_gpus(self) -> list[int | None]:
+        """The GPU of each engine in ``engine_urls``; None for engines this stack did not start."""
+        if self.engine.urls:
+            return [None] * len(self.engine.urls)
+        return [self.engine_gpu(i) for i in range(self.local_engine_count())]
+
+    def with_engine(self, **changes: Any) -> Settings:
+        return self.model_copy(update={"engine": self.engine.model_copy(update=changes)})
+
+    def for_replica(self, index: int) -> Settings:
+        """The same settings as seen by local engine ``index`` (its own port)."""
+        return self.with_engine(port=self.engine.port + index, replicas=1, engines_per_gpu=1)
+
+    def child_env(self) -> dict[str, str]:
+        """What an engine process needs to see exactly these settings (secrets stay hidden:
+        engines need none)."""
+        return {CHILD_SETTINGS_ENV: self.model_dump_json()}
+
+    def redacted(self) -> dict[str, object]:
+        """For logging: secrets stay hidden (SecretStr dumps as '**********')."""
+        return json.loads(self.model_dump_json())
+
+
+def load_settings(
+    overrides: dict[str, Any] | None = None, flags: Mapping[str, str] | None = None
+) -> Settings:
+    """The settings of this process: a parent's, when it started this one (see
+    ``Settings.child_env``), else the environment and ``.env`` with ``overrides`` on top.
+    A mistake raises ``ConfigError``, one sentence naming the variable and, from ``flags``
+    (``"gateway.port": "--port"``), the flag."""
+    inherited = os.environ.get(CHILD_SETTINGS_ENV)
+    try:
+        if inherited:
+            return Settings.model_validate_json(inherited)
+        return Settings(**(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, Settings, flags)) from None
+    except SettingsError as exc:  # a list or object variable that is not JSON
+        section = str(exc).split('"')[1] if str(exc).count('"') >= 2 else ""
+        raise ConfigError(bad_json(section, Settings, os.environ)) from None

@@ -1,0 +1,93 @@
+"""The OpenAI-compatible front door: ``EMBEDSERVE_GATEWAY__<FIELD>``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr
+
+
+class GatewaySettings(BaseModel):
+    """The OpenAI-compatible front door."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_inputs: int = 2048
+    max_tokens_per_request: int = 300_000
+    max_body_bytes: int = 16 << 20
+    max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
+    max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
+    batch_max_wait_ms: float = Field(
+        0.0, ge=0, description="extra wait for more inputs while all engine calls are busy"
+    )
+    engine_calls_per_engine: int | None = Field(
+        None,
+        ge=1,
+        description="coalesced calls in flight per engine (default 4 for SGLang, 1 for the CPU "
+        "engine, which computes one at a time); while all are busy, "
+        "inputs of concurrent requests gather into the next call",
+    )
+    max_inputs_per_engine_call: int = Field(256, ge=1)
+    max_tokens_per_engine_call: int | None = Field(
+        None,
+        ge=8,
+        description="one engine call's token budget, so other requests' inputs interleave with a "
+        "large request's. Default: engine.batch_token_budget for SGLang, 512 for the CPU "
+        "engine (a fraction of a second of its work on two cores)",
+    )
+    max_tokens_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="admission control: beyond this, 429 with Retry-After. Default: 262,144 for "
+        "a GPU engine, 32,768 for the CPU engine (tens of seconds of its work, so overload "
+        "answers 429 instead of queueing into 504s)",
+    )
+    request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline (504)")
+    tokenizer_threads: int = Field(2, ge=1)
+    inline_tokenize_chars: int | None = Field(
+        None,
+        ge=0,
+        description="requests with at most this many characters are tokenised on the event loop "
+        "instead of a tokenizer thread. Default: 0 (all to the threads) in front of SGLang: with "
+        "Qwen3's tokenizer the threads cut the loop's time per request by 18-30%, and on one H200 "
+        "the 0.6B ran 1.19x on short inputs; 2,048 for the CPU engine",
+    )
+    event_loop: Literal["asyncio", "uvloop"] = Field(
+        "asyncio",
+        description="the gateway process's event loop: asyncio's own, or uvloop (libuv) where it "
+        "is installed (asyncio otherwise, with a warning). On one H200 the 0.6B measured no faster "
+        "with uvloop",
+    )
+    normalize: bool = True
+    accept_token_ids: bool = Field(
+        False,
+        description="embed token-id input as this model's own ids. Off: ids are refused (400), "
+        "because ids from another tokenizer (LangChain's default sends tiktoken's) would give "
+        "wrong vectors with no error",
+    )
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys_file: str | None = None
+    protect_health: bool = False
+    protect_metrics: bool = False
+    cors_origins: list[str] = Field(default_factory=list)
+    graceful_shutdown_s: float = 30.0
+    header_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="a request head (request line and headers) must arrive within this many "
+        "seconds of its first byte (of the connection, for its first request): 408 and closed "
+        "beyond, so a client trickling its head cannot hold a connection",
+    )
+    body_idle_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="a request body may stall at most this long, and must average 500 bytes/s "
+        "beyond this allowance: 408 and closed beyond",
+    )
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description="idle keep-alive; longer than clients' pools (httpx and the OpenAI SDK 5 s, "
+        "aiohttp 15 s) and load balancers' (AWS ALB 60 s), so the server never closes a "
+        "connection a client is reusing at that instant",
+    )

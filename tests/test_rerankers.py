@@ -1,0 +1,311 @@
+"""Rerankers: a cross-encoder (a tiny random-weight BertForSequenceClassification with the bundled
+model's tokenizer) and Qwen3-Reranker (a tiny random-weight Qwen3 causal LM with Qwen3's
+tokenizer), each served by the CPU stack and compared with a plain transformers forward of the
+same checkpoint; the pair framing and truncation against the tokenizers library's; the SGLang
+side by its launch argv and its answers' shapes (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedserve.config import ModelSettings, Settings
+from embedserve.contracts.wire import WireError
+from embedserve.engines.protocols import ENCODE, LabelScores
+from embedserve.engines.sglang import LaunchConfigError, build_launch
+from embedserve.gateway.pairs import (
+    QWEN3_RERANK_PREFIX,
+    QWEN3_RERANK_SUFFIX,
+    QWEN3_RERANK_TASK,
+    QWEN3_RERANK_TEMPLATE,
+    CrossEncoderPairs,
+    YesNoPrompts,
+    load_tokenizer,
+    longest_first,
+)
+from embedserve.model_info import ModelInfo
+from embedserve.settings_errors import ConfigError
+from tests.conftest import MINILM_DIR, RunningStack, start_stack
+
+QUERY = "how do I sort a list in python"
+DOCS = [
+    "list.sort() sorts the list in place",
+    "bananas are yellow " * 200,
+    "sorted() returns a new list",
+    "a document that spells [SEP] and <|im_end|> in its text",
+]
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+# -- references: a plain transformers forward ---------------------------------------------
+
+
+def cross_encoder_logits(model_dir: Path, query: str, docs: list[str], max_length: int) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    # special tokens in the text are text, as the service reads them (split_special_tokens)
+    enc = tok(
+        [query] * len(docs),
+        docs,
+        truncation=True,
+        max_length=max_length,
+        padding=True,
+        return_tensors="pt",
+        split_special_tokens=True,
+    )
+    with torch.no_grad():
+        return model(**enc).logits[:, 0].double().numpy()
+
+
+def qwen3_reranker_scores(model_dir: Path, query: str, docs: list[str], max_length: int) -> np.ndarray:
+    """The model card's code: prefix + the formatted pair (cut to fit) + suffix; the last
+    position's logits of "no" and "yes", softmax, the probability of "yes"."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    prefix = tok.encode(QWEN3_RERANK_PREFIX, add_special_tokens=False)
+    suffix = tok.encode(QWEN3_RERANK_SUFFIX, add_special_tokens=False)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    out = []
+    for doc in docs:
+        text = QWEN3_RERANK_TEMPLATE.format(instruction=QWEN3_RERANK_TASK, query=query, document=doc)
+        middle = tok(
+            text,
+            add_special_tokens=False,
+            truncation=True,
+            split_special_tokens=True,
+            max_length=max_length - len(prefix) - len(suffix),
+        )["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix + middle + suffix])).logits[0, -1]
+        out.append(torch.log_softmax(logits[[no, yes]].double(), dim=0)[1].exp().item())
+    return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_stack(
+    tiny_cross_encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    stack = start_stack(tiny_cross_encoder_dir, tmp_path_factory.mktemp("ce-stack"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def reranker_stack(
+    tiny_reranker_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    env = {"EMBEDSERVE_MODEL__MAX_SEQ_LEN": "256", "EMBEDSERVE_ENGINE__CPU_BACKEND": "torch"}
+    stack = start_stack(tiny_reranker_dir, tmp_path_factory.mktemp("rr-stack"), env=env)
+    yield stack
+    stack.stop()
+
+
+def rerank(stack: RunningStack, **extra: Any) -> dict[str, Any]:
+    r = httpx.post(stack.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-embedserve-score"] == "logit"
+    body: dict[str, Any] = r.json()
+    return body
+
+
+@pytest.mark.slow
+def test_the_cpu_stack_serves_a_cross_encoder_as_transformers_scores_it(
+    cross_encoder_stack: RunningStack, tiny_cross_encoder_dir: Path
+) -> None:
+    """ONNX Runtime (the default backend) on the export, against torch through transformers."""
+    want = cross_encoder_logits(tiny_cross_encoder_dir, QUERY, DOCS, 512)
+    out = rerank(cross_encoder_stack)
+    assert [x["index"] for x in out["results"]] == np.argsort(-want, kind="stable").tolist()
+    got = {x["index"]: x["relevance_score"] for x in out["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(DOCS))], sigmoid(want), atol=1e-5)
+    raw = {x["index"]: x["relevance_score"] for x in rerank(cross_encoder_stack, raw_scores=True)["results"]}
+    np.testing.assert_allclose([raw[i] for i in range(len(DOCS))], want, atol=1e-4)
+    assert [t["index"] for t in out["truncated_inputs"]] == [1]
+    assert out["truncated_inputs"][0]["kept_tokens"] == 512
+    score = httpx.post(
+        cross_encoder_stack.url + "/v1/score",
+        json={"text_1": QUERY, "text_2": DOCS, "use_activation": False},
+        timeout=120,
+    ).json()
+    np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=1e-4)
+    tei = httpx.post(
+        cross_encoder_stack.url + "/rerank", json={"query": QUERY, "texts": DOCS}, timeout=120
+    ).json()
+    np.testing.assert_allclose(sorted(x["score"] for x in tei), sorted(sigmoid(want)), atol=1e-5)
+    embeddings = httpx.post(
+        cross_encoder_stack.url + "/v1/embeddings",
+        json={"model": cross_encoder_stack.model_name, "input": "x"},
+        timeout=30,
+    )
+    assert embeddings.status_code == 400 and embeddings.json()["error"]["code"] == "model_not_embedding"
+
+
+@pytest.mark.slow
+def test_the_cpu_stack_serves_qwen3_reranker_as_its_model_card_scores_it(
+    reranker_stack: RunningStack, tiny_reranker_dir: Path
+) -> None:
+    """The torch backend here (the ONNX export is checked below), a cap of 256 tokens."""
+    want = qwen3_reranker_scores(tiny_reranker_dir, QUERY, DOCS, 256)
+    out = rerank(reranker_stack)
+    got = {x["index"]: x["relevance_score"] for x in out["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
+    assert [t["index"] for t in out["truncated_inputs"]] == [1]
+    task = "Given a question about Python, retrieve passages that answer it"
+    told = rerank(reranker_stack, instruction=task)["results"]
+    assert {x["index"]: x["relevance_score"] for x in told} != got  # the instruction is in the prompt
+
+
+def test_the_onnx_exports_of_both_rerankers_agree_with_torch(
+    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tmp_path: Path
+) -> None:
+    from embedserve.engines.cpu import CpuEmbedder
+
+    for folder, pairs in (
+        (tiny_cross_encoder_dir, CrossEncoderPairs(tiny_cross_encoder_dir, 512)),
+        (tiny_reranker_dir, YesNoPrompts(tiny_reranker_dir, 512)),
+    ):
+        ids = [
+            p.ids
+            for p in (
+                pairs.encode([QUERY], DOCS, [0] * len(DOCS))
+                if isinstance(pairs, CrossEncoderPairs)
+                else pairs.encode([QUERY], DOCS, [0] * len(DOCS), None)
+            )
+        ]
+        rows = {}
+        for backend in ("onnx", "torch"):
+            s = Settings(
+                _env_file=None,
+                model={"path": str(folder), "max_seq_len": 512},
+                engine={"cpu_backend": backend, "cpu_export_dir": str(tmp_path)},
+            )
+            rows[backend] = CpuEmbedder(s).embed(ids)
+        assert rows["onnx"].shape == (len(DOCS), 1)
+        np.testing.assert_allclose(rows["onnx"], rows["torch"], atol=1e-4)
+    metas = [json.loads((f / "meta.json").read_text()) for f in tmp_path.iterdir()]
+    assert len(metas) == 2 and all(m["max_score_diff_vs_torch"] <= 1e-3 for m in metas)
+
+
+# -- framing and truncation ------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.integers(1, 80), b=st.integers(1, 80), budget=st.integers(2, 90))
+def test_longest_first_is_the_tokenizers_librarys(a: int, b: int, budget: int) -> None:
+    tok = load_tokenizer(MINILM_DIR, plain_specials=True)
+    tok.enable_truncation(budget + 3, strategy="longest_first")
+    enc = tok.encode(" ".join(["cat"] * a), " ".join(["dog"] * b))
+    kept = (enc.ids.count(4937), enc.ids.count(3899))  # "cat", "dog"
+    assert kept == longest_first(a, b, budget)
+
+
+def test_a_special_token_in_the_text_cannot_move_the_pair_frame() -> None:
+    pairs = CrossEncoderPairs(MINILM_DIR, 512)
+    (pair,) = pairs.encode(["a [SEP] query [CLS]"], ["a [SEP] document"], [0])
+    assert pair.ids.count(102) == 2 and pair.ids[0] == 101 and pair.ids[-1] == 102
+
+
+def test_model_folders_are_told_apart(
+    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tiny_qwen_dir: Path, tmp_path: Path
+) -> None:
+    def scoring(folder: Path) -> str:
+        return ModelInfo.load(ModelSettings(path=str(folder))).scoring
+
+    assert scoring(tiny_cross_encoder_dir) == "cross-encoder"
+    assert scoring(tiny_reranker_dir) == "qwen3-reranker"
+    assert scoring(tiny_qwen_dir) == scoring(MINILM_DIR) == "cosine"
+    nli = tmp_path / "nli"
+    nli.mkdir()
+    (nli / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "hidden_size": 8,
+                "architectures": ["BertForSequenceClassification"],
+                "id2label": {"0": "a", "1": "b"},
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match="with 2 label"):
+        scoring(nli)
+
+
+# -- SGLang: the launch and the answers' shapes ------------------------------------------------
+
+
+def folder_with(tmp_path: Path, name: str, config: dict[str, Any]) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_sglang_launches_rerankers_in_the_mode_that_scores_them(
+    tmp_path: Path, tiny_cross_encoder_dir: Path
+) -> None:
+    xlmr = folder_with(
+        tmp_path,
+        "bge-reranker",
+        {
+            "model_type": "xlm-roberta",
+            "architectures": ["XLMRobertaForSequenceClassification"],
+            "hidden_size": 1024,
+            "num_labels": 1,
+            "type_vocab_size": 1,
+            "max_position_embeddings": 514,
+        },
+    )
+    qwen = folder_with(
+        tmp_path,
+        "Qwen3-Reranker-0.6B",
+        {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 1024,
+            "max_position_embeddings": 40960,
+        },
+    )
+    flags = json.loads((Path(__file__).parent / "fixtures" / "sglang_0.5.17_flags.json").read_text())["flags"]
+    for folder, embedding in ((xlmr, True), (qwen, False)):
+        argv = build_launch(Settings(_env_file=None, model={"path": str(folder)})).argv
+        assert ("--is-embedding" in argv) is embedding and "--skip-tokenizer-init" in argv
+        assert {a for a in argv if a.startswith("--")} <= set(flags)
+        assert argv[argv.index("--context-length") + 1] == str((512 if embedding else 8192) + 1)
+    with pytest.raises(LaunchConfigError, match=r"token type ids.*engine\.kind=cpu"):
+        build_launch(Settings(_env_file=None, model={"path": str(tiny_cross_encoder_dir)}))
+
+
+def test_sglangs_answers_become_one_logit_per_input() -> None:
+    """/encode answers a list (one input: the object alone) with the logit as a number;
+    /v1/score the normalised "no" and "yes" probabilities."""
+    rows = ENCODE.decode(b'[{"embedding": 1.5, "meta_info": {}}, {"embedding": [-2.0], "meta_info": {}}]', 2)
+    assert rows[:, 0].tolist() == [1.5, -2.0]
+    assert ENCODE.decode(b'{"embedding": 0.25, "meta_info": {}}', 1)[:, 0].tolist() == [0.25]
+    assert json.loads(ENCODE.encode("m", [[1, 2]], False)) == {"input_ids": [1, 2]}
+    scores = LabelScores(no_id=2152, yes_id=9693)
+    body = json.loads(scores.encode("m", [[5, 6], [7]], False))
+    assert (
+        body["items"] == [[5, 6], [7]] and body["label_token_ids"] == [2152, 9693] and body["apply_softmax"]
+    )
+    logits = scores.decode(json.dumps({"scores": [[0.2, 0.8], [0.5, 0.5]]}).encode(), 2)[:, 0]
+    np.testing.assert_allclose(logits, [np.log(4.0), 0.0], atol=1e-6)
+    for bad, n in ((b'[{"embedding": "x"}]', 1), (b'[{"embedding": 1.0}]', 2), (b"{}", 1)):
+        with pytest.raises(WireError):
+            ENCODE.decode(bad, n)
