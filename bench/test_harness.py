@@ -91,6 +91,8 @@ def test_a_side_is_sent_what_its_kind_takes(tmp_path: Path) -> None:
     assert t_gw.metrics == ["http://127.0.0.1:30000/metrics"] and t_raw.model == "4b"
     infinity = measure.target(host, gs.PEER_INFINITY)
     assert infinity.url.endswith(":7997/embeddings") and not infinity.ids
+    assert infinity.rerank_url == "http://127.0.0.1:7997/rerank"
+    assert str(t_gw.rerank_url).endswith(":8000/v1/rerank")
     assert host.cap_of("bundled") == 256 and host.served_name("bundled") == "all-MiniLM-L6-v2"
 
 
@@ -143,13 +145,16 @@ def test_vllm_start_up_facts_come_from_its_log(tmp_path: Path) -> None:
     assert len(facts["log_lines"]) == 3
 
 
-def test_variants_join_their_settings_or_bring_their_own() -> None:
+def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None:
     name, env = peers.variant("x2+graphs+tokenizer-workers")
     assert name == "x2+graphs+tokenizer-workers" and env["EMBEDSERVE_ENGINE__ENGINES_PER_GPU"] == "2"
     extra = json.loads(env["EMBEDSERVE_ENGINE__EXTRA_ARGS"])
     assert extra == [*peers.TC_PIECEWISE, "--tokenizer-worker-num", "2"]
     assert peers.variant("calls2=EMBEDSERVE_A=2,EMBEDSERVE_B=x") == ("calls2", {"EMBEDSERVE_A": "2",
                                                                               "EMBEDSERVE_B": "x"})
+    assert peers.variant("nokv")[1] == {"EMBEDSERVE_ENGINE__KV_CACHE": "none"}
+    tuned_only = Host(WorkDir(tmp_path), vllm_sides=("vllm tuned",))
+    assert [s.name for s in gs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
     for bad in ("x2+turbo", "n=PATH=/x"):
         with pytest.raises(ValueError):
             peers.variant(bad)
