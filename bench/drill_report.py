@@ -1,17 +1,10 @@
 """The leak drill's arithmetic and report: ``python bench/drill_report.py DRILL_JSON OUT_DIR``
 writes OUT_DIR/README.md and its plots from the drill.json that bench/drill.py recorded.
-
-The arithmetic (``summarize``) is pure and tested on a recorded drill (bench/test_drill_report.py):
-
-- true time to the limit at each sample = (limit - used) / leak rate, with used and limit as
-  /health/memory gives them for the drill's resource and the rate the drill was started with;
-- the forecast's relative error against it, over the samples from the leak's start plus
-  ``min_span_s`` until the replacement started (after it the old engine is no longer the one
-  the leak fills); median and max of |error|, target: median within 20%;
-- the replacement's start and end relative to the leak's start, and the limit's time;
-- peak memory of our engines over the drill and across the swap;
-- the load's requests: 2xx ok; 429 (with Retry-After) and 503 (the gateway sends
-  Retry-After with every 503) counted apart; anything else failed.
+``summarize`` is pure (bench/test_drill_report.py checks it on a recorded drill): the true time
+to the limit at each sample is (limit - used) / leak rate; the forecast's relative error against
+it counts from the leak's start plus ``min_span_s`` until the replacement started (then the old
+engine is no longer the one the leak fills); 429s and 503s (both with Retry-After) are counted
+apart from failures.
 """
 
 from __future__ import annotations
@@ -28,11 +21,6 @@ GB = 1e9
 
 
 # -- arithmetic ----------------------------------------------------------------------------
-def true_seconds(used: float, limit: float, rate_bytes_per_s: float) -> float:
-    """Seconds until ``used`` reaches ``limit`` at the leak's rate."""
-    return (limit - used) / rate_bytes_per_s
-
-
 class Point(NamedTuple):
     t: float
     true_s: float  # seconds to the limit at the leak's rate
@@ -47,7 +35,7 @@ def forecast_points(samples: list[dict[str, Any]], rate: float) -> list[Point]:
         if s.get("used") is None or s.get("limit") is None:
             continue
         hours = s.get("res_hours")
-        out.append(Point(s["t"], true_seconds(s["used"], s["limit"], rate),
+        out.append(Point(s["t"], (s["limit"] - s["used"]) / rate,
                          None if hours is None else 3600.0 * hours))
     return out
 
@@ -384,13 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     a = ap.parse_args(argv)
     doc = json.loads(a.drill_json.read_text())
-    path = write_report(doc, a.out)
-    s = summarize(doc)
-    fe = s.get("forecast_error") or {}
-    print(f"{path}: {'PASS' if s['passed'] else 'FAIL'}; replaced {s['replaced']} at "
-          f"{s.get('replace_start_s')}-{s.get('replace_done_s')} s, forecast error median "
-          f"{_pct(fe.get('median_abs'))} max {_pct(fe.get('max_abs'))}, failed requests "
-          f"{(s.get('requests') or {}).get('failed')}")
+    print(f"{write_report(doc, a.out)}: {'PASS' if summarize(doc)['passed'] else 'FAIL'}")
     return 0
 
 

@@ -118,23 +118,6 @@ def log_tail(path: Path, chars: int = 4000) -> str:
         return ""
 
 
-def machine() -> dict[str, str]:
-    """``machine`` and ``when`` for a result document."""
-    import platform
-
-    return {"machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def publish(res: dict[str, Any], md: str, out: Path | None) -> None:
-    """Print the Markdown; with ``out``, write results.json and results.md there."""
-    print(md)
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-        (out / "results.md").write_text(md)
-
-
 class WorkDir:
     """The run's state: ``state.json`` (finished steps and live processes) and logs, so that
     ``--budget-s`` slices resume where the last one stopped."""

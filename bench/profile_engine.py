@@ -1,16 +1,10 @@
 """Where an engine's time goes under load: SGLang's torch profile of its scheduler (GPU kernels
 by kind, and the gaps between them) and py-spy over every process on the request's path (the
-gateway, SGLang's HTTP + tokenizer-manager process, its scheduler and its detokenizer).
-
-    python bench/profile_engine.py TRACE.json.gz            # summarise a torch trace
-    python bench/profile_engine.py --pyspy RAW.txt          # summarise a py-spy raw profile
-
-The suite's ``engines-per-gpu`` scenario calls ``profile_under_load`` while a load runs.
-"""
+gateway, SGLang's HTTP + tokenizer-manager process, its scheduler and its detokenizer), as the
+suite's profile steps record them (``profile_under_load``, while a load runs)."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -218,22 +212,3 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
         result["torch_trace"] = {"file": traces[0].name, "mb": round(traces[0].stat().st_size / 2**20, 1),
                                  **summarise_trace(load_trace(traces[0]), steps)}
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("path", type=Path)
-    ap.add_argument("--pyspy", action="store_true", help="a py-spy raw profile (recorded with --threads)")
-    ap.add_argument("--rate", type=float, default=200.0)
-    ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--steps", type=int, default=None)
-    args = ap.parse_args(argv)
-    if args.pyspy:
-        print(json.dumps(summarise_pyspy(args.path.read_text(), args.rate, args.seconds), indent=1))
-    else:
-        print(json.dumps(summarise_trace(load_trace(args.path), args.steps), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

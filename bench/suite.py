@@ -25,6 +25,7 @@ from typing import Any
 
 import cpu_scenarios
 import gpu_scenarios as gs
+import probes
 import report
 from harness import SHAPES_ON_CPU, Host, describe, pack_fi_cache
 from peers import variant
@@ -33,7 +34,7 @@ from runner import Step
 
 GPU_SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
                  "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm")
-SCENARIOS = GPU_SCENARIOS + cpu_scenarios.SCENARIOS
+SCENARIOS = GPU_SCENARIOS + cpu_scenarios.SCENARIOS + probes.SCENARIOS
 
 
 def step_models(host: Host, budget_end: float, shapes: tuple[str, ...] = ("4b",)) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPE
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     steps = [Step("models", GPU_SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
              *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS, *gs.MANY_STACK_STEPS,
-             *gs.vllm_steps(vllm_shapes), *cpu_scenarios.cpu_steps(),
+             *gs.vllm_steps(vllm_shapes), *cpu_scenarios.cpu_steps(), *probes.steps(),
              Step("finish", SCENARIOS, step_finish, 20, always=True)]
     return [s for s in steps if set(s.used_by) & set(selected)]
 
