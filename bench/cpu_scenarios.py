@@ -167,11 +167,12 @@ def loop_cases() -> list[Case]:
 
 CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", OPEN, behind=(30991,), tag="gateway-cpu")
 CPU_GATEWAY_ENGINE = Side("instant engine", INSTANT, 30991, "bundled", {"DIM": "384"}, tag="instant-cpu")
-SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, inputs, seconds=10, warmup=1, encoding=encoding))
-          for name, tokens, inputs, encoding in (("1 short text, float", 14, "1", "float"),
-                                                 ("1 short text, base64", 14, "1", "base64"),
-                                                 ("32 short texts, base64", 14, "32", "base64"),
-                                                 ("1 long text (256 tokens), base64", 256, "1", "base64"))]
+# request shapes (name, tokens a text, texts, encoding): loads through the gateway, and in process
+REQUESTS = (("1 short text, float", 14, 1, "float"), ("1 short text, base64", 14, 1, "base64"),
+            ("32 short texts, base64", 14, 32, "base64"),
+            ("1 long text (256 tokens), base64", 256, 1, "base64"))
+SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, str(n), seconds=10, warmup=1, encoding=encoding))
+          for name, tokens, n, encoding in REQUESTS]
 
 
 def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
@@ -181,14 +182,8 @@ def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
 
 # -- the gateway's stages in process ------------------------------------------------------------
 
-SHORT = "How do I keep GPU memory flat when inputs vary in length?"
+SHORT = "How do I keep GPU memory flat when inputs vary in length?"  # 14 tokens
 LONG = " ".join(["the embedding service truncates long inputs and keeps the EOS token"] * 30)
-STAGE_SHAPES: dict[str, dict[str, Any]] = {
-    "1 short text, float": {"input": SHORT, "encoding_format": "float"},
-    "1 short text, base64": {"input": SHORT, "encoding_format": "base64"},
-    "32 short texts, base64": {"input": [SHORT] * 32, "encoding_format": "base64"},
-    "1 long text (256 tokens), base64": {"input": LONG, "encoding_format": "base64"},
-}
 
 
 def median_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> float:
@@ -233,7 +228,12 @@ def stage_rows(model_dir: str, cap: int = 256) -> list[dict[str, Any]]:
     from embedserve.gateway.tokenize import ModelTokenizer
 
     tok = ModelTokenizer(Path(model_dir), cap)
-    return [{"request": name, **stages(tok, fields)} for name, fields in STAGE_SHAPES.items()]
+    rows = []
+    for name, tokens, n, encoding in REQUESTS:
+        text = SHORT if tokens < 256 else LONG
+        rows.append({"request": name, **stages(tok, {"input": text if n == 1 else [text] * n,
+                                                     "encoding_format": encoding})})
+    return rows
 
 
 # -- rerank: the default stack's cosine against a cross-encoder, and Infinity's rerank ------------

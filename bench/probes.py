@@ -4,15 +4,19 @@ bundled all-MiniLM-L6-v2): ``ctrl-c`` (how long `up` takes to exit after SIGINT 
 starts), ``huge-request`` (one huge request beside short ones, then a large one the engines can
 finish), ``slow-clients`` (trickling connections beside a normal client), ``idle-burst`` (a
 burst after an idle spell). ``--time-scale`` multiplies their durations (the idle spell too),
-``--rounds`` sets the slow-clients rounds. Every input is unique."""
+``--rounds`` sets the slow-clients rounds; ``autoscale-ramp`` (the autoscaling signal along a
+closed-loop ramp, bench/cpu/autoscale_ramp.py) runs on a stack with an admission bound of its
+own. Every input is unique."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
 import json
+import os
 import signal
 import subprocess
 import tempfile
@@ -24,6 +28,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from cpu import autoscale_ramp as ramp
 from harness import UP, Host, Side
 from procs import child_env, port_busy
 from runner import Step, lifecycle
@@ -34,6 +39,9 @@ SERIAL = itertools.count()  # every text carries a serial number: no cache has s
 OFFSETS_S = (0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12)  # SIGINT this long after the start
 WORDS = ("memory", "model", "token", "embedding", "query", "passage", "search", "retrieve", "document",
          "vector")
+RAMP_BOUND, RAMP_TOKENS = 512, 64  # one input a request: the ninth in flight is the first refused
+RAMP = Side("embedserve up", UP, 18700, "bundled", {"EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
+            "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(RAMP_BOUND)}, tag="ramp")
 MAX_TRICKLE_S = 120.0  # a trickler gives up after this long: the bound of a slow-clients round
 
 
@@ -265,18 +273,42 @@ def step_idle(host: Host, budget_end: float, idle_s: float = 3600.0) -> dict[str
         "Statuses and embedded tokens (usage) per phase": rows, "Capacity (tokens/s)": [caps]}}
 
 
+# -- autoscale-ramp: the autoscaling signal along a closed-loop ramp --------------------------
+
+def step_ramp(host: Host, budget_end: float) -> dict[str, Any]:
+    """A full admission window for 20 s, 45 s idle, then one closed-loop step per in-flight
+    count (20 s to settle, 30 s measured); the table, the crossing and ``ramp.png``."""
+    k, url, runs = host.time_scale, f"http://127.0.0.1:{RAMP.port}", host.work.root / "runs"
+    a = argparse.Namespace(tokens=RAMP_TOKENS, inputs=1, seconds=30 * k, warmup=20 * k, prime=20 * k,
+                           idle=45 * k)
+    load_before = os.getloadavg()
+    ramp.prime(url, a, RAMP_BOUND // RAMP_TOKENS, runs / "ramp-prime")
+    rows = []
+    for c in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12):
+        rows.append(ramp.step(url, c, a, runs / f"ramp-{c}"))
+        print(json.dumps(rows[-1]), flush=True)
+    doc = {"title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores), 1 x "
+                    f"{RAMP_TOKENS} tokens per request, admission bound {RAMP_BOUND:,} tokens",
+           "steps": rows, "crossing": ramp.crossing(rows), "load_average": [load_before, os.getloadavg()]}
+    (host.out or host.work.root).mkdir(parents=True, exist_ok=True)
+    ramp.plot(doc, (host.out or host.work.root) / "ramp.png")
+    return {**doc, "tables": {"The ramp (medians over each step's measured time)": ramp.table(doc)},
+            "notes": ramp.verdict(doc)}
+
+
 def steps() -> list[Step]:
     measured = {"huge-request": [Step("huge-request", ("huge-request",), partial(
                     step_huge, inputs=1000, words=400, seconds=60.0), 90),
                                  Step("huge-request-admitted", ("huge-request",), partial(
                     step_huge, inputs=60, words=300, seconds=45.0), 60)],
                 "slow-clients": [Step("slow-clients", ("slow-clients",), step_slow, 200)],
-                "idle-burst": [Step("idle-burst", ("idle-burst",), step_idle, 3720)]}
+                "idle-burst": [Step("idle-burst", ("idle-burst",), step_idle, 3720)],
+                "autoscale-ramp": [Step("autoscale-ramp", ("autoscale-ramp",), step_ramp, 700)]}
     out = [Step("ctrl-c", ("ctrl-c",), step_ctrl_c, 150)]
     for name, probe in measured.items():  # each on a fresh stack
-        on, off = lifecycle(f"{name}-stack", name, [STACK], 120)
+        on, off = lifecycle(f"{name}-stack", name, [RAMP if name == "autoscale-ramp" else STACK], 120)
         out += [on, *probe, off]
     return out
 
 
-SCENARIOS = ("ctrl-c", "huge-request", "slow-clients", "idle-burst")
+SCENARIOS = ("ctrl-c", "huge-request", "slow-clients", "idle-burst", "autoscale-ramp")

@@ -11,7 +11,6 @@ import drill
 import drill_report
 import harness
 import pytest
-import suite
 from procs import WorkDir
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "drill-cpu-dry-run.json"
@@ -77,10 +76,6 @@ def test_report_and_plots(tmp_path: Path) -> None:
     for png in ("memory.png", "forecast.png", "requests.png"):
         assert (tmp_path / png).stat().st_size > 10_000 and f"]({png})" in text
     assert all(line.count("|") == 3 for line in text.splitlines() if line.startswith("| forecast"))
-
-
-def test_the_drill_is_a_scenario_of_its_own() -> None:
-    assert [s.name for s in suite.plan(("drill",))] == ["models", "drill", "finish"]
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])

@@ -1,57 +1,32 @@
-"""Benchmark: the autoscaling signal (``embedserve_load``) along a closed-loop ramp.
-
-Starts ``embedserve up`` on the CPU engine with the bundled all-MiniLM-L6-v2, primes it (a
-full admission window of the ramp's requests for ``--prime`` seconds, then ``--idle`` seconds
-of nothing), then runs ``embedserve loadtest`` once per step, closed loop, with more
-requests in flight each step; the load generator reads the gauge from the gateway's
-/metrics (``--gauge``) while it runs.
+"""The autoscaling signal (``embedserve_load``) along a closed-loop ramp, as the suite's
+``autoscale-ramp`` scenario runs it (bench/probes.py; tests/test_load_signal.py runs a short
+ramp with the same functions): ``prime`` the stack, then ``embedserve loadtest`` once per
+``step``, closed loop, with more requests in flight each step, the load generator reading the
+gauge and its parts from the gateway's /metrics (``--gauge``); ``crossing`` finds where the
+gauge reaches 1.0 and where 429s begin.
 
 Why prime: the gauge's demand part divides by the engines' measured capacity, at start that of
 ``up``'s warm-up call (a batch of the model's longest inputs on a cold engine); a pod in service
 has measured it on its own traffic, and calls under a quarter of the call budget do not count.
 The idle time lets the priming traffic leave the 15 s averages; the capacity keeps its value.
 Every input is unique. Target: the gauge crosses 1.0 within 20% of the load where 429s begin.
-
-    python -m bench.cpu.autoscale_ramp --out results/autoscale-cpu     # ramp.json, ramp.md, ramp.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-# bench's scripts import each other by file name, as mypy names them (bench has no packages)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from procs import port_busy, spawn, stop_group, wait_ok
-
-from embedserve.config import BUNDLED_MODEL, Settings, resolve_model_path
+from embedserve.config import BUNDLED_MODEL, resolve_model_path
 from embedserve.gateway.load import REFUSING_SHARE
 from embedserve.loadtest.cli import main as loadtest
 
 GAUGES = ("embedserve_load", "embedserve_offered_tokens_per_second", "embedserve_refused_tokens_per_second",
           "embedserve_capacity_tokens_per_second", "embedserve_admission_fill")
 ONSET_429 = 0.01  # 429s "begin" at the first step where at least 1% of attempts get one
-
-
-def start_stack(port: int, env: dict[str, str], work: Path) -> int:
-    """``embedserve up`` on ``port`` (the engine on the next one), ready once its gateway answers;
-    its process group's id. Both ports must be free: another server answering there would be
-    measured."""
-    for p in (port, port + 1):
-        if port_busy(p):
-            raise SystemExit(f"port {p} is in use: choose another with --port")
-    pid = spawn([sys.executable, "-m", "embedserve", "up"], work / "stack.log", {**os.environ, **env})
-    if wait_ok(f"http://127.0.0.1:{port}/health/ready", time.time() + 300, pid) is None:
-        stop_group(pid, 30)
-        raise SystemExit(f"the stack was not ready in 300 s: see {work / 'stack.log'}")
-    return pid
 
 
 def step(url: str, concurrency: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -121,31 +96,36 @@ def crossing(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    c = doc["crossing"]
-    lines = ["| in flight | offered tok/s | answered tok/s | 429 share | P50 ms | capacity tok/s | demand | "
-             "admission fill | refused share | embedserve_load (min-max) |", "|---" * 10 + "|"]
+def f2(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
-    def f2(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f}"
 
+def table(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each step's row: what was offered and answered, and the gauge with its parts (medians)."""
+    out = []
     for r in doc["steps"]:
         offered, refused = r["gateway_offered_tokens_per_s"], r.get("gateway_refused_tokens_per_s")
-        share = refused / offered if offered and refused is not None else None
-        lines.append(f"| {r['concurrency']} | {r['offered_tokens_per_s']:,.0f} | "
-                     f"{r['answered_tokens_per_s']:,.0f} | {r['share_429']:.1%} | {r['p50_ms'] or '-'} | "
-                     f"{r['capacity_tokens_per_s'] or 0:,.0f} | "
-                     f"{f2(_demand(r))} | {f2(r.get('admission_fill_median'))} | {f2(share)} | "
-                     f"{f2(r['load_median'])} ({f2(r['load_min'])}-{f2(r['load_max'])}) |")
+        out.append({
+            "in flight": r["concurrency"], "offered tok/s": f"{r['offered_tokens_per_s']:,.0f}",
+            "answered tok/s": f"{r['answered_tokens_per_s']:,.0f}", "429 share": f"{r['share_429']:.1%}",
+            "P50 ms": r["p50_ms"], "capacity tok/s": f"{r['capacity_tokens_per_s'] or 0:,.0f}",
+            "demand": f2(_demand(r)), "admission fill": f2(r.get("admission_fill_median")),
+            "refused share": f2(refused / offered if offered and refused is not None else None),
+            "embedserve_load (min-max)": f"{f2(r['load_median'])} ({f2(r['load_min'])}-{f2(r['load_max'])})"})
+    return out
+
+
+def verdict(doc: dict[str, Any]) -> list[str]:
+    c = doc["crossing"]
     g1, on = c["gauge_reaches_1"], c["onset_429"]
-    if g1 and on:
-        lines += ["", f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight; 429s begin (>= "
-                  f"{ONSET_429:.0%} of attempts) at {on['concurrency']} in flight, where the gauge reads "
-                  f"{on['gauge']:.2f}: {c['gap_in_flight']:+.1%} apart, "
-                  f"{'within' if c['within_20_percent'] else 'NOT within'} 20%. The ramp's load is the "
-                  "requests in flight: offered tokens/s is no measure of it past the onset, since the load "
-                  "generator pauses after a 429 for its Retry-After."]
-    return "\n".join(lines) + "\n"
+    if not (g1 and on):
+        return []
+    return [f"The gauge reaches 1.0 at {g1['concurrency']} requests in flight; 429s begin (>= "
+            f"{ONSET_429:.0%} of attempts) at {on['concurrency']} in flight, where the gauge reads "
+            f"{on['gauge']:.2f}: {c['gap_in_flight']:+.1%} apart, "
+            f"{'within' if c['within_20_percent'] else 'NOT within'} 20%. The ramp's load is the "
+            "requests in flight: offered tokens/s is no measure of it past the onset, since the load "
+            "generator pauses after a 429 for its Retry-After."]
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -193,65 +173,3 @@ def _refusal(r: dict[str, Any]) -> float | None:
     if not offered or refused is None or refused < REFUSING_SHARE * offered:
         return None
     return offered / max(offered - refused, REFUSING_SHARE * offered)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--port", type=int, default=18600)
-    ap.add_argument("--steps", default="1,2,3,4,6,8,16,32,48,64,72,96", help="requests in flight per step")
-    ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per step")
-    ap.add_argument("--warmup", type=float, default=6.0, help="seconds before each step's measurement")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per input")
-    ap.add_argument("--inputs", type=int, default=4, help="inputs per request")
-    ap.add_argument("--max-tokens-in-flight", type=int, help="admission bound (default: the CPU default)")
-    ap.add_argument("--prime", type=float, default=20.0, help="seconds of a full admission window first")
-    ap.add_argument("--idle", type=float, default=45.0, help="seconds idle after priming")
-    ap.add_argument("--replot", action="store_true", help="only write ramp.md and ramp.png from ramp.json")
-    a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    if a.replot:
-        doc = json.loads((a.out / "ramp.json").read_text())
-        (a.out / "ramp.md").write_text(markdown(doc))
-        plot(doc, a.out / "ramp.png")
-        return 0
-    work = Path(tempfile.mkdtemp(prefix="autoscale-ramp-"))
-    env = {"HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__KIND": "cpu", "EMBEDSERVE_GATEWAY__PORT": str(a.port),
-           "EMBEDSERVE_ENGINE__PORT": str(a.port + 1), "EMBEDSERVE_ENGINE__STATS_DIR": str(work / "stats"),
-           "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120"}
-    if a.max_tokens_in_flight:
-        env["EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT"] = str(a.max_tokens_in_flight)
-    bound = Settings(_env_file=None, gateway={"max_tokens_in_flight": a.max_tokens_in_flight}
-                     ).tokens_in_flight_limit("cpu")
-    per_request = a.tokens * a.inputs
-    load_before, started = os.getloadavg(), time.time()
-    pid = start_stack(a.port, env, work)
-    rows = []
-    try:
-        url = f"http://127.0.0.1:{a.port}"
-        prime(url, a, bound // per_request, work / "prime")
-        for c in (int(x) for x in a.steps.split(",")):
-            rows.append(step(url, c, a, work / f"c{c}"))
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        stop_group(pid, 60)
-    machine = {"cores": os.cpu_count(), "platform": platform.platform(), "loadavg_before": load_before,
-               "loadavg_after": os.getloadavg()}
-    doc = {"title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores, shared), "
-                    f"{a.inputs} x {a.tokens} tokens per request, admission bound {bound:,} tokens",
-           "meta": {"machine": machine, "argv": sys.argv[1:] if argv is None else argv,
-                    "model": "all-MiniLM-L6-v2 (bundled), CPU engine", "tokens_per_request": per_request,
-                    "max_tokens_in_flight": bound, "in_flight_at_first_429": bound // per_request + 1,
-                    "seconds_per_step": a.seconds, "warmup_per_step": a.warmup, "prime_s": a.prime,
-                    "idle_after_prime_s": a.idle, "onset_429_share": ONSET_429, "started_at": started},
-           "steps": rows}
-    doc["crossing"] = crossing(rows)
-    (a.out / "ramp.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (a.out / "ramp.md").write_text(markdown(doc))
-    plot(doc, a.out / "ramp.png")
-    print(markdown(doc))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
