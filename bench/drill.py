@@ -173,15 +173,14 @@ class Sampler(threading.Thread):
     """Every ``interval_s``: /health/memory, /metrics, the engines under `up` and new lines
     of `up`'s log."""
 
-    def __init__(self, url: str, up_pid: int, log: Path, resource: str, interval_s: float = 1.0,
-                 log_offset: int = 0) -> None:
+    def __init__(self, url: str, up_pid: int, log: Path, resource: str, interval_s: float = 1.0) -> None:
         super().__init__(daemon=True)
         self.url, self.up_pid, self.log, self.resource = url, up_pid, log, resource
         self.interval_s = interval_s
         self.samples: list[dict[str, Any]] = []
         self.lines: list[dict[str, Any]] = []
         self.engine_seen: dict[int, dict[str, Any]] = {}  # pid -> port, first and last seen
-        self._offset = log_offset  # where this run's lines begin
+        self._offset = 0  # read up to here (the step moves an earlier run's log aside)
         self._halt = threading.Event()
         self._gpu = Nvml()
 

@@ -26,6 +26,7 @@ from gpu import Sampler, tree_used_gb
 from harness import Host, Side, pid
 from procs import child_env, embedserve_cmd, http_post_json
 
+from embedserve.health.sources.processes import read_processes
 from embedserve.loadtest.cachehits import hit_rate, scrape_urls
 from embedserve.loadtest.mixes import SEED_BUCKETS
 from embedserve.loadtest.textbuild import WordBuilder
@@ -210,16 +211,6 @@ def cpu_seconds(pid: int | None, main_thread: bool = False) -> float | None:
     return None
 
 
-def tree_rss_mib(pid: int) -> float | None:
-    total = 0
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                total += proc.memory_info().rss
-    return round(total / 2**20, 1) if total else None
-
-
 def children_cpu() -> float:
     """The client's CPU: the waited-for children (loadtest, crosscheck.py) and this process (the
     rerank client runs here)."""
@@ -263,7 +254,8 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
     row["gpu_busy_pct"] = gpu.busy_last(load.seconds)
     if t.tree_pid is not None:
         row["side_gpu_gb"] = tree_used_gb({"side": [t.tree_pid]}).get("side")
-        row["rss_mib"] = tree_rss_mib(t.tree_pid)
+        tree = read_processes({"side": t.tree_pid})[0].get("side")  # with its descendants, as health reads it
+        row["rss_mib"] = round(tree.rss_bytes / 2**20, 1) if tree else None
     row = {"name": name, **(tags or {}), "client": client, "mix": load.mix, "inputs": load.inputs,
            "conc": load.conc, **row, "gpu_used_gb": gpu.peak, "gpu_used_per_gpu_gb": gpu.per_gpu}
     if batch is not None:

@@ -1,10 +1,6 @@
 """The peers and embedserve's variants as entries: each peer a :class:`harness.Kind` (its
 command line, readiness and embeddings routes, texts or token ids), each variant a few settings.
-Adding a peer is one entry here and a side in a scenario's list (bench/README.md), e.g. TEI::
-
-    TEI = Kind(lambda host, side: (["text-embeddings-router", "--model-id", host.model(side.shape),
-                                    "--port", str(side.port)], {}), ready="/health")
-"""
+Adding a peer is one entry here and a side in a scenario's list (bench/README.md has TEI's)."""
 
 from __future__ import annotations
 
@@ -55,9 +51,8 @@ def variant(spec: str) -> tuple[str, dict[str, str]]:
 
 def importable(site: str, probe: str) -> str | None:
     """None when ``probe`` runs with ``site`` first on the path, else its last error line."""
-    env = child_env({"PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)})
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    done = subprocess.run([sys.executable, "-c", probe], env=child_env(site_env(site)), capture_output=True,
+                          text=True, timeout=300, check=False)
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:300]
 
 
