@@ -1,17 +1,13 @@
 """The leak drill, measured: `embedserve up --drill-leak RATE` under an open-loop load, with
 the forecast, the engines' memory and `up`'s engine replacement recorded every second.
 
-One step (``drill``): start the stack with health settings shortened so that the forecast
-settles within a minute and the replacement starts about two minutes into the leak; send
-the seed length mix at about half the stack's capacity from ready to the end; sample
-``/health/memory``, ``/metrics``, the engines under `up` (pid, port, RSS, NVML memory per
-process) and `up`'s log; end a minute after the old engine stopped (or at the time limit);
-stop everything; write ``drill.json`` (every series and the summary, bench/drill_report.py
-has the arithmetic) and, where matplotlib imports, the report with its plots.
-
-On a GPU the resource is "NVML memory of our processes" against a fixed limit (as if the
-GPU had 56 GB); on the CPU dry run, host memory (RSS of our processes) against a limit a
-few GB above the stack's size, with a faster leak so the drill takes ~2-3 minutes.
+Health settings shortened so that the forecast settles within a minute and the replacement
+starts about two minutes into the leak; the seed mix at half the stack's capacity from ready to
+the end; every second /health/memory, /metrics, the engines under `up` (pid, port, RSS, NVML
+memory) and `up`'s log; a minute after the old engine stopped, everything stops and
+``drill.json`` is written (bench/drill_report.py has the arithmetic, the report and the plots).
+On a GPU the resource is NVML memory of our processes against a limit (as if the GPU had
+56 GB); on the CPU dry run, their RSS against a few GB above the stack's size.
 """
 
 from __future__ import annotations
@@ -19,22 +15,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import drill_report
+import harness
 import psutil
-import stacks
-from gpu_memory import ProcessGpuReader, gpu_description
-from loadgen import UNIQUE_INPUT_FLAGS, supported
+from gpu import Nvml
+from harness import UP, Host, Side
 from procs import alive, child_env, embedserve_cmd, http_get
 
 from embedserve.config import CHILD_SETTINGS_ENV
@@ -44,7 +38,7 @@ from embedserve.health.sources.processes import read_processes
 from embedserve.loadtest.cachehits import counters
 
 TAG = "drill"
-DRILL_PORT, DRILL_ENGINE_PORT = 8300, 30300
+DRILL_PORT = 8300  # its engines on 30300, the replacement's on 30302
 STOP_RESERVE_S = 45.0  # stopping the load and the stack, and writing the results
 CAPACITY_4B_REQ_S = 16.0  # seed mix, 1-16 inputs per request, one H200 (results/gpu-perf)
 CAPACITY_CPU_REQ_S = 3.0  # the tiny checkpoint on a 2-core VM shared with other work
@@ -77,13 +71,14 @@ class DrillConfig:
                 for k, v in self.health.items()}
 
 
-def config_for(host: stacks.Host, rate: str | None = None) -> DrillConfig:
+def config_for(host: Host, rate: str | None = None) -> DrillConfig:
     """GPU: 4 GiB/min into a limit of 56 GB ("as if the GPU had 56 GB") with the 4B's
     ~14.5 GB in use: ~9.7 min to the limit, the replacement due at ~7.7 min to go (~2 min
     in), which leaves room for the second engine (another ~14.5 GB) and the leak while both
     run. CPU: 20 MiB/s into a limit 3 GB above the stack's ~0.6 GB: ~2.4 min to the limit,
     the replacement due at ~1.4 min to go (~1 min in)."""
-    capacity = (host.work.state.get("steps", {}).get("soak-capacity", {}).get("row") or {}).get("req_s")
+    rows = host.work.state.get("steps", {}).get("soak-capacity", {}).get("rows") or [{}]
+    capacity = rows[0].get("req_s")
     if host.cpu:
         rate = rate or "20MiB/s"
         base, headroom, after_leak, span = 0.6e9, 3.0e9, 60.0, 20.0
@@ -178,17 +173,16 @@ class Sampler(threading.Thread):
     """Every ``interval_s``: /health/memory, /metrics, the engines under `up` and new lines
     of `up`'s log."""
 
-    def __init__(self, url: str, up_pid: int, log: Path, resource: str, interval_s: float = 1.0,
-                 log_offset: int = 0) -> None:
+    def __init__(self, url: str, up_pid: int, log: Path, resource: str, interval_s: float = 1.0) -> None:
         super().__init__(daemon=True)
         self.url, self.up_pid, self.log, self.resource = url, up_pid, log, resource
         self.interval_s = interval_s
         self.samples: list[dict[str, Any]] = []
         self.lines: list[dict[str, Any]] = []
         self.engine_seen: dict[int, dict[str, Any]] = {}  # pid -> port, first and last seen
-        self._offset = log_offset  # where this run's lines begin
+        self._offset = 0  # read up to here (the step moves an earlier run's log aside)
         self._halt = threading.Event()
-        self._gpu = ProcessGpuReader()
+        self._gpu = Nvml()
 
     def first_line(self, pattern: str, after: float = 0.0) -> float | None:
         rx = re.compile(pattern, re.IGNORECASE)
@@ -257,20 +251,16 @@ class Sampler(threading.Thread):
 
 
 # -- the load ------------------------------------------------------------------------------
-def loadtest_argv(host: stacks.Host, cfg: DrillConfig, url: str, out: Path, seconds: float) -> list[str]:
+def loadtest_argv(host: Host, cfg: DrillConfig, url: str, out: Path, seconds: float) -> list[str]:
     """`embedserve loadtest` open loop: the seed length mix, unique inputs, the memory report
     sampled every second, windows of 5 s for the throughput series, no resending of a 429 (so
     each status counts one request)."""
-    model = host.model("4b")
-    argv = [*embedserve_cmd(), "loadtest", url, "--tokenizer", model, "--model", Path(model).name,
-            "--mix", cfg.mix, "--inputs", cfg.inputs, "--rate", f"{cfg.load_rate:g}",
+    return [*embedserve_cmd(), "loadtest", url, "--tokenizer", host.model("4b"), "--model",
+            host.served_name("4b"), "--mix", cfg.mix, "--inputs", cfg.inputs, "--rate", f"{cfg.load_rate:g}",
             "--duration", f"{seconds:.0f}", "--warmup", "0", "--seed", "23", "--out", str(out),
             "--no-progress", "--no-plots", "--health-url", "/health/memory", "--sample-interval", "1",
             "--window", "5", "--timeout", "300", "--max-tokens", str(host.cap), "--metrics-url", "none",
             "--retries-429", "0"]  # one attempt per request: a 429 is counted, not sent again
-    if flag := supported(UNIQUE_INPUT_FLAGS):
-        argv.append(flag)
-    return argv
 
 
 def load_series(results: dict[str, Any]) -> dict[str, Any]:
@@ -291,33 +281,20 @@ def load_series(results: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the step ------------------------------------------------------------------------------
-def describe_host(host: stacks.Host) -> dict[str, Any]:
-    gpus = gpu_description()
-    versions = {}
-    for dist in ("embedserve", "sglang", "flashinfer-python", "torch"):
-        with contextlib.suppress(PackageNotFoundError):
-            versions[dist] = version(dist)
-    names = sorted({g.split(",")[0] for g in gpus})
-    return {"hardware": f"{len(gpus)} x {', '.join(names)}" if gpus else f"CPU only, {os.cpu_count()} cores",
-            "gpus": gpus or None, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "versions": versions, "device": host.device}
-
-
-def step_drill(host: stacks.Host, budget_end: float, rate: str | None = None) -> dict[str, Any]:
+def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[str, Any]:
     cfg = config_for(host, rate or host.drill_rate)
     out = (host.out or host.work.root) / "drill"
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     deadline = min(t_start + cfg.limit_s, budget_end) - STOP_RESERVE_S
-    stacks.free_port(DRILL_ENGINE_PORT)
-    stacks.free_port(DRILL_ENGINE_PORT + 2)  # the replacement's: port + replicas + its number
     log = host.work.root / "logs" / f"{TAG}.log"
     if log.exists():  # an earlier run's banner must not pass for this one's
         log.replace(log.with_suffix(".log.1"))
     args = ("--drill-leak", cfg.rate)
-    extra = {"EMBEDSERVE_LOG_LEVEL": "WARNING", **cfg.env()}
-    env = stacks.up_env(host, "4b", DRILL_PORT, engine_port=DRILL_ENGINE_PORT, extra=extra)
-    info = stacks.start_up(host, TAG, "4b", DRILL_PORT, engine_port=DRILL_ENGINE_PORT, extra=extra, args=args)
+    side = Side(TAG, UP, DRILL_PORT, "4b", {"EMBEDSERVE_LOG_LEVEL": "WARNING", **cfg.env()}, args, tag=TAG)
+    env = UP.command(host, side)[1] | side.env
+    info = harness.start(host, side)  # its ports free: the engine's, its replacement's
+    assert info is not None
     url = f"http://127.0.0.1:{DRILL_PORT}"
     sampler = Sampler(url, info["pid"], Path(info["log"]), cfg.resource)
     sampler.start()
@@ -327,8 +304,7 @@ def step_drill(host: stacks.Host, budget_end: float, rate: str | None = None) ->
     load_argv: list[str] = []
     ended = "time limit"
     try:
-        stacks.wait_ready(host, TAG, "/v1/models", DRILL_PORT, min(deadline, budget_end),
-                          banner="embedserve is up")
+        harness.wait_ready(host, side, min(deadline, budget_end))
         events["ready"] = time.time()
         runs.mkdir(parents=True, exist_ok=True)
         load_argv = loadtest_argv(host, cfg, url, runs, deadline - time.time() + 30)
@@ -365,7 +341,8 @@ def step_drill(host: stacks.Host, budget_end: float, rate: str | None = None) ->
                "replace_done": sampler.first_line(r"engine replaced"),
                "replace_failed": sampler.first_line(r"replacement failed")}
     doc = {
-        "meta": {**describe_host(host), "model": host.model("4b"), "cap": host.cap, "rate": cfg.rate,
+        "meta": {**harness.describe(host, command="python bench/suite.py --only drill"),
+                 "model": host.model("4b"), "cap": host.cap, "rate": cfg.rate,
                  "rate_bytes_per_s": cfg.rate_bytes_per_s, "resource": cfg.resource,
                  "limit_bytes": cfg.limit_bytes, "config": asdict(cfg), "health": cfg.health,
                  "ended": ended, "stopped_clean": clean,

@@ -1,17 +1,10 @@
 """The leak drill's arithmetic and report: ``python bench/drill_report.py DRILL_JSON OUT_DIR``
 writes OUT_DIR/README.md and its plots from the drill.json that bench/drill.py recorded.
-
-The arithmetic (``summarize``) is pure and tested on a recorded drill (bench/test_drill_report.py):
-
-- true time to the limit at each sample = (limit - used) / leak rate, with used and limit as
-  /health/memory gives them for the drill's resource and the rate the drill was started with;
-- the forecast's relative error against it, over the samples from the leak's start plus
-  ``min_span_s`` until the replacement started (after it the old engine is no longer the one
-  the leak fills); median and max of |error|, target: median within 20%;
-- the replacement's start and end relative to the leak's start, and the limit's time;
-- peak memory of our engines over the drill and across the swap;
-- the load's requests: 2xx ok; 429 (with Retry-After) and 503 (the gateway sends
-  Retry-After with every 503) counted apart; anything else failed.
+``summarize`` is pure (bench/test_drill_report.py checks it on a recorded drill): the true time
+to the limit at each sample is (limit - used) / leak rate; the forecast's relative error against
+it counts from the leak's start plus ``min_span_s`` until the replacement started (then the old
+engine is no longer the one the leak fills); 429s and 503s (both with Retry-After) are counted
+apart from failures.
 """
 
 from __future__ import annotations
@@ -28,11 +21,6 @@ GB = 1e9
 
 
 # -- arithmetic ----------------------------------------------------------------------------
-def true_seconds(used: float, limit: float, rate_bytes_per_s: float) -> float:
-    """Seconds until ``used`` reaches ``limit`` at the leak's rate."""
-    return (limit - used) / rate_bytes_per_s
-
-
 class Point(NamedTuple):
     t: float
     true_s: float  # seconds to the limit at the leak's rate
@@ -47,7 +35,7 @@ def forecast_points(samples: list[dict[str, Any]], rate: float) -> list[Point]:
         if s.get("used") is None or s.get("limit") is None:
             continue
         hours = s.get("res_hours")
-        out.append(Point(s["t"], true_seconds(s["used"], s["limit"], rate),
+        out.append(Point(s["t"], (s["limit"] - s["used"]) / rate,
                          None if hours is None else 3600.0 * hours))
     return out
 
@@ -211,6 +199,10 @@ def table_lines(s: dict[str, Any]) -> list[str]:
     return ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 
 
+def versions(v: str | dict[str, str]) -> str:
+    return v if isinstance(v, str) else ", ".join(f"{k} {x}" for k, x in v.items())
+
+
 def render_markdown(doc: dict[str, Any], plots: list[str]) -> str:
     meta, s = doc["meta"], doc.get("summary") or summarize(doc)
     cmds = meta.get("commands", {})
@@ -233,7 +225,7 @@ def render_markdown(doc: dict[str, Any], plots: list[str]) -> str:
            "was started with.", "",
            f"- hardware: {meta.get('hardware')}"
            + (f" ({'; '.join(meta['gpus'])})" if meta.get("gpus") else ""),
-           f"- versions: {', '.join(f'{k} {v}' for k, v in (meta.get('versions') or {}).items())}",
+           f"- versions: {versions(meta.get('versions') or {})}",
            f"- model: `{meta.get('model')}` "
            f"({'a tiny checkpoint' if cpu else 'random weights, the real shapes'}), "
            f"max sequence length {meta.get('cap')}",
@@ -262,24 +254,31 @@ def render_markdown(doc: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(md)
 
 
-def _marks(ax: Any, doc: dict[str, Any], t0: float) -> None:
-    ev = doc.get("events", {})
+def _finish(fig: Any, ax: Any, doc: dict[str, Any], t0: float, path: Path, plt: Any, loc: str,
+            twin: Any = None, **labels: Any) -> None:
+    """The replacement's marks, labels, legend and grid, then the PNG."""
     for key, label, color in (("replace_start", "replacement started", "tab:orange"),
                               ("replace_done", "old engine stopped", "tab:green")):
-        if ev.get(key):
-            ax.axvline(ev[key] - t0, color=color, ls="--", lw=1.2, label=label)
+        if doc.get("events", {}).get(key):
+            ax.axvline(doc["events"][key] - t0, color=color, ls="--", lw=1.2, label=label)
     ax.axvline(0.0, color="grey", ls=":", lw=1, label="leak started")
+    ax.set(xlabel="seconds after the leak started", **labels)
+    handles, names = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels() if twin is not None else ([], [])
+    ax.legend(handles + more[0], names + more[1], fontsize=8, loc=loc)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_memory(doc: dict[str, Any], path: Path, plt: Any) -> None:
     samples = [s for s in doc["samples"] if "error" not in s]
-    t0 = leak_start(doc) or samples[0]["t"]
-    key = memory_key(doc)
+    t0, key = leak_start(doc) or samples[0]["t"], memory_key(doc)
     fig, ax = plt.subplots(figsize=(10, 5))
-    names = sorted({n for s in samples for n in s.get("engines", {})})
-    for n in names:
-        pts = [(s["t"] - t0, s["engines"][n].get(key)) for s in samples if n in s.get("engines", {})]
-        pts = [(x, y / GB) for x, y in pts if y is not None]
+    for n in sorted({n for s in samples for n in s.get("engines", {})}):
+        pts = [(s["t"] - t0, s["engines"][n][key] / GB) for s in samples
+               if s.get("engines", {}).get(n, {}).get(key) is not None]
         if pts:
             what = "NVML" if key == "gpu" else "RSS"
             ax.plot(*zip(*pts, strict=True), lw=1.6, label=f"engine :{n} ({what})")
@@ -291,53 +290,36 @@ def plot_memory(doc: dict[str, Any], path: Path, plt: Any) -> None:
     if device:  # the whole GPU, other processes included
         ax.plot(*zip(*device, strict=True), color="grey", lw=0.8, ls=":", label="GPU memory in use (NVML)")
     ax.axhline(doc["meta"]["limit_bytes"] / GB, color="tab:red", lw=1.5, label="limit")
-    _marks(ax, doc, t0)
-    ax.set(xlabel="seconds after the leak started", ylabel="GB",
-           title=f"Memory during the drill ({doc['meta']['rate']} per engine)")
-    ax.legend(fontsize=8, loc="upper left")
-    _save(fig, ax, path, plt)
-
-
-def _save(fig: Any, ax: Any, path: Path, plt: Any) -> None:
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, doc, t0, path, plt, "upper left", ylabel="GB",
+            title=f"Memory during the drill ({doc['meta']['rate']} per engine)")
 
 
 def plot_forecast(doc: dict[str, Any], path: Path, plt: Any) -> None:
     samples = [s for s in doc["samples"] if "error" not in s]
-    t0 = leak_start(doc) or samples[0]["t"]
+    t0, ev, health = leak_start(doc) or samples[0]["t"], doc.get("events", {}), doc["meta"]["health"]
     pts = forecast_points(samples, float(doc["meta"]["rate_bytes_per_s"]))
-    end = doc.get("events", {}).get("replace_start") or float("inf")
+    old = [p for p in pts if p.t <= (ev.get("replace_start") or float("inf"))]
     fig, ax = plt.subplots(figsize=(10, 5))
-    old = [p for p in pts if p.t <= end]
     xs = [p.t - t0 for p in old]
     ax.plot(xs, [p.true_s / 60 for p in old], color="black", lw=1.5, label="true time to the limit")
     ax.fill_between(xs, [0.8 * p.true_s / 60 for p in old], [1.2 * p.true_s / 60 for p in old],
                     color="grey", alpha=0.2, label="true +-20%")
-    done = doc.get("events", {}).get("replace_done")
     # one engine again (the health sample after the old one's stop): the truth holds again
-    new = [p for p in pts if done and p.t > done + 2.0]
+    new = [p for p in pts if ev.get("replace_done") and p.t > ev["replace_done"] + 2.0]
     if new:
         ax.plot([p.t - t0 for p in new], [p.true_s / 60 for p in new], color="black", lw=1, ls="--",
                 label="true time to the limit, new engine")
     fc = [(p.t - t0, p.forecast_s / 60) for p in pts if p.forecast_s is not None]
     if fc:
         ax.plot(*zip(*fc, strict=True), ".", color="tab:blue", ms=3, label="forecast (health monitor)")
-    span = doc["meta"]["health"].get("min_span_s")
-    if span:
-        ax.axvline(span, color="tab:purple", ls=":", lw=1, label="min_span_s after the leak's start")
-    due = doc["meta"]["health"].get("replace_below_hours")
-    if due:
-        ax.axhline(due * 60, color="tab:orange", lw=1, label="replace below")
-    _marks(ax, doc, t0)
-    top = max([p.true_s for p in old] or [60.0]) / 60
-    ax.set_ylim(0, 1.6 * top)
-    ax.set(xlabel="seconds after the leak started", ylabel="minutes",
-           title="Forecast time to out-of-memory vs the true time to the limit")
-    ax.legend(fontsize=8, loc="upper right")
-    _save(fig, ax, path, plt)
+    if health.get("min_span_s"):
+        ax.axvline(health["min_span_s"], color="tab:purple", ls=":", lw=1,
+                   label="min_span_s after the leak's start")
+    if health.get("replace_below_hours"):
+        ax.axhline(health["replace_below_hours"] * 60, color="tab:orange", lw=1, label="replace below")
+    ax.set_ylim(0, 1.6 * max([p.true_s for p in old] or [60.0]) / 60)
+    _finish(fig, ax, doc, t0, path, plt, "upper right", ylabel="minutes",
+            title="Forecast time to out-of-memory vs the true time to the limit")
 
 
 def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
@@ -345,9 +327,7 @@ def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
     wins = load["windows"]
     t0 = leak_start(doc) or wins[0]["t0"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    xs = [w["t0"] - t0 for w in wins]
-    widths = [w["t1"] - w["t0"] for w in wins]
-    bottom = [0.0] * len(wins)
+    xs, widths, bottom = [w["t0"] - t0 for w in wins], [w["t1"] - w["t0"] for w in wins], [0.0] * len(wins)
     for label, color in (("2xx", "tab:green"), ("429", "tab:orange"), ("503", "tab:purple"),
                          ("failed", "tab:red")):
         ys = [sum(n for k, n in w["by_status"].items() if status_group(k) == label) / (w["t1"] - w["t0"])
@@ -355,19 +335,13 @@ def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
         if any(ys) or label == "2xx":
             ax.bar(xs, ys, width=widths, bottom=bottom, align="edge", color=color, alpha=0.8, label=label)
             bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
-    ax.set(xlabel="seconds after the leak started", ylabel="requests per second",
-           title=f"Load by status ({load.get('traffic')})")
-    _marks(ax, doc, t0)
     ax2 = ax.twinx()
     p95 = [(w["t0"] - t0 + (w["t1"] - w["t0"]) / 2, w["p95_ms"]) for w in wins if w.get("p95_ms") is not None]
     if p95:
         ax2.plot(*zip(*p95, strict=True), color="black", lw=1, marker=".", label="P95 ms")
-        ax2.set_ylabel("P95 latency, ms")
-        ax2.set_ylim(bottom=0)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower left")
-    _save(fig, ax, path, plt)
+        ax2.set(ylabel="P95 latency, ms", ylim=(0, None))
+    _finish(fig, ax, doc, t0, path, plt, "lower left", ax2, ylabel="requests per second",
+            title=f"Load by status ({load.get('traffic')})")
 
 
 def write_report(doc: dict[str, Any], out: Path) -> Path:
@@ -398,13 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     a = ap.parse_args(argv)
     doc = json.loads(a.drill_json.read_text())
-    path = write_report(doc, a.out)
-    s = summarize(doc)
-    fe = s.get("forecast_error") or {}
-    print(f"{path}: {'PASS' if s['passed'] else 'FAIL'}; replaced {s['replaced']} at "
-          f"{s.get('replace_start_s')}-{s.get('replace_done_s')} s, forecast error median "
-          f"{_pct(fe.get('median_abs'))} max {_pct(fe.get('max_abs'))}, failed requests "
-          f"{(s.get('requests') or {}).get('failed')}")
+    print(f"{write_report(doc, a.out)}: {'PASS' if summarize(doc)['passed'] else 'FAIL'}")
     return 0
 
 

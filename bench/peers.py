@@ -1,71 +1,157 @@
-"""Other embedding servers on the same GPU, sent the same texts as embedserve's gateway:
-Infinity 0.0.78 (torch engine, bf16). vLLM has a scenario of its own (bench/vllm_peer.py)."""
+"""The peers and embedserve's variants as entries: each peer a :class:`harness.Kind` (its
+command line, readiness and embeddings routes, texts or token ids), each variant a few settings.
+Adding a peer is one entry here and a side in a scenario's list (bench/README.md has TEI's)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
-import stacks
-from loadgen import Load, Target
-from scenarios import ENGINE_PORTS, Case, alternate, engine_memory
-from stacks import Host
+from harness import Host, Kind, Side
+from procs import child_env, log_tail
 
-INFINITY_PORT, GATEWAY_PORT = 7997, 8004
-PEER_CASES = [
-    Case("short, 1 input/request", Load("uniform:16-512", 64, seconds=15), rounds=2),
-    Case("short, 32 inputs/request", Load("uniform:16-512", 4, inputs="32", seconds=15), rounds=2),
-    Case("~1,000 words", Load("uniform:1200-1400", 16, seconds=15), rounds=2),
-    Case("one in flight", Load("uniform:16-512", 1, seconds=6, warmup=1), rounds=4),
-]
+HERE = Path(__file__).resolve().parent
+BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
+API_SERVERS = 4  # vllm tuned: --api-server-count (vllm-project/vllm#22941)
+TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc-compiler", "inductor"]
+#: embedserve's variants, as an operator sets them: settings on top of the defaults, and SGLang
+#: flags appended through ``engine.extra_args``; ``+`` joins several (``x2+graphs``)
+VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
+    "x1": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "1"}, []),
+    "x2": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}, []),
+    "x3": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"}, []),
+    "graphs": ({}, TC_PIECEWISE),
+    "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
+    "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
+}
 
 
-def infinity_importable(host: Host) -> str | None:
-    """None when Infinity can start from its folder, else why not."""
-    probe = ("import infinity_emb, transformers; "
-             "assert transformers.__version__.startswith('4.'), transformers.__version__")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (host.infinity_site, env.get("PYTHONPATH", "")) if p)
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+def variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME=K=V,K=V`` (settings of its own), or names of :data:`VARIANTS` joined by ``+``:
+    their settings together, SGLang's extra flags concatenated."""
+    name, sep, settings = spec.partition("=")
+    if sep:
+        env = dict(item.split("=", 1) for item in settings.split(",") if item)
+        if not all(k.startswith(("EMBEDSERVE_", "CUDA_")) for k in env):
+            raise ValueError(f"{spec!r}: wants NAME=EMBEDSERVE_X=V,EMBEDSERVE_Y=W")
+        return name, env
+    env, extra = {}, []
+    for part in spec.split("+"):
+        if part not in VARIANTS:
+            raise ValueError(f"unknown embedserve variant {part!r}; known: {', '.join(VARIANTS)}")
+        env |= VARIANTS[part][0]
+        extra += VARIANTS[part][1]
+    return spec, env | ({"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(extra)} if extra else {})
+
+
+def importable(site: str, probe: str) -> str | None:
+    """None when ``probe`` runs with ``site`` first on the path, else its last error line."""
+    done = subprocess.run([sys.executable, "-c", probe], env=child_env(site_env(site)), capture_output=True,
+                          text=True, timeout=300, check=False)
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:300]
 
 
-PEER_PARTS = {1: ("short, 1 input/request", "short, 32 inputs/request"),
-              2: ("~1,000 words", "one in flight")}  # one step each; Infinity stays up between
+def site_env(site: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 
 
-def step_infinity(host: Host, budget_end: float, shape: str = "4b", part: int = 1) -> dict[str, Any]:
-    """Infinity and embedserve's gateway (in front of the main raw engine), alternating, same
-    seeds so the same texts; the load generator counts tokens with the model's tokenizer for
-    both."""
-    why = infinity_importable(host)
-    if why:
-        return {"skipped": f"Infinity not importable from {host.infinity_site}: {why}"}
-    gw = stacks.start_gateway(host, "gateway-peers", shape, GATEWAY_PORT, [ENGINE_PORTS[shape]])
-    if not host.work.running("infinity"):
-        stacks.start_infinity(host, "infinity", shape, INFINITY_PORT)
-    last = part == max(PEER_PARTS)
-    out: dict[str, Any] = {}
-    try:
-        stacks.wait_ready(host, "gateway-peers", "/health/ready", GATEWAY_PORT, budget_end)
-        out["ready_s"] = stacks.wait_ready(host, "infinity", "/health", INFINITY_PORT, budget_end)
-        out["gpu_gb_idle"] = engine_memory(host, [f"engine-{shape}", "infinity"])
-        sides = [("embedserve", stacks.gateway_target(host, shape, GATEWAY_PORT, [ENGINE_PORTS[shape]],
-                                                      gw["pid"])),
-                 ("infinity", Target(f"http://127.0.0.1:{INFINITY_PORT}/embeddings", host.model(shape),
-                                     raw=False, cap=host.cap))]
-        warm = Case("warm-up", Load("uniform:16-512", 32, seconds=8, warmup=0))
-        alternate(host, sides, warm, f"peers-warm-{part}", 400)
-        out["rows"] = []
-        for i, case in enumerate(PEER_CASES):
-            if case.name in PEER_PARTS[part]:
-                out["rows"] += alternate(host, sides, case, "peers", 410 + 10 * i, tags={"shape": shape})
-        out["gpu_gb_after"] = engine_memory(host, [f"engine-{shape}", "infinity"])
-    finally:
-        host.work.stop("gateway-peers", 30)
-        if last:
-            host.work.stop("infinity", 60)
-    return out
+# -- vLLM 0.26.0's pooling runner ------------------------------------------------------------------
+
+
+def kv_pool_bytes(model_dir: str, tokens: int) -> int:
+    """Bytes of a bf16 KV cache of ``tokens`` tokens for this checkpoint (K and V, every layer)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return tokens * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+
+
+def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
+    """`vllm serve` with vLLM's defaults but two: the KV pool (``--kv-cache-memory-bytes``, by
+    default as many tokens as embedserve's engine, so that all servers fit on one GPU; the
+    utilisation then only gates the start-up check of free memory) and chunked prefill, off:
+    on, it hangs Qwen3-Embedding under mixed lengths (vllm-project/vllm#47971; here: 1 request
+    running, 63 waiting, 0 tokens/s). ``side.args`` adds flags (``vllm tuned``)."""
+    base = list(host.vllm_cmd) or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    model = host.model(side.shape)
+    kv_tokens = host.vllm_kv_tokens or max(BATCH_BUDGET, 2 * host.cap)
+    argv = [*base, "serve", model, "--runner", "pooling", "--served-model-name", host.served_name(side.shape),
+            "--host", "127.0.0.1", "--port", str(side.port), "--max-model-len", str(host.cap),
+            "--dtype", "float32" if host.cpu else "bfloat16",
+            "--kv-cache-memory-bytes", str(kv_pool_bytes(model, kv_tokens)),
+            "--gpu-memory-utilization", "0.1",
+            "--no-enable-chunked-prefill", *side.args]
+    return argv, site_env(host.vllm_site) | {"VLLM_NO_USAGE_STATS": "1", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def vllm_missing(host: Host) -> str | None:
+    if host.vllm_cmd:
+        return None
+    why = importable(host.vllm_site, "import vllm, vllm.entrypoints.cli.main")
+    return why and f"vLLM not importable from {host.vllm_site}: {why}"
+
+
+LOG_LINES = re.compile(r"attention backend|cudagraph|CUDA graph|Model loading took|KV cache|"
+                       r"torch\.compile|Supported tasks|pooler_config", re.IGNORECASE)
+
+
+def vllm_facts(log: Path) -> dict[str, Any]:
+    """What vLLM said about itself at start-up: the attention backend, the CUDA-graph mode,
+    and the lines they came from."""
+    text = log_tail(log, 2_000_000)
+    backend = re.search(r"Using (\S+) attention backend", text)
+    graphs = re.search(r"cudagraph_mode'?\"?\s*[:=]\s*<?(?:CUDAGraphMode\.)?([A-Z_]+)", text)
+    override = re.findall(r"[Oo]verriding cudagraph_mode to ([A-Z_]+)", text)
+    return {"attention_backend": backend.group(1) if backend else None,
+            "cudagraph_mode": override[-1] if override else (graphs.group(1) if graphs else None),
+            "log_lines": [ln.strip()[:300] for ln in text.splitlines() if LOG_LINES.search(ln)][:16]}
+
+
+# a request unanswered for 60 s is an error: vLLM 0.26 once stopped making progress with 64 in
+# flight, and the default 300 s would hold every later run of the step
+VLLM = Kind(vllm_command, ready="/health", missing=vllm_missing, facts=vllm_facts, timeout_s=60.0)
+VLLM_TUNED_ARGS = ("--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-count", str(API_SERVERS))
+
+
+# -- Infinity 0.0.78, from a folder of its own (it breaks on transformers 5) ----------------------
+
+
+def infinity_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
+    """``side.args``: options over the defaults below (``--engine optimum``, ``--pooling-method
+    mean``); given a folder with model.onnx as ``cwd``, it is started there with ``--model-id .``
+    (given a path, Infinity passes the whole path as the ONNX file's name)."""
+    cpu = host.cpu or "cpu" in side.args
+    options = {"--engine": "torch", "--device": "cpu" if cpu else "cuda", "--dtype": "float32" if cpu else
+               "bfloat16"} | dict(zip(side.args[::2], side.args[1::2], strict=True))
+    model = "." if side.cwd else host.model(side.shape)
+    argv = [sys.executable, "-m", "infinity_emb.cli", "v2", "--model-id", model,
+            "--served-model-name", host.served_name(side.shape), "--port", str(side.port),
+            *(x for kv in options.items() for x in kv)]
+    return argv, site_env(host.infinity_site) | {"INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+
+
+def infinity_missing(host: Host) -> str | None:
+    why = importable(host.infinity_site, "import infinity_emb, transformers; "
+                     "assert transformers.__version__.startswith('4.'), transformers.__version__")
+    return why and f"Infinity not importable from {host.infinity_site}: {why}"
+
+
+INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", rerank="/rerank",
+                missing=infinity_missing)
+
+
+# -- in process: a model in the client's own loop, no HTTP (bench/inprocess.py) -------------------
+
+
+def in_process_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
+    backend = side.args[0] if side.args else "st-torch"
+    argv = [sys.executable, str(HERE / "inprocess.py"), backend, side.cwd or host.model(side.shape)]
+    return [*argv, str(side.port)], {"HF_HUB_OFFLINE": "1"}
+
+
+IN_PROCESS = Kind(in_process_command, ready="/health", in_process=True)

@@ -42,12 +42,12 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def spawn(argv: list[str], log: Path, env: dict[str, str]) -> int:
+def spawn(argv: list[str], log: Path, env: dict[str, str], cwd: str | None = None) -> int:
     """Start ``argv`` in a new session, output appended to ``log``; returns its pid (= pgid)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
         proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
     return proc.pid
 
 
@@ -140,13 +140,13 @@ class WorkDir:
         self.state["log"].append(line)
         self.save()
 
-    def start(self, tag: str, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    def start(self, tag: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> dict[str, Any]:
         """Start a process under ``tag`` (which must not be running already)."""
         old = self.state["procs"].get(tag)
         if old and alive(old["pid"]):
             raise RuntimeError(f"{tag} is still running (pid {old['pid']})")
         log = self.root / "logs" / f"{tag}.log"
-        pid = spawn(argv, log, child_env(env))
+        pid = spawn(argv, log, child_env(env), cwd)
         info = {"pid": pid, "argv": argv, "started_at": time.time(), "log": str(log)}
         self.state["procs"][tag] = info
         self.note(f"started {tag}: pid {pid}: {' '.join(argv[-6:])}")

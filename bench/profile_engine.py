@@ -1,16 +1,10 @@
 """Where an engine's time goes under load: SGLang's torch profile of its scheduler (GPU kernels
 by kind, and the gaps between them) and py-spy over every process on the request's path (the
-gateway, SGLang's HTTP + tokenizer-manager process, its scheduler and its detokenizer).
-
-    python bench/profile_engine.py TRACE.json.gz            # summarise a torch trace
-    python bench/profile_engine.py --pyspy RAW.txt          # summarise a py-spy raw profile
-
-The suite's ``engines-per-gpu`` scenario calls ``profile_under_load`` while a load runs.
-"""
+gateway, SGLang's HTTP + tokenizer-manager process, its scheduler and its detokenizer), as the
+suite's profile steps record them (``profile_under_load``, while a load runs)."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -136,28 +130,11 @@ def _short(frame: str) -> str:
 
 
 def listener_pid(port: int) -> int | None:
-    """The process listening on a TCP port (from /proc: the host may have no ss)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                link = fd.readlink().as_posix()
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(proc.name)
-        except OSError:
-            continue
-    return None
+    """The process listening on a TCP port."""
+    import psutil
+
+    return next((c.pid for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port), None)
 
 
 def sglang_processes(main_pid: int) -> dict[str, int]:
@@ -192,7 +169,7 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
     """Starts ``load`` against ``target`` (a gateway) and, once warmed up, py-spy over the
     path's processes for ``pyspy_s``, then the engine's torch profile for ``steps`` batches;
     summarises both. ``load`` must last for both (about 24 s)."""
-    from loadgen import measure
+    from measure import measure
     from procs import http_post_json
 
     out.mkdir(parents=True, exist_ok=True)
@@ -227,7 +204,7 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
                        for name, (proc, path) in spies.items()}
     deadline = time.time() + 60
     traces: list[Path] = []
-    while time.time() < deadline and not traces:
+    while time.time() < deadline and not traces and "torch_error" not in result:  # none coming
         traces = sorted(trace_dir.glob("*.json*")) if trace_dir.exists() else []
         time.sleep(1)
     if traces:
@@ -235,22 +212,3 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
         result["torch_trace"] = {"file": traces[0].name, "mb": round(traces[0].stat().st_size / 2**20, 1),
                                  **summarise_trace(load_trace(traces[0]), steps)}
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("path", type=Path)
-    ap.add_argument("--pyspy", action="store_true", help="a py-spy raw profile (recorded with --threads)")
-    ap.add_argument("--rate", type=float, default=200.0)
-    ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--steps", type=int, default=None)
-    args = ap.parse_args(argv)
-    if args.pyspy:
-        print(json.dumps(summarise_pyspy(args.path.read_text(), args.rate, args.seconds), indent=1))
-    else:
-        print(json.dumps(summarise_trace(load_trace(args.path), args.steps), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

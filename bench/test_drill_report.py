@@ -9,9 +9,8 @@ from typing import Any
 
 import drill
 import drill_report
+import harness
 import pytest
-import stacks
-import suite
 from procs import WorkDir
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "drill-cpu-dry-run.json"
@@ -79,13 +78,9 @@ def test_report_and_plots(tmp_path: Path) -> None:
     assert all(line.count("|") == 3 for line in text.splitlines() if line.startswith("| forecast"))
 
 
-def test_the_drill_is_a_scenario_of_its_own() -> None:
-    assert [s.name for s in suite.plan(("drill",))] == ["models", "drill", "finish"]
-
-
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_replacement_is_due_about_when_planned(tmp_path: Path, device: str) -> None:
-    host = stacks.Host(WorkDir(tmp_path), device=device)
+    host = harness.Host(WorkDir(tmp_path), device=device)
     cfg = drill.config_for(host)
     to_limit = (cfg.limit_bytes - cfg.base_bytes) / cfg.rate_bytes_per_s
     due = cfg.health["replace_below_hours"] * 3600

@@ -1,0 +1,329 @@
+"""The CPU comparisons as data, run by the same runner as the GPU suite (`python bench/suite.py
+--only NAME`), the bundled all-MiniLM-L6-v2 on the CPU engine: against its peers (``cpu-peers``),
+the gateway's engine-call settings (``engine-calls``), the gateway alone before an engine that
+answers at once (``gateway-overhead``, ``gateway-loop``, ``gateway-cpu``), the quality gate
+(``quality-cpu``). bench/README.md says what each measures."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from random import Random
+from typing import Any
+
+import httpx
+from harness import GATEWAY, INSTANT, UP, Host, Side, slug
+from measure import Case, Load, children_cpu
+from peers import IN_PROCESS, INFINITY
+from runner import Step, lifecycle, step_compare, step_quality, step_vectors
+
+OPEN = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}  # admission never caps a run
+CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", **OPEN}  # `up`'s engine (a gateway given engines starts none)
+MEAN = ("--device", "cpu", "--dtype", "float32", "--pooling-method", "mean")
+PEER_LOADS = [
+    Case("20-word texts, 1 per request, 16 in flight", Load("fixed:20", 16, seconds=15, warmup=2, words=True,
+                                                             batches=(1, 16)), rounds=3),
+    Case("64-word texts x 32 per request, 4 in flight", Load("fixed:64", 4, inputs="32", seconds=15, warmup=2,
+                                                              words=True, batches=(32,)), rounds=3),
+    Case("one in flight", Load("fixed:20", 1, seconds=15, warmup=2, words=True, batches=(1,)), rounds=3),
+]
+
+
+def up(name: str, port: int, **settings: str) -> Side:
+    return Side(name, UP, port, "bundled", CPU | settings, tag=slug(name))
+
+
+def peer_sides(host: Host) -> list[Side]:
+    onnx, hub = host.work.root / "minilm-onnx", host.work.root / "hub"
+    # huggingface_hub 0.36 reads HUGGINGFACE_HUB_CACHE for the constant Infinity's optimiser uses
+    caches = {k: {"HF_HUB_CACHE": str(hub / k), "HUGGINGFACE_HUB_CACHE": str(hub / k)}
+              for k in ("plain", "optimised")}
+    optimum = (*MEAN, "--engine", "optimum")
+    return [up("embedserve torch", 8800, EMBEDSERVE_ENGINE__CPU_BACKEND="torch"), up("embedserve onnx", 8810),
+            up("embedserve onnx int8", 8820, EMBEDSERVE_ENGINE__CPU_QUANTIZATION="int8"),
+            Side("Infinity torch", INFINITY, 8830, "bundled", args=MEAN),
+            Side("Infinity optimum", INFINITY, 8831, "bundled", caches["plain"], optimum, cwd=str(onnx)),
+            Side("Infinity optimum optimised", INFINITY, 8832, "bundled", caches["optimised"], optimum,
+                 cwd=str(onnx)),
+            Side("ST torch in process", IN_PROCESS, 8833, "bundled", args=("st-torch",)),
+            Side("ST ONNX in process", IN_PROCESS, 8834, "bundled", {"PYTHONPATH": host.infinity_site},
+                 ("st-onnx",), cwd=str(onnx)),
+            Side("embedserve's export in process", IN_PROCESS, 8835, "bundled", args=("ort-export",))]
+
+
+PREPARE = """
+import shutil, sys
+from pathlib import Path
+from sentence_transformers import SentenceTransformer
+from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
+from optimum.onnxruntime.configuration import OptimizationConfig
+
+source, folder, optimised = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+shutil.rmtree(folder, ignore_errors=True)
+SentenceTransformer(source, device="cpu", backend="onnx", local_files_only=True).save_pretrained(str(folder))
+(folder / "onnx" / "model.onnx").rename(folder / "model.onnx")
+(folder / "onnx").rmdir()
+model = ORTModelForFeatureExtraction.from_pretrained(str(folder), file_name="model.onnx")
+# Infinity's own settings (infinity_emb/transformer/utils_optimum.py) less the argument that
+# optimum-onnx 0.1.0 refuses
+config = OptimizationConfig(optimization_level=99, optimize_for_gpu=False, fp16=False)
+ORTOptimizer.from_pretrained(model).optimize(optimization_config=config, save_dir=str(optimised),
+                                             one_external_file=True)
+"""
+
+
+def step_onnx(host: Host, budget_end: float) -> dict[str, Any]:
+    """sentence-transformers' ONNX export in a copy of the model's folder (the bundled model
+    ships none), and the graph Infinity's optimisation step would have written (optimum's
+    optimiser at level 99, for CPU) in the "optimised" side's hub cache, where it looks first."""
+    hub = host.work.root / "hub"
+    shutil.rmtree(hub, ignore_errors=True)
+    target = hub / "optimised" / "infinity_onnx" / "CPUExecutionProvider"
+    (hub / "plain").mkdir(parents=True)
+    argv = [sys.executable, "-c", PREPARE, host.model("bundled"), str(host.work.root / "minilm-onnx"),
+            str(target)]
+    env = {**os.environ, "PYTHONPATH": host.infinity_site, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    return {"skipped": f"no ONNX copy for Infinity: {done.stderr[-300:]}"} if done.returncode else {}
+
+
+def step_first_export(host: Host, budget_end: float) -> dict[str, Any]:
+    """What a first start adds: the export into an empty cache (fp32, then int8 from it), in the
+    child process the engine runs: wall-clock seconds and the CPU seconds it used (which a busy
+    machine changes less)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for quantization in ("none", "int8"):
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBEDSERVE_ENGINE__CPU_EXPORT_DIR": cache,
+                   "EMBEDSERVE_ENGINE__CPU_QUANTIZATION": quantization}
+            t0, cpu0, load0 = time.monotonic(), children_cpu(), os.getloadavg()[0]
+            subprocess.run([sys.executable, "-m", "embedserve.engines.onnx_export"], env=env, check=True,
+                           capture_output=True)
+            rows.append({"quantization": quantization, "seconds": round(time.monotonic() - t0, 1),
+                         "cpu_seconds": round(children_cpu() - cpu0, 1),
+                         "load_average": f"{load0:.1f}-{os.getloadavg()[0]:.1f}"})
+    return {"tables": {"A first start's export into an empty cache": rows}}
+
+
+def variant_sides(host: Host, first: int, base: str = "default") -> list[Side]:
+    named = dict(host.variants)
+    return [up(base, first, **named.get(base, {})),
+            *(up(name, first + 10 * (i + 1), **env) for i, (name, env) in enumerate(host.variants)
+              if name != base)]
+
+
+def step_stages(host: Host, budget_end: float, n: int = 300) -> dict[str, Any]:
+    """One request in flight, ``n`` single short inputs a side: the round trip and the gateway's
+    stage headers (tokenise, queue, engine call), medians."""
+    rows = []
+    for side in variant_sides(host, 8900):
+        seen: dict[str, list[float]] = {"round_trip": [], "tokenize": [], "queue": [], "engine": []}
+        with httpx.Client(timeout=30) as client:
+            for i in range(n):
+                t0 = time.perf_counter()
+                body = {"model": host.served_name("bundled"), "input": f"short question {i} {time.time()}"}
+                r = client.post(f"http://127.0.0.1:{side.port}/v1/embeddings", json=body)
+                seen["round_trip"].append(1000 * (time.perf_counter() - t0))
+                for stage in ("tokenize", "queue", "engine"):
+                    seen[stage].append(float(r.headers[f"x-embedserve-{stage}-ms"]))
+        rows.append({"side": side.name, **{f"{k}_ms": round(statistics.median(v), 2)
+                                           for k, v in seen.items()}})
+    return {"tables": {"One request in flight, the gateway's stage headers (medians)": rows}}
+
+
+INSTANT_ENGINE = Side("instant engine", INSTANT, 18611, "bundled", {"DIM": "384"}, tag="instant-384")
+OVERHEAD = [INSTANT_ENGINE, Side("gateway (text)", GATEWAY, 18610, "bundled", OPEN, behind=(18611,),
+                                 tag="gateway-overhead"),
+            Side("gateway (ids)", GATEWAY, 18610, "bundled", ids=True, tag="gateway-overhead")]
+LOOP_ENGINE = Side("instant engine", INSTANT, 30993, "bundled", {"DIM": "1024"}, tag="instant-1024")
+
+
+def loop_sides(host: Host) -> list[Side]:
+    """A gateway per tokenizer (every ``--model NAME=DIR`` that is not a suite shape), inline
+    tokenise limit and event loop, all in front of one instant engine."""
+    models = [m for m in host.models if m not in ("4b", "0.6b", "minilm", "bundled")]
+    return [Side(f"{loop}, {model}, inline {chars}", GATEWAY, 8993 + 10 * i, model,
+                 OPEN | {"EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": chars,
+                        "EMBEDSERVE_GATEWAY__EVENT_LOOP": loop},
+                 behind=(LOOP_ENGINE.port,))
+            for i, (model, chars, loop) in enumerate((m, c, lp) for m in models for c in ("2048", "0")
+                                                     for lp in ("uvloop", "asyncio"))]
+
+
+def loop_cases() -> list[Case]:
+    return [Case(f"{name}, {conc} in flight", Load(mix, conc, seconds=10, warmup=2, build_workers=0))
+            for conc in (64, 1) for name, mix in (("short 16-512", "uniform:16-512"), ("seed mix", "seed"))]
+
+
+CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", OPEN, behind=(30991,), tag="gateway-cpu")
+CPU_GATEWAY_ENGINE = Side("instant engine", INSTANT, 30991, "bundled", {"DIM": "384"}, tag="instant-cpu")
+# request shapes (name, tokens a text, texts, encoding): loads through the gateway, and in process
+REQUESTS = (("1 short text, float", 14, 1, "float"), ("1 short text, base64", 14, 1, "base64"),
+            ("32 short texts, base64", 14, 32, "base64"),
+            ("1 long text (256 tokens), base64", 256, 1, "base64"))
+SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, str(n), seconds=10, warmup=1, encoding=encoding))
+          for name, tokens, n, encoding in REQUESTS]
+
+
+def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
+    return {"tables": {"Where the gateway's CPU time goes, in process (median µs per request)":
+                       stage_rows(host.model("bundled"))}}
+
+
+# -- the gateway's stages in process ------------------------------------------------------------
+
+SHORT = "How do I keep GPU memory flat when inputs vary in length?"  # 14 tokens
+LONG = " ".join(["the embedding service truncates long inputs and keeps the EOS token"] * 30)
+
+
+def median_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t0) / number)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def stages(tok: Any, fields: dict[str, Any]) -> dict[str, float]:
+    """Median µs per request of each of the gateway's CPU stages, in process, for one request shape."""
+    import orjson
+
+    from embedserve.contracts.wire import decode_response, encode_base64
+    from embedserve.gateway.schemas import EmbeddingRequest
+    from embedserve.gateway.vectors import shape_vectors
+    from embedserve.loadtest.instant_engine import reply
+
+    body = orjson.dumps({"model": "m", **fields})
+    req = EmbeddingRequest.model_validate(orjson.loads(body))
+    texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    engine_reply = reply(len(texts))
+    vectors = decode_response(engine_reply, len(texts))
+
+    def respond() -> bytes:
+        shaped = shape_vectors(vectors, None, True)
+        payload = encode_base64(shaped) if req.encoding_format == "base64" else list(shaped)
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)]
+        return orjson.dumps({"object": "list", "data": data}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    out = {"parse_validate_us": median_us(lambda: EmbeddingRequest.model_validate(orjson.loads(body))),
+           "tokenize_us": median_us(lambda: tok.encode_texts(texts)),
+           "engine_reply_parse_us": median_us(lambda: decode_response(engine_reply, len(texts))),
+           "normalise_encode_us": median_us(respond)}
+    return out | {"sum_us": round(sum(out.values()), 1)}
+
+
+def stage_rows(model_dir: str, cap: int = 256) -> list[dict[str, Any]]:
+    from embedserve.gateway.tokenize import ModelTokenizer
+
+    tok = ModelTokenizer(Path(model_dir), cap)
+    rows = []
+    for name, tokens, n, encoding in REQUESTS:
+        text = SHORT if tokens < 256 else LONG
+        rows.append({"request": name, **stages(tok, {"input": text if n == 1 else [text] * n,
+                                                     "encoding_format": encoding})})
+    return rows
+
+
+# -- rerank: the default stack's cosine against a cross-encoder, and Infinity's rerank ------------
+
+def rerank_sides(host: Host) -> list[Side]:
+    """A cross-encoder of ms-marco-MiniLM-L-6-v2's shape with random weights (no model hub here;
+    speed depends on the shape) on the CPU engine (ONNX Runtime) and on Infinity's torch engine."""
+    return [up("embedserve, bundled MiniLM (cosine)", 8860),
+            Side("embedserve, cross-encoder (ONNX)", UP, 8870, "cross-encoder", CPU, tag="rerank-ce"),
+            Side("Infinity, cross-encoder (torch)", INFINITY, 8880, "cross-encoder", args=MEAN[:4])]
+
+
+def step_cross_encoder(host: Host, budget_end: float) -> dict[str, Any]:
+    from embedserve.runtime.synth_rerank import build_cross_encoder
+
+    return {"model": str(build_cross_encoder(Path(host.model("cross-encoder")), "minilm-l6"))}
+
+
+def step_rerank_scores(host: Host, budget_end: float) -> dict[str, Any]:
+    """The cross-encoder sides' relevance scores for the same 8 pairs, against each other."""
+    from embedserve.loadtest.textbuild import WordBuilder
+
+    texts = [WordBuilder(99).build(64, Random(99), i)[0] for i in range(9)]
+    got = {}
+    for side in rerank_sides(host)[1:]:
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.post(f"http://127.0.0.1:{side.port}{side.kind.rerank}", timeout=120, json={
+                "model": host.served_name(side.shape), "query": texts[0], "documents": texts[1:]})
+            ranked = sorted(r.json()["results"], key=lambda x: x["index"])
+            got[side.name] = [x["relevance_score"] for x in ranked]
+    diff = max(abs(a - b) for a, b in zip(*got.values(), strict=True)) if len(got) == 2 else None
+    return {"scores": got, "notes": [f"Cross-encoder scores of the same 8 pairs, largest difference: {diff}"]}
+
+
+RERANK_LOADS = [Case(f"1 query x {n} passages of 64 words, {conc} in flight",
+                     Load("fixed:64", conc, seconds=15, warmup=2, words=True, rerank=n), 3)
+                for n, conc in ((16, 4), (64, 1))]
+
+
+def quality_base(host: Host) -> list[Side]:
+    return [up("baseline", 18700, **dict(host.variants).get("baseline", {}))]
+
+
+def quality_pairs(host: Host) -> list[tuple[str, Side, Side]]:
+    base = quality_base(host)[0]
+    return [(name, base, up(name, 18710, **env)) for name, env in host.variants if name != "baseline"]
+
+
+def cpu_steps() -> list[Step]:
+    calls = partial(variant_sides, first=8900)
+    rerank_on, rerank_off = lifecycle("rerank-cpu", "rerank-cpu", rerank_sides)
+    (peers_on, peers_off), (calls_on, calls_off), (quality_on, quality_off) = (
+        lifecycle("cpu-peers", "cpu-peers", peer_sides, 300, one_at_a_time=True),
+        lifecycle("engine-calls", "engine-calls", calls, 120),
+        lifecycle("quality-cpu", "quality-cpu", quality_base))
+    return [
+        Step("cpu-peers-export", ("cpu-peers",), step_first_export, 60),
+        Step("cpu-peers-onnx", ("cpu-peers",), step_onnx, 90), peers_on,
+        Step("cpu-peers-vectors", ("cpu-peers",), partial(step_vectors, sides=peer_sides,
+                                                          reference="ST torch in process"), 30),
+        Step("cpu-peers-load", ("cpu-peers",), partial(
+        step_compare, sides=peer_sides, cases=PEER_LOADS, seed=1000, section="CPU peers (all-MiniLM-L6-v2)"),
+             1500),
+        peers_off, calls_on,
+        Step("engine-calls-load", ("engine-calls",), partial(
+            step_compare, sides=calls, seed=5000, section="The gateway's engine-call settings (CPU engine)",
+            cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), 3) for c in PEER_LOADS]), 600),
+        Step("engine-calls-stages", ("engine-calls",), step_stages, 60), calls_off,
+        Step("gateway-overhead", ("gateway-overhead",), partial(
+            step_compare, sides=OVERHEAD, start=OVERHEAD[:2], stop=OVERHEAD[:2], seed=0,
+            section="The gateway over an engine that answers at once",
+            cases=[Case(f"{n} in flight", Load("seed", n, seconds=10), 2) for n in (1, 8)]), 300),
+        Step("gateway-loop", ("gateway-loop",), partial(
+            step_compare, sides=loop_sides, start=lambda host: [LOOP_ENGINE, *loop_sides(host)],
+            cases=loop_cases(), stop=lambda host: [*loop_sides(host), LOOP_ENGINE], seed=7,
+            section="The gateway's event loop per request (instant engine)"), 400),
+        Step("gateway-cpu", ("gateway-cpu",), partial(
+            step_compare, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
+            stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
+            section="The gateway's CPU per request (instant engine)"), 120),
+        Step("gateway-cpu-stages", ("gateway-cpu",), step_gateway_stages, 60), quality_on,
+        Step("quality-cpu", ("quality-cpu",), partial(step_quality, pairs=quality_pairs, one_at_a_time=True),
+             900),
+        quality_off, Step("rerank-cpu-model", ("rerank-cpu",), step_cross_encoder, 30), rerank_on,
+        Step("rerank-cpu-scores", ("rerank-cpu",), step_rerank_scores, 10),
+        Step("rerank-cpu-load", ("rerank-cpu",), partial(
+            step_compare, sides=rerank_sides, cases=RERANK_LOADS, seed=11,
+            section="Rerank on CPU, pairs/s (inputs/s)",
+            warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), 400), rerank_off]
+
+
+SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu",
+             "rerank-cpu")

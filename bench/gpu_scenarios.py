@@ -1,0 +1,395 @@
+"""The GPU suite's scenarios as data: each one's sides (bench/harness.py, bench/peers.py), its
+cases, and the steps that start, compare and stop them (bench/runner.py). bench/README.md says
+what each measures. Ports: raw engines 30000-30405, gateways and stacks 7997-8720, `up`'s
+engines on its port + 22000."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import drill
+import harness
+from gpu import gpu_used_gb
+from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
+from measure import Case, Load
+from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
+from runner import Step, gate, lifecycle, profile, step_compare, step_quality, step_start, step_stop
+
+from embedserve.engines.sglang import fa3_installed
+
+MAIN_KV_POOL = 16_384  # the product's default for the 4B: one prefill batch (engine.batch_token_budget)
+LARGE_KV_POOL = 65_536  # the earlier default, compared in kv-pool
+WARM = Load("uniform:16-512", 64, seconds=8, warmup=0)
+FP8 = {"EMBEDSERVE_ENGINE__QUANTIZATION": "fp8"}
+LOADS = {"short": Load("uniform:16-512", 64), "seed mix": Load("seed", 64),
+         "seed mix, 1-16 inputs": Load("seed", 32, inputs="1-16"), "medium": Load("uniform:512-2048", 64),
+         "long": Load("uniform:8000-8191", 8),
+         "one in flight": Load("uniform:16-512", 1, seconds=6, warmup=1)}
+
+
+def case(name: str, rounds: int = 1, **load: Any) -> Case:
+    """One of the named loads, 15 s after a 3 s warm-up unless ``load`` says otherwise (one in
+    flight: 6 s after 1 s)."""
+    timing = {} if name == "one in flight" else {"seconds": 15.0, "warmup": 3.0}
+    return Case(name, dataclasses.replace(LOADS[name], **timing | load), rounds)
+
+
+def kv(tokens: int = MAIN_KV_POOL, **extra: str) -> dict[str, str]:
+    return {"EMBEDSERVE_ENGINE__KV_POOL_TOKENS": str(tokens), "CUDA_VISIBLE_DEVICES": "0", **extra}
+
+
+def raw(shape: str, name: str = "raw") -> Side:
+    """The raw engines the first scenarios share, on GPU 0."""
+    return Side(name, ENGINE, {"4b": 30000, "0.6b": 30001}[shape], shape, kv(), tag=f"engine-{shape}")
+
+
+def gateway(name: str, port: int, engine: Side, tag: str) -> Side:
+    return Side(name, GATEWAY, port, engine.shape, behind=(engine.port,), tag=tag)
+
+
+# -- raw SGLang against the gateway, the KV pool, the radix cache, Infinity --------------------------
+
+RAW_VS_GATEWAY = [case("short", 2), *map(case, ("seed mix", "seed mix, 1-16 inputs", "medium", "long")),
+                  case("one in flight", 6)]
+PARTS = {1: RAW_VS_GATEWAY[:2], 2: RAW_VS_GATEWAY[2:5], 3: RAW_VS_GATEWAY[5:]}  # each fits a 10-minute slice
+CROSSCHECKED = [Case(c.name, c.load) for c in RAW_VS_GATEWAY if c.name in ("short", "medium")]
+
+
+def raw_vs_gateway(shape: str) -> list[Step]:
+    """Raw SGLang (token ids) against a gateway in front of it (texts of the same token counts);
+    part 1 first checks that the gateway's hop leaves vectors alone, part 3 on the 4B repeats
+    the headline cases with crosscheck.py."""
+    engine = raw(shape)
+    gw = gateway("gateway", {"4b": 8000, "0.6b": 8010}[shape], engine, f"gateway-{shape}")
+    seconds = {1: 200, 2: 190, 3: 230 if shape == "4b" else 150}
+    return [Step(f"raw-vs-gateway-{shape}-{part}", ("raw-vs-gateway",), partial(
+        step_compare, sides=[engine, gw], cases=cases, start=[gw], stop=[gw], warm=WARM, seed=20 + 30 * part,
+        section=f"Raw SGLang (token ids) vs the gateway (texts), {shape}", vectors=part == 1,
+        crosscheck=CROSSCHECKED if shape == "4b" and part == 3 else ()), seconds[part])
+        for part, cases in PARTS.items()]
+
+
+KV_LARGE = Side(f"{LARGE_KV_POOL} tokens", ENGINE, 30003, "4b", kv(LARGE_KV_POOL), tag="engine-4b-kv64k")
+RADIX_ENGINE = Side("radix engine", ENGINE, 30002, "4b", kv(EMBEDSERVE_ENGINE__PREFIX_CACHE="true"),
+                    tag="engine-4b-radix")
+RADIX = [gateway("cache on", 8002, RADIX_ENGINE, "gateway-radix-on"),
+         gateway("cache off", 8003, raw("4b"), "gateway-radix-off")]
+PEER_GATEWAY = gateway("embedserve", 8004, raw("4b"), "gateway-peers")
+PEER_INFINITY = Side("infinity", INFINITY, 7997, "4b", tag="infinity")
+PEER_SIDES = [PEER_GATEWAY, PEER_INFINITY]
+PEER_CASES = [Case("short, 1 input/request", case("short").load, 2),
+              Case("short, 32 inputs/request", case("short", conc=4, inputs="32").load, 2),
+              Case("~1,000 words", case("short", mix="uniform:1200-1400", conc=16).load, 2),
+              case("one in flight", 4)]
+UNIQUE_AND_QUERIES = [Case("unique texts", case("short").load, 2),
+                      Case("queries (instruction prefix)", case("short", input_type="query").load, 2)]
+
+
+def raw_engine_steps(shapes: tuple[str, ...]) -> list[Step]:
+    peers = partial(step_compare, sides=PEER_SIDES, start=PEER_SIDES, warm=WARM,
+                    section="Peers on the same GPU: embedserve vs Infinity 0.0.78 (same texts)")
+    return [
+        Step("engines", SHARED_ENGINES, partial(step_start, sides=[raw(s) for s in shapes]), 150,
+             holds=tuple(raw(s).key for s in shapes)),
+        *raw_vs_gateway("4b"),  # the 4B's rows and its peer first, where time is short
+        Step("peers-infinity-1", ("peers",), partial(peers, cases=PEER_CASES[:2], stop=[PEER_GATEWAY],
+                                                     seed=410), 300),
+        Step("peers-infinity-2", ("peers",), partial(peers, cases=PEER_CASES[2:], seed=430, stop=PEER_SIDES),
+             230),
+        Step("kv-pool", ("kv-pool",), partial(
+            step_compare, sides=[raw("4b", f"{MAIN_KV_POOL} tokens"), KV_LARGE], start=[KV_LARGE],
+            stop=[KV_LARGE], cases=[Case(c.name, c.load, rounds=2) for c in RAW_VS_GATEWAY[::2]], seed=200,
+            section="KV pool: 16,384 vs 65,536 tokens (4B, raw token ids)"), 380),
+        Step("radix", ("radix",), partial(
+            step_compare, sides=RADIX, start=[RADIX_ENGINE, *RADIX], stop=[*RADIX, RADIX_ENGINE], seed=300,
+            cases=UNIQUE_AND_QUERIES, section="Radix (prefix) cache on vs off (4B, through the gateway)"),
+             300),
+        *(step for shape in shapes if shape != "4b" for step in raw_vs_gateway(shape)),
+        Step("stop-engines", SHARED_ENGINES, partial(step_stop, sides=[raw(s) for s in shapes]), 20,
+             always=True),
+    ]
+
+
+SHARED_ENGINES = ("raw-vs-gateway", "kv-pool", "radix", "peers")
+
+# -- `embedserve up`: soak capacity, one and two engines ----------------------------------------------
+
+UPS = {n: Side(f"{n} engine{'s' if n > 1 else ''}", UP, 8090 + 10 * n, "4b",
+               UNCAPPED | {"EMBEDSERVE_ENGINE__REPLICAS": str(n)}, tag=f"up-{n}") for n in (1, 2)}
+CAPACITY = case("seed mix, 1-16 inputs", seconds=30, warmup=5)
+
+
+def step_up(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
+    if replicas > 1 and not host.cpu and len(gpu_used_gb() or []) < replicas:
+        return {"skipped": f"{replicas} engines need {replicas} GPUs; this host has "
+                           f"{len(gpu_used_gb() or [])}"}
+    return step_start(host, budget_end, [UPS[replicas]]) | {"gpu_used_gb": gpu_used_gb()}
+
+
+def step_capacity(host: Host, budget_end: float) -> dict[str, Any]:
+    """Closed-loop capacity through `up`'s gateway; a soak is then run open loop at 85% of it."""
+    out = step_compare(host, budget_end, [UPS[1]], [CAPACITY], seed=11,
+                       section="Soak capacity (`embedserve up`, closed loop)")
+    rate = round(0.85 * out["rows"][0]["req_s"], 2) if out.get("rows") else None
+    return out | {"soak_rate_req_s": rate,
+                  "notes": [f"A soak at 85% of it: `embedserve loadtest --rate {rate}`."]}
+
+
+def step_scale(host: Host, budget_end: float, replicas: int = 1) -> dict[str, Any]:
+    """Each load at its in-flight count per engine (so two engines get twice as many)."""
+    cases = [case(name, seconds=20, warmup=5, conc=conc * replicas)
+             for name, conc in (("short", 128), ("medium", 64))]
+    return step_compare(host, budget_end, [UPS[replicas]], cases, seed=30, warm=WARM,
+                        section="Scale-out: one gateway, one then two 4B engines (one GPU each, "
+                                "in flight per engine the same)")
+
+
+UP_STEPS = [  # `embedserve up` first: what operators run, and the 2-GPU part where GPUs are scarce
+    Step("up-1", ("soak-capacity", "scale"), step_up, 150, holds=("up-1",)),
+    Step("soak-capacity", ("soak-capacity",), step_capacity, 45),
+    Step("scale-load-1", ("scale",), step_scale, 85),
+    Step("down-1", ("soak-capacity", "scale"), partial(step_stop, sides=[UPS[1]]), 30, always=True),
+    Step("up-2", ("scale",), partial(step_up, replicas=2), 100, holds=("up-2",)),
+    Step("scale-load-2", ("scale",), partial(step_scale, replicas=2), 85),
+    Step("down-2", ("scale",), partial(step_stop, sides=[UPS[2]]), 30, always=True),
+    # a stack of its own (ports 8300, 30300-30302), started and stopped within the step
+    Step("drill", ("drill",), drill.step_drill, 640),
+]
+
+# -- FP8 against bf16, and the prefill attention backends -------------------------------------------
+
+FP8_PORTS = {"4b": (30400, 30401), "0.6b": (30402, 30403), "minilm": (30404, 30405)}  # gateways on - 22000
+FP8_CASES = [case("seed mix", 2), case("seed mix, 1-16 inputs"), case("medium"), case("long"),
+             case("one in flight", 4, mix="seed")]
+
+
+def pair(host: Host, shape: str, name: str, port: int, extra: dict[str, str]) -> tuple[Side, Side]:
+    """An engine and a gateway in front of it, both at the model's own cap; FlashInfer's
+    prefill has no head_dim 32 (MiniLM's): SGLang's BERT runs on Triton."""
+    own = {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": "triton"} if shape == "minilm" and not host.cpu else {}
+    engine = Side(f"{name} engine", ENGINE, port, shape, kv() | own | ({} if host.cpu else extra),
+                  tag=f"engine-{shape}-{name}")
+    return engine, gateway(name, port - 22000, engine, f"gateway-{shape}-{name}")
+
+
+def fp8_pairs(host: Host) -> dict[str, tuple[tuple[Side, Side], tuple[Side, Side]]]:
+    shapes = ["4b", "0.6b"] + (["minilm"] if "minilm" in host.models else [])
+    return {s: (pair(host, s, "bf16", FP8_PORTS[s][0], {}), pair(host, s, "fp8", FP8_PORTS[s][1], FP8))
+            for s in shapes}
+
+
+def fp8_sides(host: Host) -> list[Side]:
+    return [side for pairs in fp8_pairs(host).values() for p in pairs for side in p]
+
+
+def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
+    """The 4B (bf16) behind a gateway on each chosen prefill backend, against FlashInfer (the
+    fp8 scenario's bf16 pair, or one started here), alternating; the backend each engine
+    resolved (SGLang's own fallbacks may override the flag) and the quality gate against it."""
+    from procs import http_get
+
+    base = pair(host, "4b", "bf16", FP8_PORTS["4b"][0], {})
+    backends = {n: pair(host, "4b", n, port, {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": n})
+                for n, port in (("fa3", 30410), ("triton", 30411)) if n in host.attention_backends}
+    out: dict[str, Any] = {"not_run": {}, "quality": {}, "resolved": {}}
+    if host.cpu:
+        return {"not_run": {b: "no attention backends on the CPU engine" for b in backends}}
+    if "fa3" in backends and not fa3_installed():
+        out["not_run"]["fa3"] = "sgl_kernel/flash_ops.abi3.so is not installed (1.1 GB; stage fa3/pNN)"
+        backends.pop("fa3")
+    step_start(host, budget_end, base)
+    for name, (engine, gw) in backends.items():
+        begun = step_start(host, budget_end, [engine, gw])
+        if begun["not_run"]:
+            out["not_run"] |= begun["not_run"]
+            continue
+        for side in (base[0], engine):
+            status, body = http_get(f"http://127.0.0.1:{side.port}/server_info", timeout=10)
+            out["resolved"][side.name] = body[:600] if status == 200 else f"HTTP {status}"
+        cases = [Case(c.name, c.load, rounds=3) for c in (FP8_CASES[0], FP8_CASES[2], FP8_CASES[3])]
+        out.setdefault("rows", []).extend(step_compare(
+            host, budget_end, [base[1], gw], cases, seed=600, tags={"backend_pair": name},
+            section=f"Prefill attention: FlashInfer vs {name} (4B, bf16, through the gateway)")["rows"])
+        out["quality"][f"attention-{name}"] = gate(host, f"attention-{name}", base[1], gw)
+        step_stop(host, budget_end, [gw, engine])
+    return out
+
+
+FP8_STEPS = [
+    Step("fp8-engines", ("fp8",), partial(step_start, sides=fp8_sides), 150),
+    Step("fp8-quality", ("fp8",), partial(step_quality, pairs=lambda host: [
+        (f"fp8-{s}", p[0][1], p[1][1]) for s, p in fp8_pairs(host).items()]), 240),
+    Step("fp8-throughput", ("fp8",), partial(
+        step_compare, sides=lambda host: [p[1] for p in fp8_pairs(host)["4b"]], cases=FP8_CASES, warm=WARM,
+        seed=500, least=2, section="FP8 vs bf16 (4B, through the gateway)"), 330),
+    Step("attention", ("attention",), step_attention, 330),
+    Step("fp8-stop", ("fp8", "attention"), partial(step_stop, sides=fp8_sides), 30, always=True),
+]
+
+# -- several engines per GPU, and the small model ------------------------------------------------------
+
+
+def stack(shape: str, engines: int, port: int, name: str = "", **settings: str) -> Side:
+    """An `embedserve up` stack with ``engines`` engines per GPU and these settings."""
+    env = UNCAPPED | {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(engines)} | settings
+    fp8 = "-fp8" if settings.get("EMBEDSERVE_ENGINE__QUANTIZATION") == "fp8" else ""
+    return Side(name or f"x{engines}", UP, port, shape, env, tag=f"up-{shape}{fp8}-x{engines}-{port}")
+
+
+def beneath(top: Side) -> Side:
+    """Raw SGLang: the stack's first engine, sent token ids."""
+    return Side("raw SGLang", ENGINE, top.port + harness.UP_ENGINE_OFFSET, top.shape, owner=top.key)
+
+
+GROUPS = {"0.6b": [stack("0.6b", n, 8390 + 10 * n) for n in (1, 2, 3)],
+          "4b": [stack("4b", n, 8420 + 10 * n) for n in (1, 2)],
+          "4b-fp8": [stack("4b", n, 8440 + 10 * n, **FP8) for n in (1, 2)]}
+B32K = stack("0.6b", 2, 8470, "x2, budget 32768", EMBEDSERVE_ENGINE__BATCH_TOKEN_BUDGET="32768",
+             EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_ENGINE_CALL="32768")
+CASES = [*(case(name, seconds=10, warmup=2) for name in list(LOADS)[:5]), case("one in flight", mix="seed")]
+EVERY_STACK = [s for g in GROUPS.values() for s in g]
+
+
+def group_step(group: str, seconds: float) -> Step:
+    sides = GROUPS[group] if group.endswith("fp8") else [beneath(GROUPS[group][0]), *GROUPS[group]]
+    cases = [c for c in CASES if not group.endswith("fp8") or c.name in ("seed mix", "seed mix, 1-16 inputs",
+                                                                         "medium", "one in flight")]
+    return Step(f"overlap-{group}", ("engines-per-gpu",), partial(
+        step_compare, sides=sides, cases=cases, seed=40, section=f"Engines per GPU: {group}", checked=("x2",),
+        crosscheck=() if group.endswith("fp8") else CASES[:1]), seconds)
+
+
+def latency_step(group: str) -> Step:
+    one, two = GROUPS[group][:2]
+    return Step(f"detail-latency-{group}", ("engines-per-gpu-detail",), partial(
+        step_compare, sides=[beneath(one), one, two], seed=60,
+        section="Engines per GPU: one request in flight",
+        cases=[case("one in flight", 3, mix="seed", seconds=8)]), 75)
+
+
+SMALL = {"x2": stack("0.6b", 2, 8500), "x2, inline 2048": stack("0.6b", 2, 8510, "x2, inline 2048",
+                                                                   EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS="2048"),
+         "x2, uvloop": stack("0.6b", 2, 8520, "x2, uvloop", EMBEDSERVE_GATEWAY__EVENT_LOOP="uvloop"),
+         "x3": stack("0.6b", 3, 8530), "fp8 x1": stack("0.6b", 1, 8540, "fp8 x1", **FP8),
+         "fp8 x2": stack("0.6b", 2, 8550, "fp8 x2", **FP8)}
+MATRIX = [beneath(SMALL["x2"]), SMALL["x2"], SMALL["fp8 x1"], SMALL["fp8 x2"]]
+SETTINGS = [SMALL[k] for k in ("x2", "x2, inline 2048", "x2, uvloop", "x3")]
+SETTINGS_CASES = [c for c in CASES if c.name in ("short", "seed mix", "one in flight")]
+
+
+def step_small_start(host: Host, budget_end: float) -> dict[str, Any]:
+    import importlib.util
+
+    uvloop = importlib.util.find_spec("uvloop") is not None
+    return step_start(host, budget_end, list(SMALL.values())) | {
+        "notes": [f"uvloop {'is' if uvloop else 'is NOT'} installed (without it `x2, uvloop` runs asyncio)."]}
+
+
+OVERLAP, DETAIL, SMALL_STEPS = (lifecycle("overlap", "engines-per-gpu", EVERY_STACK),
+                                lifecycle("detail", "engines-per-gpu-detail", [*EVERY_STACK, B32K]),
+                                lifecycle("small", "small-model", list(SMALL.values())))
+MANY_STACK_STEPS = [
+    OVERLAP[0], profile("overlap-profile-0.6b", "engines-per-gpu", GROUPS["0.6b"][0], "profiles/0.6b"),
+    group_step("0.6b", 390), profile("overlap-profile-4b", "engines-per-gpu", GROUPS["4b"][0], "profiles/4b"),
+    group_step("4b", 300), group_step("4b-fp8", 120), OVERLAP[1],
+    # per-stack memory, profiles, latency in three rounds, a larger batch budget
+    DETAIL[0],
+    *(profile(f"detail-profile-{g}", "engines-per-gpu-detail", GROUPS[g][0], f"profiles-detail/{g}")
+      for g in ("0.6b", "4b")),
+    latency_step("0.6b"), latency_step("4b"),
+    Step("detail-knobs", ("engines-per-gpu-detail",), partial(
+        step_compare, sides=[GROUPS["0.6b"][1], B32K], seed=70,
+        cases=[Case(c.name, c.load, rounds=2) for c in CASES[:3]],
+        section="The 0.6B with two engines: batch budget 16,384 vs 32,768"), 140), DETAIL[1],
+    # the 0.6B: the gateway's settings side by side, and FP8; every stack starts at once
+    Step("small-start", ("small-model",), step_small_start, 150, holds=SMALL_STEPS[0].holds),
+    profile("small-profile", "small-model", SMALL["x2"], "profiles/small-model", 45),
+    *(Step(f"small-matrix-{part}", ("small-model",), partial(
+        step_compare, sides=MATRIX, cases=cases, seed=80,
+        section="The 0.6B: raw SGLang, the default stack and FP8"), 250)
+      for part, cases in ((1, CASES[:3]), (2, CASES[3:]))),
+    *(Step(f"small-gateway-{turn + 1}", ("small-model",), partial(
+        step_compare, sides=SETTINGS, cases=SETTINGS_CASES, seed=90 + turn, turn=2 * turn,
+        section="The 0.6B: the gateway's settings side by side"), 240) for turn in (0, 1)),
+    Step("small-crosscheck", ("small-model",), partial(
+        step_compare, sides=[SMALL["x2"], SMALL["fp8 x1"]], cases=CASES[1:2], crosscheck=CASES[1:2], seed=95,
+        section="The 0.6B: the seed mix by two clients, back to back"), 65),
+    SMALL_STEPS[1],
+]
+
+# -- vLLM's pooling runner next to embedserve ---------------------------------------------------------
+
+VLLM_SHAPES = ("0.6b", "4b")
+VLLM_CASES = [Case("short, 64 in flight", case("short").load),
+              Case("short, 256 in flight", case("short", conc=256).load),
+              *map(case, ("seed mix", "seed mix, 1-16 inputs", "medium", "long")), case("one in flight", 2)]
+
+
+def vllm_default(shape: str, **env: str) -> Side:
+    """embedserve's defaults (engines per GPU ``auto``), in the vllm scenario."""
+    port = {"0.6b": 8600, "4b": 8650}[shape]
+    return Side("embedserve", UP, port, shape, UNCAPPED | env, tag=f"embedserve-{shape}")
+
+
+def vllm_sides(shape: str) -> Any:
+    """Every side of a shape, embedserve's first: its defaults, one stack per variant
+    (``--embedserve-variants``), vLLM with its defaults and tuned."""
+    port = {"0.6b": 8700, "4b": 8720}[shape]
+
+    def sides(host: Host) -> list[Side]:
+        gpu0 = {} if host.cpu else {"CUDA_VISIBLE_DEVICES": "0"}
+        default = vllm_default(shape, **gpu0)
+        return [default, *(Side(f"embedserve {name}", UP, default.port + 10 * (k + 1), shape,
+                                default.env | env, tag=harness.slug(f"embedserve-{name}-{shape}"))
+                           for k, (name, env) in enumerate(host.variants)),
+                *[s for s in (Side("vllm", VLLM, port, shape, tag=f"vllm-{shape}"),
+                              Side("vllm tuned", VLLM, port + 1, shape, args=VLLM_TUNED_ARGS,
+                                   tag=f"vllm-tuned-{shape}")) if s.name in host.vllm_sides]]
+    return sides
+
+
+def reference(shape: str) -> Side:
+    """A transformers forward pass of the same checkpoint (last-token pooling, L2 norm)."""
+    return Side("transformers", IN_PROCESS, {"0.6b": 8790, "4b": 8791}[shape], shape, args=("transformers",),
+                tag=f"reference-{shape}")
+
+
+def vector_sides(shape: str, host: Host) -> list[Side]:
+    return [*(s for s in vllm_sides(shape)(host) if s.name in ("embedserve", "vllm")), reference(shape)]
+
+
+def client_sides(host: Host) -> list[Side]:
+    default = vllm_default("0.6b")
+    return [Side(name, UP, default.port, "0.6b", tag=default.key)
+            for name in ("client one build thread", "client build processes")]
+
+
+def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
+    """Every shape's servers started together (their start-ups overlap), then per shape: readiness,
+    vectors, the default side's profile, two load parts, its servers stopped."""
+    steps = [Step("vllm-start", ("vllm",), partial(step_start, wait=False, sides=lambda host: [
+        side for s in shapes for side in vllm_sides(s)(host)]), 30)]
+    for shape in shapes:
+        sides, title = vllm_sides(shape), f"vLLM 0.26.0 (pooling runner) vs embedserve, {shape}, same texts"
+        load = partial(step_compare, sides=sides, stall=True, least=2, section=title,
+                       warm=Load("uniform:16-512", 32, seconds=6, warmup=0))
+        steps += [
+            Step(f"vllm-ready-{shape}", ("vllm",), partial(step_start, sides=sides), 150),
+            Step(f"vllm-vectors-{shape}", ("vllm",), partial(
+                step_compare, sides=partial(vector_sides, shape), cases=[], vectors=True, seed=0,
+                start=[reference(shape)], stop=[reference(shape)], section=title), 60),
+            profile(f"vllm-profile-{shape}", "vllm", vllm_default(shape), f"profiles-vllm/{shape}", 45),
+            Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
+            Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
+                                                             crosscheck=VLLM_CASES[:1]), 380),
+        ]
+        if shape == "0.6b":  # what the client alone caps: inputs built on one thread, or by processes
+            steps.append(Step("vllm-client-0.6b", ("vllm",), partial(
+                step_compare, sides=client_sides, cases=[Case("seed mix", VLLM_CASES[2].load, rounds=2)],
+                seed=720, loads={"client one build thread": Load("seed", 64, seconds=15, build_workers=0)},
+                section="The client alone: `embedserve loadtest` building inputs on one thread against its "
+                        "build processes, 0.6b"), 130))
+        steps.append(Step(f"vllm-stop-{shape}", ("vllm",), partial(step_stop, sides=sides), 20))
+    return steps

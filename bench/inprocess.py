@@ -1,0 +1,151 @@
+"""A model in one process, no HTTP on its measured path: the ceiling a server of the same backend
+could reach, the reference vectors are compared against, and the body of bench/fake_vllm.py.
+
+    python bench/inprocess.py BACKEND MODEL_DIR PORT
+
+Backends: ``st-torch`` and ``st-onnx`` (sentence-transformers; ONNX reads model.onnx from the
+folder), ``ort-export`` (ONNX Runtime on embedserve's export, its tokenizer at 256 tokens),
+``transformers`` (a plain forward pass: last-token pooling, L2 norm, as Qwen3-Embedding's
+sentence-transformers files say; on the GPU where there is one). It answers on
+127.0.0.1:PORT ``GET /health``, ``POST /v1/embeddings`` (vectors and ``usage``, each text alone
+for ``transformers``: no padding to get wrong) and ``POST /run`` ``{"batch", "words", "seconds",
+"seed"}``: unique texts of ``words`` words (loadtest's word builder), ``batch`` at a time, for
+``seconds``; inputs/s and the P50 of one call.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import psutil
+
+from embedserve.loadtest.textbuild import WordBuilder, load_tokenizer
+
+Encode = Callable[[list[str]], tuple[np.ndarray, list[int]]]  # vectors, and tokens per text
+
+
+def load(backend: str, model_dir: str) -> Encode:
+    if backend == "transformers":
+        return forward_pass(model_dir)
+    if backend.startswith("st-"):
+        from sentence_transformers import SentenceTransformer
+
+        onnx = {"backend": "onnx", "model_kwargs": {"file_name": "model.onnx"}}
+        st = SentenceTransformer(model_dir, device="cpu", local_files_only=True,
+                                 **(onnx if backend == "st-onnx" else {}))  # type: ignore[arg-type]
+        return lambda texts: (np.asarray(st.encode(texts, batch_size=len(texts), normalize_embeddings=True)),
+                              [len(t.split()) for t in texts])
+    from embedserve.config import Settings
+    from embedserve.engines.cpu_backends import OnnxForward
+
+    forward = OnnxForward(Settings(_env_file=None))
+    tok = load_tokenizer(model_dir)
+    tok.enable_truncation(256)
+
+    def encode(texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        rows = [e.ids for e in tok.encode_batch(texts)]
+        ids = np.zeros((len(rows), max(map(len, rows))), dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for i, x in enumerate(rows):
+            ids[i, : len(x)], mask[i, : len(x)] = x, 1
+        return np.asarray(forward(ids, mask)), [len(x) for x in rows]
+
+    return encode
+
+
+def forward_pass(model_dir: str) -> Encode:
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModel.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+    def encode(texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        vectors, tokens = [], []
+        with torch.inference_mode():
+            for text in texts:
+                ids = tok(text, return_tensors="pt")["input_ids"].to(device)
+                hidden = model(input_ids=ids).last_hidden_state[0, -1].float()
+                vectors.append(torch.nn.functional.normalize(hidden, dim=0).cpu().numpy())
+                tokens.append(int(ids.shape[1]))
+        return np.asarray(vectors), tokens
+
+    return encode
+
+
+def run(encode: Encode, batch: int, words: int, seconds: float, seed: int) -> dict[str, Any]:
+    builder, rng, serial, lat = WordBuilder(seed), random.Random(seed), 0, []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        texts = [builder.build(words, rng, serial + i)[0] for i in range(batch)]
+        serial += batch
+        t0 = time.perf_counter()
+        encode(texts)
+        lat.append(time.perf_counter() - t0)
+    return {"inputs_s": round(len(lat) * batch / sum(lat), 1),
+            "p50_ms": round(1000 * statistics.median(lat), 2), "requests": len(lat), "errors": 0,
+            "seconds": round(sum(lat), 1),
+            "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
+
+
+def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None) -> None:
+    """Answer until killed, one call of the model at a time (like one engine); ``max_len``: a
+    longer input gets a 400, as vLLM answers it."""
+    queried, lock = [0], threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, doc: Any, status: int = 200, text: bool = False) -> None:
+            body = doc.encode() if text else json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path == "/metrics":  # vLLM's prefix-cache counters: never a hit
+                labels = f'engine="0",model_name="{name}"'
+                self.answer(f"vllm:prefix_cache_queries_total{{{labels}}} {float(queried[0])}\n"
+                            f"vllm:prefix_cache_hits_total{{{labels}}} 0.0\n", text=True)
+            else:
+                self.answer({"object": "list", "data": [{"id": name, "object": "model"}]})
+
+        def do_POST(self) -> None:
+            cmd = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/run":
+                with lock:
+                    return self.answer(run(encode, cmd["batch"], cmd["words"], cmd["seconds"], cmd["seed"]))
+            texts = cmd["input"] if isinstance(cmd["input"], list) else [cmd["input"]]
+            with lock:
+                vectors, tokens = encode(texts)
+            if max_len and max(tokens) > max_len:
+                return self.answer({"error": {"message": "too long", "type": "BadRequestError"}}, 400)
+            queried[0] += sum(tokens)
+            self.answer({"object": "list", "model": name, "usage": {"prompt_tokens": sum(tokens),
+                                                                    "total_tokens": sum(tokens)},
+                         "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
+                                  for i, v in enumerate(vectors)]})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    ThreadingHTTPServer.request_queue_size = 1024  # a load of many connections at once
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    backend, model_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model = load(backend, model_dir)
+    model(["warm up"] * 4)
+    serve(model, port)
