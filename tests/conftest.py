@@ -31,6 +31,33 @@ def tool_missing(what: str) -> NoReturn:
 TINY_QWEN_MAX_SEQ = 64
 
 
+#: Tests that time what they check (a ramp's gauge, a leak's forecast, deadlines, timeouts,
+#: latencies): ``python -m tests`` runs them alone, one after another, before the rest run on two
+#: workers, where the other worker's load would move their clocks. Files or single tests.
+SERIAL = (
+    "tests/test_container_stop.py",
+    "tests/test_drill.py::test_a_leaking_engine_is_replaced_before_the_limit_with_no_request_lost",
+    "tests/test_fairness.py",
+    "tests/test_faults.py",
+    "tests/test_health_sampler.py::test_sampler_times_a_real_leak_within_twenty_percent",
+    "tests/test_keep_alive.py",
+    "tests/test_load_signal.py::test_the_gauge_rises_with_the_load_and_crosses_one_where_429s_begin",
+    "tests/test_loadtest_e2e.py::test_closed_loop_rate_excludes_the_drain",
+    "tests/test_loadtest_e2e.py::test_open_loop_ids_with_errors_and_429",
+    "tests/test_loadtest_e2e.py::test_retry_after_pauses_sending",
+    "tests/test_slow_clients.py",
+    "tests/test_startup.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the tests of ``SERIAL`` ``serial``."""
+    for item in items:
+        nodeid = item.nodeid.split("[")[0]
+        if any(nodeid == s or nodeid.startswith(s + "::") for s in SERIAL):
+            item.add_marker(pytest.mark.serial)
+
+
 def free_port(consecutive: int = 1) -> int:
     """A free port; with ``consecutive`` > 1, the first of that many free ports in a row
     (local engine replicas listen on port, port+1, ...)."""
@@ -135,12 +162,16 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+#: The tiny rerankers' folders, and so the names ``models_stack`` serves them under.
+CROSS_ENCODER, QWEN3_RERANKER = "tiny-cross-encoder", "tiny-qwen3-reranker"
+
+
 @pytest.fixture(scope="session")
 def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight BertForSequenceClassification with the bundled model's tokenizer."""
     from embedserve.runtime.synth_rerank import build_cross_encoder
 
-    return build_cross_encoder(tmp_path_factory.mktemp("tiny-ce") / "tiny-cross-encoder")
+    return build_cross_encoder(tmp_path_factory.mktemp("tiny-ce") / CROSS_ENCODER)
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +179,7 @@ def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Qwen3 causal LM with Qwen3's tokenizer, as Qwen3-Reranker ships."""
     from embedserve.runtime.synth_model import build_qwen3_reranker
 
-    return build_qwen3_reranker(tmp_path_factory.mktemp("tiny-rr") / "tiny-qwen3-reranker")
+    return build_qwen3_reranker(tmp_path_factory.mktemp("tiny-rr") / QWEN3_RERANKER)
 
 
 @pytest.fixture(scope="session")

@@ -26,13 +26,16 @@ import pytest
 from embedserve.config import BUNDLED_MODEL
 from tests.conftest import RunningStack, metric, start_stack, wait_until
 
-TIMEOUT_S = 5.0  # per-request deadline of this stack; liveness calls it hung after 4 of them
+TIMEOUT_S = 5.0  # per-request deadline of this stack
+#: liveness calls the engine hung once work has waited this long with nothing completing
+#: (health.hang_after_s; its default, 4 deadlines, would keep the hang test waiting 20 s)
+HANG_AFTER_S = 2 * TIMEOUT_S
 GRACE_S = 15
 KEY = "fault-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def _start(work: Path, timeout_s: float = TIMEOUT_S) -> RunningStack:
+def _start(work: Path, timeout_s: float = TIMEOUT_S, hang_after_s: float | None = None) -> RunningStack:
     keys = work / "keys.txt"
     keys.write_text(f"# one key per line\n{KEY}\n")
     env = {
@@ -43,12 +46,16 @@ def _start(work: Path, timeout_s: float = TIMEOUT_S) -> RunningStack:
         "EMBEDSERVE_ENGINE__RESTART_BACKOFF_S": "0.5",
         "EMBEDSERVE_ENGINE__CPU_THREADS": "1",
     }
+    if hang_after_s is not None:
+        env["EMBEDSERVE_HEALTH__HANG_AFTER_S"] = str(hang_after_s)
     return start_stack(BUNDLED_MODEL, work, env)
 
 
 @contextlib.contextmanager
-def _running(work: Path, timeout_s: float = TIMEOUT_S) -> Iterator[RunningStack]:
-    s = _start(work, timeout_s)
+def _running(
+    work: Path, timeout_s: float = TIMEOUT_S, hang_after_s: float | None = None
+) -> Iterator[RunningStack]:
+    s = _start(work, timeout_s, hang_after_s)
     try:
         yield s
     finally:
@@ -60,7 +67,7 @@ def _running(work: Path, timeout_s: float = TIMEOUT_S) -> Iterator[RunningStack]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    with _running(tmp_path_factory.mktemp("fault-stack")) as s:
+    with _running(tmp_path_factory.mktemp("fault-stack"), hang_after_s=HANG_AFTER_S) as s:
         yield s
 
 
@@ -153,8 +160,8 @@ def test_hung_engine_gives_504_fails_liveness_and_is_replaced(stack: RunningStac
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "engine_timeout"  # the deadline answered, not the engine
         assert took >= TIMEOUT_S - 0.2, took  # not before the deadline (a slow machine only adds)
-        # liveness fails once work has waited 4 deadlines with nothing completing
-        wait_until(lambda: probe(stack, "live") == 503, timeout=4 * TIMEOUT_S + 10, interval=0.2)
+        # liveness fails once work has waited HANG_AFTER_S with nothing completing
+        wait_until(lambda: probe(stack, "live") == 503, timeout=HANG_AFTER_S + 10, interval=0.2)
         print(f"\nFIGURES hang: 504 after {took:.2f} s; liveness failed {time.monotonic() - t0:.1f} s after")
         live = httpx.get(stack.url + "/health/live", timeout=5).json()
         assert "hung" in live["reason"], live
@@ -166,7 +173,7 @@ def test_hung_engine_gives_504_fails_liveness_and_is_replaced(stack: RunningStac
                 return False
             return bool(pids) and pid not in pids
 
-        wait_until(replaced, timeout=4 * TIMEOUT_S + 30)
+        wait_until(replaced, timeout=HANG_AFTER_S + 30)
         print(f"FIGURES hang: engine replaced {time.monotonic() - t0:.1f} s after the hang began")
     finally:
         with contextlib.suppress(ProcessLookupError):

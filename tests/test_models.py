@@ -1,7 +1,7 @@
 """Several models behind one gateway (``served.models``): the catalog and its mistakes, routing by
 ``model`` over fake engines, each model's own admission, metrics and /health/memory per model
-and engine, the GPU sizing of all the models together, and ``embedserve up`` serving the bundled
-embedding model beside a cross-encoder on the CPU engine."""
+and engine, the GPU sizing of all the models together. ``embedserve up`` serving the bundled embedding model
+beside two rerankers on the CPU engine: tests/test_rerankers.py, whose stack it is."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from embedserve.model_info import ModelInfo
 from embedserve.runtime.model_plan import PlannedModel, check_shared_gpus, plan_models
 from embedserve.runtime.synth_model import SHAPES
 from embedserve.settings_errors import ConfigError
-from tests.conftest import RunningStack, metric, start_stack, wait_until
+from tests.conftest import metric, wait_until
 from tests.fake_engine import FakeEngine, HttpxEngineClient, fake_score
 from tests.test_gateway_unit import assert_error
 
@@ -68,7 +68,10 @@ def engine() -> FakeEngine:
 @pytest.fixture()
 def pair(engine: FakeEngine, tiny_cross_encoder_dir: Path) -> Iterator[TestClient]:
     with client(two_models(tiny_cross_encoder_dir), engine) as c:
-        wait_until(lambda: all(r.pool.any_ready for r in c.app.state.runtimes), timeout=10)  # type: ignore[attr-defined]
+        state = c.app.state  # type: ignore[attr-defined]
+        # every engine ready, and the first memory sample taken: /health/memory names the
+        # engines from then on (before it, it says it is still collecting)
+        wait_until(lambda: all(r.pool.any_ready for r in state.runtimes) and state.health.state, timeout=10)
         yield c
 
 
@@ -206,30 +209,3 @@ def test_the_models_sglang_engines_must_fit_one_gpu_together(tmp_path: Path) -> 
     total, first, second = map(float, found.groups())
     assert abs(total - first - second) < 0.15 and 14 < first == second < 16  # the 4B: 14.48 GB measured
     assert "more than mem_fraction_static 0.85 of its 24.0 GB (20.4 GB)" in said and "\n" not in said
-
-
-@pytest.mark.slow
-def test_up_serves_the_bundled_model_beside_a_cross_encoder(
-    tiny_cross_encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    models = [
-        {"kind": "embed", "path": BUNDLED_MODEL},
-        {"kind": "rerank", "path": str(tiny_cross_encoder_dir)},
-    ]
-    env = {"EMBEDSERVE_SERVED__MODELS": json.dumps(models)}
-    stack: RunningStack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("two-models"), env=env)
-    try:
-        with httpx.Client(base_url=stack.url, timeout=60) as c:
-            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [EMBED, "tiny-cross-encoder"]
-            assert c.post("/v1/embeddings", json={"model": EMBED, "input": "hello"}).status_code == 200
-            r = c.post("/v1/rerank", json={"query": "hello", "documents": ["hello world", "tea"]})
-            assert r.status_code == 200 and r.json()["model"] == "tiny-cross-encoder"
-            engines = c.get("/health/memory").json()["engines"]
-            assert sorted(e["model"] for e in engines) == [EMBED, "tiny-cross-encoder"]
-            assert all(e["ready"] for e in engines)
-            wait_until(lambda: len(c.get("/health/memory").json().get("allocator") or []) == 2, timeout=60)
-            stats = c.get("/health/memory").json()["allocator"]
-            assert sorted(s["model"] for s in stats) == [EMBED, "tiny-cross-encoder"]
-        assert "models 'all-MiniLM-L6-v2', 'tiny-cross-encoder' (rerank)" in stack.log_text()
-    finally:
-        assert stack.stop() == 0

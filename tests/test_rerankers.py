@@ -1,8 +1,8 @@
 """Rerankers: a cross-encoder (a tiny random-weight BertForSequenceClassification with the bundled
 model's tokenizer) and Qwen3-Reranker (a tiny random-weight Qwen3 causal LM with Qwen3's
-tokenizer), each served by the CPU stack and compared with a plain transformers forward of the
-same checkpoint; the pair framing and truncation against the tokenizers library's; the SGLang
-side by its launch argv and its answers' shapes (no GPU here)."""
+tokenizer), served by one CPU stack beside the bundled embedding model and compared with a plain
+transformers forward of the same checkpoint; the pair framing and truncation against the
+tokenizers library's; the SGLang side by its launch argv and its answers' shapes (no GPU here)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedserve.config import ModelSettings, Settings
+from embedserve.config import BUNDLED_MODEL, ModelSettings, Settings
 from embedserve.contracts.wire import WireError
+from embedserve.engines.onnx_export import export_folder
 from embedserve.engines.protocols import ENCODE, LabelScores
 from embedserve.engines.sglang import LaunchConfigError, build_launch
 from embedserve.gateway.pairs import (
@@ -33,7 +34,8 @@ from embedserve.gateway.pairs import (
 )
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
-from tests.conftest import MINILM_DIR, RunningStack, start_stack
+from tests.conftest import CROSS_ENCODER, MINILM_DIR, QWEN3_RERANKER, RunningStack, start_stack, wait_until
+from tests.test_models import EMBED
 
 QUERY = "how do I sort a list in python"
 DOCS = [
@@ -99,26 +101,47 @@ def qwen3_reranker_scores(model_dir: Path, query: str, docs: list[str], max_leng
 
 
 @pytest.fixture(scope="module")
-def cross_encoder_stack(
-    tiny_cross_encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory
+def models_stack(
+    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningStack]:
-    stack = start_stack(tiny_cross_encoder_dir, tmp_path_factory.mktemp("ce-stack"))
+    """One ``up`` serving the bundled model, a cross-encoder (on ONNX Runtime, the default) and
+    Qwen3-Reranker (on torch, capped at 256 tokens): several models behind one gateway, and each
+    reranker as the CPU stack serves it; one stack for all: starting engines is most of the cost."""
+    models = [
+        {"kind": "embed", "path": BUNDLED_MODEL},
+        {"kind": "rerank", "path": str(tiny_cross_encoder_dir)},
+        {"kind": "rerank", "path": str(tiny_reranker_dir), "max_seq_len": 256,
+         "engine": {"cpu_backend": "torch"}},
+    ]
+    env = {"EMBEDSERVE_SERVED__MODELS": json.dumps(models)}
+    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("models-stack"), env=env)
     yield stack
-    stack.stop()
+    assert stack.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def reranker_stack(
-    tiny_reranker_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    env = {"EMBEDSERVE_MODEL__MAX_SEQ_LEN": "256", "EMBEDSERVE_ENGINE__CPU_BACKEND": "torch"}
-    stack = start_stack(tiny_reranker_dir, tmp_path_factory.mktemp("rr-stack"), env=env)
-    yield stack
-    stack.stop()
+@pytest.mark.slow
+def test_up_serves_the_bundled_model_beside_two_rerankers(models_stack: RunningStack) -> None:
+    """A cross-encoder and Qwen3-Reranker (the tests below check their scores); the
+    stack ends with exit 0 (the fixture's teardown asserts it)."""
+    served = [EMBED, CROSS_ENCODER, QWEN3_RERANKER]
+    with httpx.Client(base_url=models_stack.url, timeout=60) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == served
+        assert c.post("/v1/embeddings", json={"model": EMBED, "input": "hello"}).status_code == 200
+        r = c.post("/v1/rerank", json={"query": "hello", "documents": ["hello world", "tea"]})
+        assert r.status_code == 200 and r.json()["model"] == CROSS_ENCODER  # the first rerank model
+        engines = c.get("/health/memory").json()["engines"]
+        assert sorted(e["model"] for e in engines) == sorted(served)
+        assert all(e["ready"] for e in engines)
+        wait_until(lambda: len(c.get("/health/memory").json().get("allocator") or []) == 3, timeout=60)
+        stats = c.get("/health/memory").json()["allocator"]
+        assert sorted(s["model"] for s in stats) == sorted(served)
+    banner = f"models '{EMBED}', '{CROSS_ENCODER}' (rerank), '{QWEN3_RERANKER}' (rerank)"
+    assert banner in models_stack.log_text()
 
 
-def rerank(stack: RunningStack, **extra: Any) -> dict[str, Any]:
-    r = httpx.post(stack.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS, **extra}, timeout=120)
+def rerank(stack: RunningStack, model: str, **extra: Any) -> dict[str, Any]:
+    request = {"model": model, "query": QUERY, "documents": DOCS, **extra}
+    r = httpx.post(stack.url + "/v1/rerank", json=request, timeout=120)
     assert r.status_code == 200, r.text
     assert r.headers["x-embedserve-score"] == "logit"
     body: dict[str, Any] = r.json()
@@ -127,31 +150,33 @@ def rerank(stack: RunningStack, **extra: Any) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_the_cpu_stack_serves_a_cross_encoder_as_transformers_scores_it(
-    cross_encoder_stack: RunningStack, tiny_cross_encoder_dir: Path
+    models_stack: RunningStack, tiny_cross_encoder_dir: Path
 ) -> None:
-    """ONNX Runtime (the default backend) on the export, against torch through transformers."""
+    """ONNX Runtime (the default backend) on the export, against torch through transformers.
+    The routes that name no model take the first rerank model: this one."""
     want = cross_encoder_logits(tiny_cross_encoder_dir, QUERY, DOCS, 512)
-    out = rerank(cross_encoder_stack)
+    out = rerank(models_stack, CROSS_ENCODER)
     assert [x["index"] for x in out["results"]] == np.argsort(-want, kind="stable").tolist()
     got = {x["index"]: x["relevance_score"] for x in out["results"]}
     np.testing.assert_allclose([got[i] for i in range(len(DOCS))], sigmoid(want), atol=1e-5)
-    raw = {x["index"]: x["relevance_score"] for x in rerank(cross_encoder_stack, raw_scores=True)["results"]}
+    raw_results = rerank(models_stack, CROSS_ENCODER, raw_scores=True)["results"]
+    raw = {x["index"]: x["relevance_score"] for x in raw_results}
     np.testing.assert_allclose([raw[i] for i in range(len(DOCS))], want, atol=1e-4)
     assert [t["index"] for t in out["truncated_inputs"]] == [1]
     assert out["truncated_inputs"][0]["kept_tokens"] == 512
     score = httpx.post(
-        cross_encoder_stack.url + "/v1/score",
+        models_stack.url + "/v1/score",
         json={"text_1": QUERY, "text_2": DOCS, "use_activation": False},
         timeout=120,
     ).json()
     np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=1e-4)
     tei = httpx.post(
-        cross_encoder_stack.url + "/rerank", json={"query": QUERY, "texts": DOCS}, timeout=120
+        models_stack.url + "/rerank", json={"query": QUERY, "texts": DOCS}, timeout=120
     ).json()
     np.testing.assert_allclose(sorted(x["score"] for x in tei), sorted(sigmoid(want)), atol=1e-5)
     embeddings = httpx.post(
-        cross_encoder_stack.url + "/v1/embeddings",
-        json={"model": cross_encoder_stack.model_name, "input": "x"},
+        models_stack.url + "/v1/embeddings",
+        json={"model": CROSS_ENCODER, "input": "x"},
         timeout=30,
     )
     assert embeddings.status_code == 400 and embeddings.json()["error"]["code"] == "model_not_embedding"
@@ -159,24 +184,28 @@ def test_the_cpu_stack_serves_a_cross_encoder_as_transformers_scores_it(
 
 @pytest.mark.slow
 def test_the_cpu_stack_serves_qwen3_reranker_as_its_model_card_scores_it(
-    reranker_stack: RunningStack, tiny_reranker_dir: Path
+    models_stack: RunningStack, tiny_reranker_dir: Path
 ) -> None:
     """The torch backend here (the ONNX export is checked below), a cap of 256 tokens."""
     want = qwen3_reranker_scores(tiny_reranker_dir, QUERY, DOCS, 256)
-    out = rerank(reranker_stack)
+    out = rerank(models_stack, QWEN3_RERANKER)
     got = {x["index"]: x["relevance_score"] for x in out["results"]}
     np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
     assert [t["index"] for t in out["truncated_inputs"]] == [1]
     task = "Given a question about Python, retrieve passages that answer it"
-    told = rerank(reranker_stack, instruction=task)["results"]
+    told = rerank(models_stack, QWEN3_RERANKER, instruction=task)["results"]
     assert {x["index"]: x["relevance_score"] for x in told} != got  # the instruction is in the prompt
 
 
 def test_the_onnx_exports_of_both_rerankers_agree_with_torch(
-    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path, tmp_path: Path
+    tiny_cross_encoder_dir: Path, tiny_reranker_dir: Path
 ) -> None:
+    """In the default export folder: the cross-encoder's export is the one ``models_stack``
+    made, when it ran first (tests/test_onnx_export.py checks a fresh export); Qwen3-Reranker's,
+    served on torch there, is made here."""
     from embedserve.engines.cpu import CpuEmbedder
 
+    metas = []
     for folder, pairs in (
         (tiny_cross_encoder_dir, CrossEncoderPairs(tiny_cross_encoder_dir, 512)),
         (tiny_reranker_dir, YesNoPrompts(tiny_reranker_dir, 512)),
@@ -191,16 +220,14 @@ def test_the_onnx_exports_of_both_rerankers_agree_with_torch(
         ]
         rows = {}
         for backend in ("onnx", "torch"):
-            s = Settings(
-                _env_file=None,
-                model={"path": str(folder), "max_seq_len": 512},
-                engine={"cpu_backend": backend, "cpu_export_dir": str(tmp_path)},
-            )
+            s = Settings(_env_file=None, model={"path": str(folder), "max_seq_len": 512},
+                         engine={"cpu_backend": backend})
             rows[backend] = CpuEmbedder(s).embed(ids)
+            if backend == "onnx":
+                metas.append(json.loads((export_folder(s) / "meta.json").read_text()))
         assert rows["onnx"].shape == (len(DOCS), 1)
         np.testing.assert_allclose(rows["onnx"], rows["torch"], atol=1e-4)
-    metas = [json.loads((f / "meta.json").read_text()) for f in tmp_path.iterdir()]
-    assert len(metas) == 2 and all(m["max_score_diff_vs_torch"] <= 1e-3 for m in metas)
+    assert all(m["max_score_diff_vs_torch"] <= 1e-3 for m in metas)
 
 
 # -- framing and truncation ------------------------------------------------------------------
