@@ -1,7 +1,7 @@
 """One large request beside short ones on the real CPU stack: the huge one is refused at
 once with the measured capacity, an admitted large one does not starve the short ones,
 and nobody gets a 5xx. Bounds are loose (a shared 2-core machine); the benchmark
-``python -m bench.cpu.huge_request`` measures the real figures."""
+``python bench/suite.py --only huge-request`` measures the real figures."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.conftest import RunningStack, start_stack
 
 
 def huge_body(model: str, inputs: int, words: int) -> dict[str, object]:
-    """As ``bench.cpu.huge_request`` builds it: distinct words, so no input repeats."""
+    """As bench/probes.py's huge-request scenario builds it: distinct words, so no input repeats."""
     texts = [" ".join(f"memory{i} token{j}" for j in range(words // 2)) for i in range(inputs)]
     return {"model": model, "input": texts}
 
