@@ -252,13 +252,14 @@ def step_cross_encoder(host: Host, budget_end: float) -> dict[str, Any]:
     return {"model": str(build_cross_encoder(Path(host.model("cross-encoder")), "minilm-l6"))}
 
 
-def step_rerank_scores(host: Host, budget_end: float) -> dict[str, Any]:
-    """The cross-encoder sides' relevance scores for the same 8 pairs, against each other."""
+def step_rerank_scores(host: Host, budget_end: float, sides: Any = None) -> dict[str, Any]:
+    """The cross-encoder sides' relevance scores for the same 8 pairs, against each other
+    (``sides``: two sides; default the CPU scenario's cross-encoders)."""
     from embedserve.loadtest.textbuild import WordBuilder
 
     texts = [WordBuilder(99).build(64, Random(99), i)[0] for i in range(9)]
     got = {}
-    for side in rerank_sides(host)[1:]:
+    for side in sides or rerank_sides(host)[1:]:
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.post(f"http://127.0.0.1:{side.port}{side.kind.rerank}", timeout=120, json={
                 "model": host.served_name(side.shape), "query": texts[0], "documents": texts[1:]})

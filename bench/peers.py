@@ -68,7 +68,8 @@ def kv_pool_bytes(model_dir: str, tokens: int) -> int:
     """Bytes of a bf16 KV cache of ``tokens`` tokens for this checkpoint (K and V, every layer)."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return tokens * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]  # a BERT: every head
+    return tokens * 2 * c["num_hidden_layers"] * kv_heads * head_dim * 2
 
 
 def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
@@ -114,7 +115,8 @@ def vllm_facts(log: Path) -> dict[str, Any]:
 
 # a request unanswered for 60 s is an error: vLLM 0.26 once stopped making progress with 64 in
 # flight, and the default 300 s would hold every later run of the step
-VLLM = Kind(vllm_command, ready="/health", missing=vllm_missing, facts=vllm_facts, timeout_s=60.0)
+VLLM = Kind(vllm_command, ready="/health", rerank="/rerank", missing=vllm_missing, facts=vllm_facts,
+            timeout_s=60.0)
 VLLM_TUNED_ARGS = ("--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-count", str(API_SERVERS))
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import cpu_scenarios
+import gpu_rerank
 import gpu_scenarios as gs
 import probes
 import report
@@ -33,7 +34,8 @@ from procs import WorkDir, child_env, embedserve_cmd, log_tail
 from runner import Step
 
 GPU_SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-                 "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm")
+                 "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm",
+                 "rerank-gpu")
 SCENARIOS = GPU_SCENARIOS + cpu_scenarios.SCENARIOS + probes.SCENARIOS
 
 
@@ -78,9 +80,17 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPE
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     steps = [Step("models", GPU_SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
              *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS, *gs.MANY_STACK_STEPS,
-             *gs.vllm_steps(vllm_shapes), *cpu_scenarios.cpu_steps(), *probes.steps(),
+             *gpu_rerank.start_steps(), *vllm_after_first_ready(vllm_shapes), *cpu_scenarios.cpu_steps(),
+             *probes.steps(),
              Step("finish", SCENARIOS, step_finish, 20, always=True)]
     return [s for s in steps if set(s.used_by) & set(selected)]
+
+
+def vllm_after_first_ready(shapes: tuple[str, ...]) -> list[Step]:
+    """The vllm scenario's steps with rerank-gpu's measurement after its first servers are ready."""
+    steps = gs.vllm_steps(shapes)
+    at = next(i for i, s in enumerate(steps) if s.name.startswith("vllm-ready-")) + 1
+    return [*steps[:at], *gpu_rerank.measure_steps(), *steps[at:]]
 
 
 def write_results(host: Host, out: Path, names: list[str]) -> None:

@@ -319,6 +319,23 @@ def test_sglang_launches_rerankers_in_the_mode_that_scores_them(
         build_launch(Settings(_env_file=None, model={"path": str(tiny_cross_encoder_dir)}))
 
 
+def test_a_one_segment_xlmr_cross_encoder_scores_as_transformers_and_runs_on_sglang(tmp_path: Path) -> None:
+    """The bge-rerankers' kind (XLM-R, one segment type), as ``synth-model --kind cross-encoder
+    tiny-xlmr`` builds it: the CPU engine's torch backend scores the gateway's pairs as a plain
+    transformers forward scores the texts, and SGLang takes it from token ids."""
+    from embedserve.engines.cpu import CpuEmbedder
+    from embedserve.runtime.synth_rerank import build_cross_encoder
+
+    folder = build_cross_encoder(tmp_path / "tiny-xlmr", "tiny-xlmr")
+    docs = [d for d in DOCS if len(d) < 200]
+    ids = [p.ids for p in CrossEncoderPairs(folder, 512).encode([QUERY], docs, [0] * len(docs))]
+    s = Settings(_env_file=None, model={"path": str(folder)}, engine={"cpu_backend": "torch"})
+    got = CpuEmbedder(s).embed(ids)[:, 0]
+    np.testing.assert_allclose(got, cross_encoder_logits(folder, QUERY, docs, 512), atol=1e-4)
+    assert len(set(np.round(got, 3))) == len(docs)  # the scores tell the documents apart
+    assert "--is-embedding" in build_launch(s.with_engine(kind="sglang")).argv
+
+
 def test_sglangs_answers_become_one_logit_per_input() -> None:
     """/encode answers a list (one input: the object alone) with the logit as a number;
     /v1/score the normalised "no" and "yes" probabilities."""

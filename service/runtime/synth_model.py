@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("shape", choices=sorted({*SHAPES, *synth_rerank.CROSS_ENCODER_SHAPES}))
     ap.add_argument("out", type=Path)
     ap.add_argument("--kind", choices=("embedding", "cross-encoder", "qwen3-reranker"), default="embedding",
-                    help="cross-encoder: a BertForSequenceClassification with the bundled model's tokenizer "
+                    help="cross-encoder: a BERT or XLM-R classifier with the bundled model's tokenizer "
                     f"(shapes {', '.join(synth_rerank.CROSS_ENCODER_SHAPES)}); qwen3-reranker: a Qwen3 "
                     "causal LM as Qwen3-Reranker ships")
     ap.add_argument("--device", default="cpu")

@@ -2,13 +2,17 @@
 hub here): speed and memory depend on shapes, not weight values, and tests compare the service's
 scores with a plain transformers forward of the same checkpoint.
 
-- ``build_cross_encoder``: a ``BertForSequenceClassification`` with one label and the bundled
-  all-MiniLM-L6-v2's tokenizer; the ``minilm-l6`` shape is ms-marco-MiniLM-L-6-v2's;
+- ``build_cross_encoder``: a cross-encoder with one label and the bundled all-MiniLM-L6-v2's
+  tokenizer: a ``BertForSequenceClassification`` (``tiny``; ``minilm-l6`` is
+  ms-marco-MiniLM-L-6-v2's shape) or an ``XLMRobertaForSequenceClassification`` with one segment
+  type, as the bge-rerankers are (``tiny-xlmr``; ``bge-reranker-v2-m3``, XLM-R large with 8,194
+  positions), which SGLang serves from token ids (it takes segment types only from text);
 - Qwen3-Reranker: ``synth_model.build_qwen3_reranker``.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,28 +21,44 @@ import torch
 
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
 
+BERT = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
+#: XLM-R's vocabulary (so the embedding table weighs what the real one does), one segment type;
+#: positions count from the pad id + 1, so 8,194 hold 8,192 tokens
+XLMR = dict(vocab_size=250002, type_vocab_size=1, pad_token_id=0)
 CROSS_ENCODER_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
-    "minilm-l6": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    "tiny": dict(BERT, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+    "minilm-l6": dict(BERT, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                      intermediate_size=1536),
+    "tiny-xlmr": dict(XLMR, max_position_embeddings=514, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, intermediate_size=64),
+    "bge-reranker-v2-m3": dict(XLMR, max_position_embeddings=8194, hidden_size=1024, num_hidden_layers=24,
+                               num_attention_heads=16, intermediate_size=4096),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
 def build_cross_encoder(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        XLMRobertaConfig,
+        XLMRobertaForSequenceClassification,
+    )
 
     source = resolve_model_path(BUNDLED_MODEL)
     out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, out / name)
-    dims: dict[str, Any] = dict(
-        vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, num_labels=1,
-        **CROSS_ENCODER_SHAPES[shape],
-    )
-    config = BertConfig(**dims)
-    config.architectures = ["BertForSequenceClassification"]
+    dims = CROSS_ENCODER_SHAPES[shape]
+    xlmr = dims["type_vocab_size"] == 1
+    config = (XLMRobertaConfig if xlmr else BertConfig)(num_labels=1, **dims)
+    config.architectures = [("XLMRoberta" if xlmr else "Bert") + "ForSequenceClassification"]
+    if xlmr:  # one segment type: the tokenizer must not hand out type 1 for the second text
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+        tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     torch.manual_seed(seed)
-    model: Any = BertForSequenceClassification(config)
+    model: Any = (XLMRobertaForSequenceClassification if xlmr else BertForSequenceClassification)(config)
     for name, p in model.named_parameters():  # larger than the default init, so scores spread
         if name.endswith("weight") and p.dim() == 2:
             torch.nn.init.normal_(p, std=0.2)

@@ -1,0 +1,53 @@
+"""rerank-gpu: a cross-encoder of bge-reranker-v2-m3's shape (XLM-R large, one segment type, random
+weights: no model hub on the host) served by embedserve on SGLang and by vLLM 0.26.0's pooling
+runner (its ``/rerank``), side by side on one GPU, the same texts: pairs/s and each side's scores
+of the same 8 pairs. Its servers start with the vllm scenario's (start-ups overlap) and are
+measured once the vllm scenario's first servers are ready, so no start-up shares the GPU."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import cpu_scenarios
+from harness import UNCAPPED, UP, Host, Side
+from measure import Case, Load
+from peers import VLLM, VLLM_TUNED_ARGS
+from runner import Step, step_compare, step_start, step_stop
+
+SHAPE = "bge-reranker-v2-m3"
+GPU0 = {"CUDA_VISIBLE_DEVICES": "0"}
+SIDES = [Side("embedserve, cross-encoder (SGLang)", UP, 8960, SHAPE, UNCAPPED | GPU0,
+              tag="rerank-gpu-embedserve"),
+         Side("vllm tuned, cross-encoder", VLLM, 8970, SHAPE, args=VLLM_TUNED_ARGS, tag="rerank-gpu-vllm")]
+CASES = [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
+              Load(f"fixed:{words}", conc, seconds=15, warmup=2, words=True, rerank=n), 3)
+         for n, words, conc in ((32, 128, 16), (100, 64, 4), (16, 64, 1))]
+
+
+def step_model(host: Host, budget_end: float) -> dict[str, Any]:
+    """The checkpoint (on a dry run without a GPU: the tiny XLM-R, under the same name)."""
+    from embedserve.runtime.synth_rerank import build_cross_encoder
+
+    out = Path(host.model(SHAPE))
+    if not (out / "config.json").exists():
+        build_cross_encoder(out, "tiny-xlmr" if host.cpu else SHAPE)
+    return {"model": str(out)}
+
+
+def start_steps() -> list[Step]:
+    """Built, then started without waiting (before the vllm scenario's servers)."""
+    return [Step("rerank-gpu-model", ("rerank-gpu",), step_model, 60),
+            Step("rerank-gpu-start", ("rerank-gpu",), partial(step_start, sides=SIDES, wait=False), 30)]
+
+
+def measure_steps() -> list[Step]:
+    return [Step("rerank-gpu-ready", ("rerank-gpu",), partial(step_start, sides=SIDES), 150),
+            Step("rerank-gpu-scores", ("rerank-gpu",), partial(cpu_scenarios.step_rerank_scores, sides=SIDES),
+                 10),
+            Step("rerank-gpu-load", ("rerank-gpu",), partial(
+                step_compare, sides=SIDES, cases=CASES, seed=13,
+                section="Rerank on one GPU, pairs/s (inputs/s)",
+                warm=Load("fixed:64", 8, seconds=4, warmup=0, words=True, rerank=16)), 420),
+            Step("rerank-gpu-stop", ("rerank-gpu",), partial(step_stop, sides=SIDES), 30, always=True)]
