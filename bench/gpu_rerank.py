@@ -18,7 +18,8 @@ from runner import Step, step_compare, step_start, step_stop
 
 SHAPE = "bge-reranker-v2-m3"
 GPU0 = {"CUDA_VISIBLE_DEVICES": "0"}
-SIDES = [Side("embedserve, cross-encoder (SGLang)", UP, 8960, SHAPE, UNCAPPED | GPU0,
+BF16 = {"EMBEDSERVE_ENGINE__DTYPE": "bfloat16"}  # as vLLM is told: the checkpoint is fp32
+SIDES = [Side("embedserve, cross-encoder (SGLang)", UP, 8960, SHAPE, UNCAPPED | GPU0 | BF16,
               tag="rerank-gpu-embedserve"),
          Side("vllm tuned, cross-encoder", VLLM, 8970, SHAPE, args=VLLM_TUNED_ARGS, tag="rerank-gpu-vllm")]
 CASES = [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
