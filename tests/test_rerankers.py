@@ -297,6 +297,7 @@ def test_sglang_launches_rerankers_in_the_mode_that_scores_them(
             "num_labels": 1,
             "type_vocab_size": 1,
             "max_position_embeddings": 514,
+            "position_embedding_type": "absolute",
         },
     )
     qwen = folder_with(
@@ -317,6 +318,11 @@ def test_sglang_launches_rerankers_in_the_mode_that_scores_them(
         assert argv[argv.index("--context-length") + 1] == str((512 if embedding else 8192) + 1)
     with pytest.raises(LaunchConfigError, match=r"token type ids.*engine\.kind=cpu"):
         build_launch(Settings(_env_file=None, model={"path": str(tiny_cross_encoder_dir)}))
+    config = json.loads((xlmr / "config.json").read_text())
+    del config["position_embedding_type"]
+    (xlmr / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LaunchConfigError, match=r'type None; SGLang 0\.5\.17 serves cross-encoders with'):
+        build_launch(Settings(_env_file=None, model={"path": str(xlmr)}))
 
 
 def test_a_one_segment_xlmr_cross_encoder_scores_as_transformers_and_runs_on_sglang(tmp_path: Path) -> None:

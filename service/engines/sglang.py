@@ -173,6 +173,12 @@ def model_mode(info: ModelInfo) -> list[str]:
                 "itself, not with token ids: serve it on the CPU engine (engine.kind=cpu), or choose one "
                 "with a single segment type (the XLM-R bge-rerankers)"
             )
+        if (kind := config.get("position_embedding_type")) != "absolute":  # SGLang's embeddings read it
+            raise LaunchConfigError(
+                f"{info.path / 'config.json'} has position_embedding_type {kind!r}; SGLang 0.5.17 serves "
+                'cross-encoders with "absolute" only (transformers 5 no longer saves the key: add '
+                '"position_embedding_type": "absolute" where the model\'s positions are absolute)'
+            )
     return ["--is-embedding"]
 
 
