@@ -52,14 +52,19 @@ def build_cross_encoder(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
         shutil.copy(source / name, out / name)
     dims = CROSS_ENCODER_SHAPES[shape]
     xlmr = dims["type_vocab_size"] == 1
-    config = (XLMRobertaConfig if xlmr else BertConfig)(num_labels=1, **dims)
-    config.architectures = [("XLMRoberta" if xlmr else "Bert") + "ForSequenceClassification"]
+    classes: tuple[Any, Any] = (
+        (XLMRobertaConfig, XLMRobertaForSequenceClassification)
+        if xlmr
+        else (BertConfig, BertForSequenceClassification)
+    )
+    config = classes[0](**{"num_labels": 1, **dims})
+    config.architectures = [classes[1].__name__]
     if xlmr:  # one segment type: the tokenizer must not hand out type 1 for the second text
         tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
         tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     torch.manual_seed(seed)
-    model: Any = (XLMRobertaForSequenceClassification if xlmr else BertForSequenceClassification)(config)
+    model = classes[1](config)
     # 1/sqrt(width): larger than the default init, so that scores spread, and small enough that
     # each layer keeps the activations' scale: deeper and wider at 0.2, the network turned
     # chaotic and bf16 scores differed from fp32 ones by up to 0.36 (after the sigmoid)
