@@ -82,8 +82,7 @@ def peak(samples: list[dict[str, Any]], key: str, start: float = float("-inf"),
 
 def leak_start(doc: dict[str, Any]) -> float | None:
     """The leak's start: the engine's own log line, else the stack's ready time."""
-    ev = doc.get("events", {})
-    return ev.get("leak_start") or ev.get("ready")
+    return doc.get("events", {}).get("leak_start") or doc.get("events", {}).get("ready")
 
 
 def memory_key(doc: dict[str, Any]) -> str:
