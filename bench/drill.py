@@ -1,14 +1,9 @@
-"""The leak drill, measured: `embedserve up --drill-leak RATE` under an open-loop load, with
-the forecast, the engines' memory and `up`'s engine replacement recorded every second.
-
-Health settings shortened so that the forecast settles within a minute and the replacement
-starts about two minutes into the leak; the seed mix at half the stack's capacity from ready to
-the end; every second /health/memory, /metrics, the engines under `up` (pid, port, RSS, NVML
-memory) and `up`'s log; a minute after the old engine stopped, everything stops and
-``drill.json`` is written (bench/drill_report.py has the arithmetic, the report and the plots).
-On a GPU the resource is NVML memory of our processes against a limit (as if the GPU had
-56 GB); on the CPU dry run, their RSS against a few GB above the stack's size.
-"""
+"""The leak drill, measured: `embedserve up --drill-leak RATE` with health settings shortened (the
+replacement starts about two minutes into the leak) under an open-loop load, the seed mix at half the
+stack's capacity; every second /health/memory, /metrics, the engines under `up` (pid, port, RSS, NVML
+memory) and `up`'s log. A minute after the old engine stopped everything stops and ``drill.json`` is
+written (bench/drill_report.py: the arithmetic, the report, the plots). The resource: on a GPU, NVML
+memory of our processes against 56 GB; on the CPU dry run, their RSS against a few GB above the stack's."""
 
 from __future__ import annotations
 
@@ -72,48 +67,37 @@ class DrillConfig:
 
 
 def config_for(host: Host, rate: str | None = None) -> DrillConfig:
-    """GPU: 4 GiB/min into a limit of 56 GB ("as if the GPU had 56 GB") with the 4B's
-    ~14.5 GB in use: ~9.7 min to the limit, the replacement due at ~7.7 min to go (~2 min
-    in), which leaves room for the second engine (another ~14.5 GB) and the leak while both
-    run. CPU: 20 MiB/s into a limit 3 GB above the stack's ~0.6 GB: ~2.4 min to the limit,
-    the replacement due at ~1.4 min to go (~1 min in)."""
+    """GPU: 4 GiB/min into a limit of 56 GB with the 4B's ~14.5 GB in use: ~9.7 min to the limit, the
+    replacement due ~2 min in, which leaves room for a second engine (~14.5 GB) and the leak while both
+    run. CPU: 20 MiB/s into a limit 3 GB above the stack's ~0.6 GB, the replacement due ~1 min in."""
     rows = host.work.state.get("steps", {}).get("soak-capacity", {}).get("rows") or [{}]
-    capacity = rows[0].get("req_s")
-    if host.cpu:
-        rate = rate or "20MiB/s"
-        base, headroom, after_leak, span = 0.6e9, 3.0e9, 60.0, 20.0
-        health: dict[str, float] = {"sample_interval_s": 1.0, "warmup_s": 5.0, "min_span_s": span,
-                                    "min_samples": 15}
-        load = 0.5 * (capacity or CAPACITY_CPU_REQ_S)
-        after, limit_s = 30.0, 300.0
-    else:
-        rate = rate or "4GiB/min"
-        base, headroom, after_leak, span = 14.5e9, 41.5e9, 120.0, 60.0
-        health = {"sample_interval_s": 1.0, "warmup_s": 10.0, "min_span_s": span}
-        load = 0.5 * (capacity or CAPACITY_4B_REQ_S)
-        after, limit_s = 60.0, 530.0
-    per_s = parse_rate(rate)
-    limit = int(base + headroom)
+    cpu, capacity = host.cpu, rows[0].get("req_s")
+    rate = rate or ("20MiB/s" if cpu else "4GiB/min")
+    # bytes in use before the leak and up to the limit; the replacement due this long into the leak
+    base, headroom, after_leak, span = (0.6e9, 3.0e9, 60.0, 20.0) if cpu else (14.5e9, 41.5e9, 120.0, 60.0)
+    health: dict[str, float] = {"sample_interval_s": 1.0, "warmup_s": 5.0 if cpu else 10.0,
+                                "min_span_s": span, **({"min_samples": 15} if cpu else {})}
+    per_s, limit = parse_rate(rate), int(base + headroom)
     # due when the forecast says this much time is left: `after_leak` seconds into the leak,
     # but never before the forecast has had its minimum span
     due_s = max(headroom / per_s - max(after_leak, span + 15.0), 30.0)
     health |= {
-        ("host_memory_limit_bytes" if host.cpu else "gpu_memory_limit_bytes"): limit,
+        ("host_memory_limit_bytes" if cpu else "gpu_memory_limit_bytes"): limit,
         "replace_below_hours": round(due_s / 3600, 4),
         "warning_hours": round(1.25 * due_s / 3600, 4),
         "critical_hours": round(0.4 * due_s / 3600, 4),
         "replace_min_age_s": 30,
         "replace_cooldown_s": 600,  # one replacement per drill
     }
-    return DrillConfig(rate=rate, resource="host" if host.cpu else "gpu:0", limit_bytes=limit,
-                       base_bytes=base, replace_after_s=after_leak, load_rate=round(load, 2),
-                       after_s=after, limit_s=limit_s, health=health)
+    load = 0.5 * (capacity or (CAPACITY_CPU_REQ_S if cpu else CAPACITY_4B_REQ_S))
+    return DrillConfig(rate=rate, resource="host" if cpu else "gpu:0", limit_bytes=limit, base_bytes=base,
+                       replace_after_s=after_leak, load_rate=round(load, 2), after_s=30.0 if cpu else 60.0,
+                       limit_s=300.0 if cpu else 530.0, health=health)
 
 
 # -- reading the stack ---------------------------------------------------------------------
 def engine_port(proc: psutil.Process) -> int | None:
-    """The port an engine under `up` listens on: SGLang's --port, else the settings `up`
-    handed the CPU engine (EMBEDSERVE_SETTINGS_JSON)."""
+    """An engine's port: SGLang's --port, else the settings `up` handed the CPU engine."""
     with contextlib.suppress(psutil.Error, ValueError, KeyError, TypeError):
         argv = proc.cmdline()
         if "--port" in argv and argv.index("--port") + 1 < len(argv):
@@ -126,8 +110,7 @@ def engine_port(proc: psutil.Process) -> int | None:
 
 
 def engines_under(up_pid: int) -> dict[int, ProcessMemory]:
-    """`up`'s engines (its direct children that are SGLang or the CPU engine), each with its
-    family's pids and RSS as health reads them."""
+    """`up`'s children that are engines, each with its family's pids and RSS as health reads them."""
     pids: dict[str, int] = {}
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(up_pid).children():
@@ -152,13 +135,12 @@ def health_figures(doc: MemoryReport, resource: str) -> dict[str, Any]:
 
 def exit_status(pid: int) -> str | None:
     """How our child ``pid`` ended ("exit 0", "signal 9"), reaping it; None while it runs."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return None
-    if not done:
-        return None
-    return f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return f"signal {-code}" if code < 0 else f"exit {code}"
+    return None
 
 
 def log_time(line: str, seen: float) -> tuple[float, str]:
@@ -170,8 +152,7 @@ def log_time(line: str, seen: float) -> tuple[float, str]:
 
 
 class Sampler(threading.Thread):
-    """Every ``interval_s``: /health/memory, /metrics, the engines under `up` and new lines
-    of `up`'s log."""
+    """Every ``interval_s``: /health/memory, /metrics, the engines under `up` and `up`'s new log lines."""
 
     def __init__(self, url: str, up_pid: int, log: Path, resource: str, interval_s: float = 1.0) -> None:
         super().__init__(daemon=True)
@@ -184,9 +165,8 @@ class Sampler(threading.Thread):
         self._halt = threading.Event()
         self._gpu = Nvml()
 
-    def first_line(self, pattern: str, after: float = 0.0) -> float | None:
-        rx = re.compile(pattern, re.IGNORECASE)
-        return next((x["t"] for x in self.lines if x["t"] >= after and rx.search(x["msg"])), None)
+    def first_line(self, pattern: str) -> float | None:
+        return next((x["t"] for x in self.lines if re.search(pattern, x["msg"], re.IGNORECASE)), None)
 
     def read_log(self) -> None:
         try:
@@ -216,18 +196,14 @@ class Sampler(threading.Thread):
         gpu = self._gpu.read()
         engines: dict[str, dict[str, Any]] = {}
         for pid, mem in engines_under(self.up_pid).items():
-            seen = self.engine_seen.get(pid)
-            if seen is None:
+            if pid not in self.engine_seen:
                 with contextlib.suppress(psutil.Error):
-                    seen = self.engine_seen[pid] = {"pid": pid, "port": engine_port(psutil.Process(pid)),
-                                                    "first": round(t, 3)}
-            if seen is None:
-                continue
-            seen["last"] = round(t, 3)
-            e: dict[str, Any] = {"pid": pid, "rss": mem.rss_bytes}
-            if gpu is not None:
-                e["gpu"] = sum(gpu[0].get(p, 0) for p in mem.pids)
-            engines[str(seen["port"] or pid)] = e
+                    self.engine_seen[pid] = {"pid": pid, "port": engine_port(psutil.Process(pid)),
+                                             "first": round(t, 3)}
+            if (seen := self.engine_seen.get(pid)) is not None:
+                seen["last"] = round(t, 3)
+                engines[str(seen["port"] or pid)] = {"pid": pid, "rss": mem.rss_bytes} | (
+                    {} if gpu is None else {"gpu": sum(gpu[0].get(p, 0) for p in mem.pids)})
         row["engines"] = engines
         if gpu is not None:
             row["device_used"] = gpu[1]
@@ -252,9 +228,7 @@ class Sampler(threading.Thread):
 
 # -- the load ------------------------------------------------------------------------------
 def loadtest_argv(host: Host, cfg: DrillConfig, url: str, out: Path, seconds: float) -> list[str]:
-    """`embedserve loadtest` open loop: the seed length mix, unique inputs, the memory report
-    sampled every second, windows of 5 s for the throughput series, no resending of a 429 (so
-    each status counts one request)."""
+    """`embedserve loadtest` open loop: unique inputs, the memory report every second, 5 s windows."""
     return [*embedserve_cmd(), "loadtest", url, "--tokenizer", host.model("4b"), "--model",
             host.served_name("4b"), "--mix", cfg.mix, "--inputs", cfg.inputs, "--rate", f"{cfg.load_rate:g}",
             "--duration", f"{seconds:.0f}", "--warmup", "0", "--seed", "23", "--out", str(out),
@@ -285,8 +259,7 @@ def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[s
     cfg = config_for(host, rate or host.drill_rate)
     out = (host.out or host.work.root) / "drill"
     out.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-    deadline = min(t_start + cfg.limit_s, budget_end) - STOP_RESERVE_S
+    deadline = min(time.time() + cfg.limit_s, budget_end) - STOP_RESERVE_S
     log = host.work.root / "logs" / f"{TAG}.log"
     if log.exists():  # an earlier run's banner must not pass for this one's
         log.replace(log.with_suffix(".log.1"))
@@ -350,11 +323,8 @@ def step_drill(host: Host, budget_end: float, rate: str | None = None) -> dict[s
                      k: v for k, v in env.items() if k.startswith(("EMBEDSERVE_", "CUDA_"))},
                      "loadtest": ["embedserve", *load_argv[len(embedserve_cmd()):]] if load_argv else None}},
         "events": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in events.items()},
-        "engines": list(sampler.engine_seen.values()),
-        "log": sampler.lines,
-        "samples": sampler.samples,
-        "load": load_doc,
-    }
+        "engines": list(sampler.engine_seen.values()), "log": sampler.lines, "samples": sampler.samples,
+        "load": load_doc}
     doc["summary"] = drill_report.summarize(doc)
     path = out / "drill.json"
     path.write_text(json.dumps(doc, indent=1, default=str))

@@ -1,11 +1,7 @@
-"""The leak drill's arithmetic and report: ``python bench/drill_report.py DRILL_JSON OUT_DIR``
-writes OUT_DIR/README.md and its plots from the drill.json that bench/drill.py recorded.
-``summarize`` is pure (bench/test_drill_report.py checks it on a recorded drill): the true time
-to the limit at each sample is (limit - used) / leak rate; the forecast's relative error against
-it counts from the leak's start plus ``min_span_s`` until the replacement started (then the old
-engine is no longer the one the leak fills); 429s and 503s (both with Retry-After) are counted
-apart from failures.
-"""
+"""The leak drill's arithmetic and report: ``python bench/drill_report.py DRILL_JSON OUT_DIR`` writes
+OUT_DIR/README.md and its plots from the drill.json that bench/drill.py recorded. ``summarize`` is pure
+(bench/test_drill_report.py checks it on a recorded drill): the true time to the limit at each sample is
+(limit - used) / leak rate; 429s and 503s (both with Retry-After) are counted apart from failures."""
 
 from __future__ import annotations
 
@@ -16,8 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from report import table
+
 ERROR_TARGET = 0.20  # the forecast's median |relative error| against the true time to the limit
 GB = 1e9
+CAPTIONS = {"memory.png": "Memory of each engine, the health monitor's figure and the limit",
+            "forecast.png": "Forecast time to out-of-memory vs the true time to the limit",
+            "requests.png": "Requests per 5 s window by status, and latency"}
 
 
 # -- arithmetic ----------------------------------------------------------------------------
@@ -27,17 +28,15 @@ class Point(NamedTuple):
     forecast_s: float | None  # the health monitor's, for the drill's resource
 
 
+def good_samples(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in doc.get("samples", []) if "error" not in s]
+
+
 def forecast_points(samples: list[dict[str, Any]], rate: float) -> list[Point]:
-    """Per sample with used and limit: time, true seconds to the limit, forecast seconds (the
-    drill's resource's own forecast; None when it has none)."""
-    out = []
-    for s in samples:
-        if s.get("used") is None or s.get("limit") is None:
-            continue
-        hours = s.get("res_hours")
-        out.append(Point(s["t"], (s["limit"] - s["used"]) / rate,
-                         None if hours is None else 3600.0 * hours))
-    return out
+    """One point per sample with used and limit (the forecast None when the resource has none)."""
+    return [Point(s["t"], (s["limit"] - s["used"]) / rate,
+                  None if s.get("res_hours") is None else 3600.0 * s["res_hours"])
+            for s in samples if s.get("used") is not None and s.get("limit") is not None]
 
 
 def forecast_error(points: list[Point], start: float, end: float) -> dict[str, Any]:
@@ -58,12 +57,11 @@ def forecast_error(points: list[Point], start: float, end: float) -> dict[str, A
 
 
 def count_requests(by_status: dict[str, int], dropped: int = 0) -> dict[str, Any]:
-    """2xx ok, 429 and 503 apart (both come with Retry-After), everything else failed
-    (other statuses, timeouts, refused or dropped connections)."""
-    ok = sum(n for k, n in by_status.items() if status_group(k) == "2xx")
-    throttled, unavailable = by_status.get("429", 0), by_status.get("503", 0)
+    """Everything but 2xx, 429 and 503 failed: other statuses, timeouts, refused or dropped connections."""
     failed = {k: n for k, n in by_status.items() if n and status_group(k) == "failed"}
-    return {"sent": sum(by_status.values()), "ok": ok, "status_429": throttled, "status_503": unavailable,
+    return {"sent": sum(by_status.values()),
+            "ok": sum(n for k, n in by_status.items() if status_group(k) == "2xx"),
+            "status_429": by_status.get("429", 0), "status_503": by_status.get("503", 0),
             "failed": sum(failed.values()), "failed_by_status": failed, "dropped_arrivals": dropped}
 
 
@@ -74,46 +72,42 @@ def status_group(code: str) -> str:
     return code if code in ("429", "503") else "failed"
 
 
-def engine_memory(sample: dict[str, Any], key: str) -> float | None:
-    """Our engines' memory in one sample: NVML (``gpu``) or RSS (``rss``), summed."""
-    vals = [e[key] for e in (sample.get("engines") or {}).values() if e.get(key) is not None]
-    return float(sum(vals)) if vals else None
-
-
 def peak(samples: list[dict[str, Any]], key: str, start: float = float("-inf"),
          end: float = float("inf")) -> float | None:
-    vals = [v for s in samples if start <= s["t"] <= end and (v := engine_memory(s, key)) is not None]
-    return max(vals) if vals else None
+    """The highest sum over our engines of NVML (``gpu``) or RSS (``rss``) memory in one sample."""
+    vals = [sum(v) for s in samples if start <= s["t"] <= end
+            if (v := [e[key] for e in (s.get("engines") or {}).values() if e.get(key) is not None])]
+    return float(max(vals)) if vals else None
 
 
 def leak_start(doc: dict[str, Any]) -> float | None:
     """The leak's start: the engine's own log line, else the stack's ready time."""
-    ev = doc.get("events", {})
-    return ev.get("leak_start") or ev.get("ready")
+    return doc.get("events", {}).get("leak_start") or doc.get("events", {}).get("ready")
 
 
 def memory_key(doc: dict[str, Any]) -> str:
     return "rss" if doc["meta"].get("device") == "cpu" else "gpu"
 
 
+def in_gb(v: float | None) -> float | None:
+    return None if v is None else round(v / GB, 2)
+
+
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """The drill's figures from its series (pure: no I/O)."""
-    meta, ev = doc["meta"], doc.get("events", {})
-    samples = [s for s in doc.get("samples", []) if "error" not in s]
-    rate = float(meta["rate_bytes_per_s"])
-    min_span = float(meta["health"].get("min_span_s", 0.0))
+    """The drill's figures from its series. The forecast's error counts from the leak's start plus
+    ``min_span_s`` until the replacement started (from then the leak no longer fills the old engine)."""
+    meta, ev, samples = doc["meta"], doc.get("events", {}), good_samples(doc)
     due_h = meta["health"].get("replace_below_hours")
-    t0 = leak_start(doc)
-    rs, rd = ev.get("replace_start"), ev.get("replace_done")
+    t0, rs, rd = leak_start(doc), ev.get("replace_start"), ev.get("replace_done")
     end = ev.get("stop") or (samples[-1]["t"] if samples else 0.0)
-    points = forecast_points(samples, rate)
+    points = forecast_points(samples, float(meta["rate_bytes_per_s"]))
 
     def rel(t: float | None) -> float | None:
         return None if t is None or t0 is None else round(t - t0, 1)
 
     out: dict[str, Any] = {
         "device": meta.get("device"), "rate": meta.get("rate"), "resource": meta.get("resource"),
-        "limit_gb": round(meta["limit_bytes"] / GB, 2), "replaced": rd is not None,
+        "limit_gb": in_gb(meta["limit_bytes"]), "replaced": rd is not None,
         "replacement_failed": ev.get("replace_failed") is not None,
         "ended": meta.get("ended"), "ready_s": round(ev["ready"] - ev["stack_start"], 1)
         if ev.get("ready") and ev.get("stack_start") else None,
@@ -122,32 +116,29 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         "replace_below_s": round(3600 * due_h) if due_h else None,
         "replacements_metric": max((s.get("replacements_metric") or 0 for s in samples), default=None),
     }
-    # the old engine's series: from the leak's start until the replacement started
-    old_end = rs if rs is not None else end
+    old_end = rs if rs is not None else end  # the old engine's series ends where its replacement starts
     if t0 is not None:
-        out["forecast_error"] = forecast_error(points, t0 + min_span, old_end)
-        before = [p for p in points if p.t <= old_end]
-        if before:  # the limit, as the last sample before the replacement puts it
+        out["forecast_error"] = forecast_error(points, t0 + float(meta["health"].get("min_span_s", 0.0)),
+                                               old_end)
+        if before := [p for p in points if p.t <= old_end]:  # the limit, as the last such sample puts it
             last = before[-1]
             out["limit_reached_s"] = rel(last.t + last.true_s)
-            at_start = rs is not None
-            out["true_s_at_replace_start"] = round(last.true_s, 1) if at_start else None
+            out["true_s_at_replace_start"] = round(last.true_s, 1) if rs is not None else None
             out["forecast_s_at_replace_start"] = (
-                round(last.forecast_s, 1) if at_start and last.forecast_s is not None else None)
-    old_used = [s["used"] for s in samples if s.get("used") is not None and s["t"] <= (rd or end)]
-    out["peak_used_gb"] = round(max(old_used) / GB, 2) if old_used else None
-    out["limit_reached"] = bool(old_used) and max(old_used) >= meta["limit_bytes"]
+                round(last.forecast_s, 1) if rs is not None and last.forecast_s is not None else None)
+    top_used = max((s["used"] for s in samples if s.get("used") is not None and s["t"] <= (rd or end)),
+                   default=None)
+    out["peak_used_gb"] = in_gb(top_used)
+    out["limit_reached"] = top_used is not None and top_used >= meta["limit_bytes"]
     key = memory_key(doc)
-    p_all, p_swap = peak(samples, key), peak(samples, key, rs or end, rd or end)
     out["memory_measure"] = "NVML memory of the engines' processes" if key == "gpu" else "RSS of the engines"
-    out["peak_engines_gb"] = round(p_all / GB, 2) if p_all is not None else None
-    out["peak_engines_swap_gb"] = round(p_swap / GB, 2) if p_swap is not None else None
-    load = doc.get("load")
-    if load:
+    out["peak_engines_gb"] = in_gb(peak(samples, key))
+    out["peak_engines_swap_gb"] = in_gb(peak(samples, key, rs or end, rd or end))
+    if load := doc.get("load"):
         out["requests"] = count_requests(load.get("by_status", {}), int(load.get("dropped_arrivals") or 0))
         out["requests"]["req_s"] = load.get("requests_per_s")
-    fe = out.get("forecast_error") or {}
-    out["passed"] = bool(out["replaced"] and not out["limit_reached"] and fe.get("within_target")
+    out["passed"] = bool(out["replaced"] and not out["limit_reached"]
+                         and (out.get("forecast_error") or {}).get("within_target")
                          and load and out["requests"]["failed"] == 0)
     return out
 
@@ -170,33 +161,33 @@ def _pct(v: float | None) -> str:
 def table_lines(s: dict[str, Any]) -> list[str]:
     fe = s.get("forecast_error") or {}
     rq = s.get("requests") or {}
-    rows = [
-        ("forecast error, median abs. relative (target <= 20%)",
-         f"{_pct(fe.get('median_abs'))} over {fe.get('samples', 0)} samples "
-         f"({_pct(fe.get('share_within_target'))} of them within 20%; "
-         f"signed median {_pct(fe.get('median'))})"),
-        ("forecast error, max abs. relative", _pct(fe.get("max_abs"))),
-        ("replacement started (after the leak's start)",
-         f"{_fmt(s.get('replace_start_s'), ' s')}: true time to the limit then "
-         f"{_fmt(s.get('true_s_at_replace_start'), ' s')}, "
-         f"forecast {_fmt(s.get('forecast_s_at_replace_start'), ' s')}"
-         f" (replace under {_fmt(s.get('replace_below_s'), ' s')})"),
-        ("old engine stopped (replacement done)", _fmt(s.get("replace_done_s"), " s")),
-        ("the limit would have been reached at", _fmt(s.get("limit_reached_s"), " s")),
-        ("swap (start to old engine stopped)", _fmt(s.get("swap_s"), " s")),
-        (f"peak {s.get('resource')} used (health) vs limit",
-         f"{_fmt(s.get('peak_used_gb'), ' GB')} of {_fmt(s.get('limit_gb'), ' GB')}"
-         f"{' (REACHED)' if s.get('limit_reached') else ''}"),
-        (f"peak {s.get('memory_measure')}: whole drill / across the swap",
-         f"{_fmt(s.get('peak_engines_gb'), ' GB')} / {_fmt(s.get('peak_engines_swap_gb'), ' GB')}"),
-        ("replacements (/metrics)", _fmt(s.get("replacements_metric"))),
-        ("requests sent / ok / failed", f"{_fmt(rq.get('sent'))} / {_fmt(rq.get('ok'))} / "
-                                        f"{_fmt(rq.get('failed'))} {rq.get('failed_by_status') or ''}"),
-        ("429 / 503 (with Retry-After)", f"{_fmt(rq.get('status_429'))} / {_fmt(rq.get('status_503'))}"),
-        ("dropped arrivals (client behind)", _fmt(rq.get("dropped_arrivals"))),
-        ("verdict", "PASS" if s.get("passed") else "FAIL"),
-    ]
-    return ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    rows = {
+        "forecast error, median abs. relative (target <= 20%)":
+            f"{_pct(fe.get('median_abs'))} over {fe.get('samples', 0)} samples "
+            f"({_pct(fe.get('share_within_target'))} of them within 20%; "
+            f"signed median {_pct(fe.get('median'))})",
+        "forecast error, max abs. relative": _pct(fe.get("max_abs")),
+        "replacement started (after the leak's start)":
+            f"{_fmt(s.get('replace_start_s'), ' s')}: true time to the limit then "
+            f"{_fmt(s.get('true_s_at_replace_start'), ' s')}, "
+            f"forecast {_fmt(s.get('forecast_s_at_replace_start'), ' s')}"
+            f" (replace under {_fmt(s.get('replace_below_s'), ' s')})",
+        "old engine stopped (replacement done)": _fmt(s.get("replace_done_s"), " s"),
+        "the limit would have been reached at": _fmt(s.get("limit_reached_s"), " s"),
+        "swap (start to old engine stopped)": _fmt(s.get("swap_s"), " s"),
+        f"peak {s.get('resource')} used (health) vs limit":
+            f"{_fmt(s.get('peak_used_gb'), ' GB')} of {_fmt(s.get('limit_gb'), ' GB')}"
+            f"{' (REACHED)' if s.get('limit_reached') else ''}",
+        f"peak {s.get('memory_measure')}: whole drill / across the swap":
+            f"{_fmt(s.get('peak_engines_gb'), ' GB')} / {_fmt(s.get('peak_engines_swap_gb'), ' GB')}",
+        "replacements (/metrics)": _fmt(s.get("replacements_metric")),
+        "requests sent / ok / failed": f"{_fmt(rq.get('sent'))} / {_fmt(rq.get('ok'))} / "
+                                       f"{_fmt(rq.get('failed'))} {rq.get('failed_by_status') or ''}",
+        "429 / 503 (with Retry-After)": f"{_fmt(rq.get('status_429'))} / {_fmt(rq.get('status_503'))}",
+        "dropped arrivals (client behind)": _fmt(rq.get("dropped_arrivals")),
+        "verdict": "PASS" if s.get("passed") else "FAIL",
+    }
+    return table([{"k": k, "v": v} for k, v in rows.items()], [("k", "figure"), ("v", "value")])
 
 
 def versions(v: str | dict[str, str]) -> str:
@@ -241,17 +232,19 @@ def render_markdown(doc: dict[str, Any], plots: list[str]) -> str:
         md.append(" ".join(cmds["loadtest"]))
     md += ["```", "", "## Figures", "", "Times are seconds after the leak started (the engine's log line).",
            "", *table_lines(s), ""]
-    captions = {"memory.png": "Memory of each engine, the health monitor's figure and the limit",
-                "forecast.png": "Forecast time to out-of-memory vs the true time to the limit",
-                "requests.png": "Requests per 5 s window by status, and latency"}
     for name in plots:
-        md += [f"### {captions.get(name, name)}", "", f"![{name}]({name})", ""]
-    t0 = leak_start(doc) or 0.0
+        md += [f"### {CAPTIONS.get(name, name)}", "", f"![{name}]({name})", ""]
     if doc.get("log"):
-        md += ["## `up`'s log around the drill", "", "| s after leak start | message |", "|---|---|"]
-        md += [f"| {x['t'] - t0:+.1f} | {x['msg'][:160].replace('|', '/')} |" for x in doc["log"]][:40]
-        md.append("")
+        t0 = leak_start(doc) or 0.0
+        rows = [{"t": f"{x['t'] - t0:+.1f}", "m": x["msg"][:160].replace("|", "/")} for x in doc["log"][:40]]
+        md += ["## `up`'s log around the drill", "",
+               *table(rows, [("t", "s after leak start"), ("m", "message")]), ""]
     return "\n".join(md)
+
+
+def _line(ax: Any, pts: list[tuple[float, float]], *fmt: str, **kw: Any) -> None:
+    if pts:
+        ax.plot(*zip(*pts, strict=True), *fmt, **kw)
 
 
 def _finish(fig: Any, ax: Any, doc: dict[str, Any], t0: float, path: Path, plt: Any, loc: str,
@@ -273,29 +266,25 @@ def _finish(fig: Any, ax: Any, doc: dict[str, Any], t0: float, path: Path, plt: 
 
 
 def plot_memory(doc: dict[str, Any], path: Path, plt: Any) -> None:
-    samples = [s for s in doc["samples"] if "error" not in s]
+    samples = good_samples(doc)
     t0, key = leak_start(doc) or samples[0]["t"], memory_key(doc)
     fig, ax = plt.subplots(figsize=(10, 5))
     for n in sorted({n for s in samples for n in s.get("engines", {})}):
-        pts = [(s["t"] - t0, s["engines"][n][key] / GB) for s in samples
-               if s.get("engines", {}).get(n, {}).get(key) is not None]
-        if pts:
-            what = "NVML" if key == "gpu" else "RSS"
-            ax.plot(*zip(*pts, strict=True), lw=1.6, label=f"engine :{n} ({what})")
-    used = [(s["t"] - t0, s["used"] / GB) for s in samples if s.get("used") is not None]
-    if used:
-        ax.plot(*zip(*used, strict=True), color="black", lw=1, alpha=0.6,
-                label=f"health: {doc['meta']['resource']} used ({samples[-1].get('measure') or ''})")
-    device = [(s["t"] - t0, sum(s["device_used"]) / GB) for s in samples if s.get("device_used")]
-    if device:  # the whole GPU, other processes included
-        ax.plot(*zip(*device, strict=True), color="grey", lw=0.8, ls=":", label="GPU memory in use (NVML)")
+        _line(ax, [(s["t"] - t0, s["engines"][n][key] / GB) for s in samples
+                   if s.get("engines", {}).get(n, {}).get(key) is not None],
+              lw=1.6, label=f"engine :{n} ({'NVML' if key == 'gpu' else 'RSS'})")
+    _line(ax, [(s["t"] - t0, s["used"] / GB) for s in samples if s.get("used") is not None],
+          color="black", lw=1, alpha=0.6,
+          label=f"health: {doc['meta']['resource']} used ({samples[-1].get('measure') or ''})")
+    _line(ax, [(s["t"] - t0, sum(s["device_used"]) / GB) for s in samples if s.get("device_used")],
+          color="grey", lw=0.8, ls=":", label="GPU memory in use (NVML)")  # other processes included
     ax.axhline(doc["meta"]["limit_bytes"] / GB, color="tab:red", lw=1.5, label="limit")
     _finish(fig, ax, doc, t0, path, plt, "upper left", ylabel="GB",
             title=f"Memory during the drill ({doc['meta']['rate']} per engine)")
 
 
 def plot_forecast(doc: dict[str, Any], path: Path, plt: Any) -> None:
-    samples = [s for s in doc["samples"] if "error" not in s]
+    samples = good_samples(doc)
     t0, ev, health = leak_start(doc) or samples[0]["t"], doc.get("events", {}), doc["meta"]["health"]
     pts = forecast_points(samples, float(doc["meta"]["rate_bytes_per_s"]))
     old = [p for p in pts if p.t <= (ev.get("replace_start") or float("inf"))]
@@ -306,12 +295,10 @@ def plot_forecast(doc: dict[str, Any], path: Path, plt: Any) -> None:
                     color="grey", alpha=0.2, label="true +-20%")
     # one engine again (the health sample after the old one's stop): the truth holds again
     new = [p for p in pts if ev.get("replace_done") and p.t > ev["replace_done"] + 2.0]
-    if new:
-        ax.plot([p.t - t0 for p in new], [p.true_s / 60 for p in new], color="black", lw=1, ls="--",
-                label="true time to the limit, new engine")
-    fc = [(p.t - t0, p.forecast_s / 60) for p in pts if p.forecast_s is not None]
-    if fc:
-        ax.plot(*zip(*fc, strict=True), ".", color="tab:blue", ms=3, label="forecast (health monitor)")
+    _line(ax, [(p.t - t0, p.true_s / 60) for p in new], color="black", lw=1, ls="--",
+          label="true time to the limit, new engine")
+    _line(ax, [(p.t - t0, p.forecast_s / 60) for p in pts if p.forecast_s is not None], ".",
+          color="tab:blue", ms=3, label="forecast (health monitor)")
     if health.get("min_span_s"):
         ax.axvline(health["min_span_s"], color="tab:purple", ls=":", lw=1,
                    label="min_span_s after the leak's start")
@@ -337,8 +324,8 @@ def plot_requests(doc: dict[str, Any], path: Path, plt: Any) -> None:
             bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
     ax2 = ax.twinx()
     p95 = [(w["t0"] - t0 + (w["t1"] - w["t0"]) / 2, w["p95_ms"]) for w in wins if w.get("p95_ms") is not None]
+    _line(ax2, p95, color="black", lw=1, marker=".", label="P95 ms")
     if p95:
-        ax2.plot(*zip(*p95, strict=True), color="black", lw=1, marker=".", label="P95 ms")
         ax2.set(ylabel="P95 latency, ms", ylim=(0, None))
     _finish(fig, ax, doc, t0, path, plt, "lower left", ax2, ylabel="requests per second",
             title=f"Load by status ({load.get('traffic')})")
@@ -353,16 +340,12 @@ def write_report(doc: dict[str, Any], out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     doc = {**doc, "summary": summarize(doc)}
-    plots = []
-    if [s for s in doc.get("samples", []) if "error" not in s]:
-        plot_memory(doc, out / "memory.png", plt)
-        plot_forecast(doc, out / "forecast.png", plt)
-        plots += ["memory.png", "forecast.png"]
+    plots = {"memory.png": plot_memory, "forecast.png": plot_forecast} if good_samples(doc) else {}
     if (doc.get("load") or {}).get("windows"):
-        plot_requests(doc, out / "requests.png", plt)
-        plots.append("requests.png")
-    readme = out / "README.md"
-    readme.write_text(render_markdown(doc, plots))
+        plots["requests.png"] = plot_requests
+    for name, plot in plots.items():
+        plot(doc, out / name, plt)
+    (readme := out / "README.md").write_text(render_markdown(doc, list(plots)))
     return readme
 
 

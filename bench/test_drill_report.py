@@ -17,10 +17,6 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "drill-cpu-dry-run.json
 MB = 1e6
 
 
-def recorded() -> dict[str, Any]:
-    return json.loads(FIXTURE.read_text())
-
-
 def test_true_time_and_forecast_error() -> None:
     rate = 10 * MB  # bytes per second
     # used grows at the rate; the forecast is 10% long at t=0..9, then 30% short at t=10
@@ -50,7 +46,7 @@ def test_failed_requests_are_all_but_2xx_429_and_503() -> None:
 
 
 def test_the_recorded_drill() -> None:
-    doc = recorded()
+    doc = json.loads(FIXTURE.read_text())
     s = drill_report.summarize(doc)
     assert s == doc["summary"]  # what the drill wrote is what the arithmetic gives
     assert s["replaced"] and s["passed"] and s["replacements_metric"] == 1
@@ -70,8 +66,7 @@ def test_the_recorded_drill() -> None:
 
 def test_report_and_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    readme = drill_report.write_report(recorded(), tmp_path)
-    text = readme.read_text()
+    text = drill_report.write_report(json.loads(FIXTURE.read_text()), tmp_path).read_text()
     assert "| verdict | PASS |" in text and "embedserve up --drill-leak 20MiB/s" in text
     for png in ("memory.png", "forecast.png", "requests.png"):
         assert (tmp_path / png).stat().st_size > 10_000 and f"]({png})" in text
