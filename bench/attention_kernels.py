@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-Embedding-4B
 LENGTHS = (37, 190, 511, 1024, 2047, 4096)
+SCALE = 1 / math.sqrt(HEAD_DIM)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -42,8 +43,8 @@ def flashinfer_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_t: t
 
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="auto")
-    wrapper.plan(cu_t, cu_t, Q_HEADS, KV_HEADS, HEAD_DIM, causal=True,
-                 sm_scale=1 / math.sqrt(HEAD_DIM), q_data_type=q.dtype, kv_data_type=k.dtype)
+    wrapper.plan(cu_t, cu_t, Q_HEADS, KV_HEADS, HEAD_DIM, causal=True, sm_scale=SCALE, q_data_type=q.dtype,
+                 kv_data_type=k.dtype)
     return wrapper.run(q, k, v)
 
 
@@ -55,8 +56,8 @@ def flashinfer_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_t: to
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto")
     indices = torch.arange(k.shape[0], dtype=torch.int32, device=q.device)
     last = torch.ones(cu_t.numel() - 1, dtype=torch.int32, device=q.device)
-    wrapper.plan(cu_t, cu_t, indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, 1, causal=True,
-                 sm_scale=1 / math.sqrt(HEAD_DIM), q_data_type=q.dtype, kv_data_type=k.dtype)
+    wrapper.plan(cu_t, cu_t, indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, 1, causal=True, sm_scale=SCALE,
+                 q_data_type=q.dtype, kv_data_type=k.dtype)
     return wrapper.run(q, (k.unsqueeze(1), v.unsqueeze(1)))
 
 
@@ -65,7 +66,7 @@ def fa3_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_t: torch.Te
 
     longest = int((cu_t[1:] - cu_t[:-1]).max())
     out = flash_attn_varlen_func(q, k, v, cu_t, cu_t, max_seqlen_q=longest, max_seqlen_k=longest,
-                                 softmax_scale=1 / math.sqrt(HEAD_DIM), causal=True)
+                                 softmax_scale=SCALE, causal=True)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -78,9 +79,8 @@ def fa3_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_t: torch.Ten
     for i, (a, n) in enumerate(zip(cu_t[:-1].tolist(), lens.tolist(), strict=False)):
         table[i, :n] = torch.arange(a, a + n, dtype=torch.int32, device=q.device)
     out = flash_attn_with_kvcache(q, k.unsqueeze(1), v.unsqueeze(1), page_table=table,
-                                  cache_seqlens=lens.int(), cu_seqlens_q=cu_t,
-                                  max_seqlen_q=int(lens.max()), softmax_scale=1 / math.sqrt(HEAD_DIM),
-                                  causal=True)
+                                  cache_seqlens=lens.int(), cu_seqlens_q=cu_t, max_seqlen_q=int(lens.max()),
+                                  softmax_scale=SCALE, causal=True)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -91,10 +91,7 @@ KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 
 def compare(seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
-    dev = torch.device("cuda")
-    cu = [0]
-    for n in LENGTHS:
-        cu.append(cu[-1] + n)
+    dev, cu = torch.device("cuda"), [0, *itertools.accumulate(LENGTHS)]
     q = torch.randn(cu[-1], Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(cu[-1], KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(2))
     cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
@@ -110,11 +107,10 @@ def compare(seed: int = 0) -> dict[str, Any]:
             continue
         outs[name] = out
         report["kernels"][name] = {"max_abs_diff_vs_fp32": float((out.float() - ref).abs().max())}
-    names = sorted(outs)
-    report["bitwise_equal"] = {f"{a} = {b}": bool(torch.equal(outs[a], outs[b]))
-                               for i, a in enumerate(names) for b in names[i + 1:]}
+    pairs = list(itertools.combinations(sorted(outs), 2))
+    report["bitwise_equal"] = {f"{a} = {b}": bool(torch.equal(outs[a], outs[b])) for a, b in pairs}
     report["max_abs_diff"] = {f"{a} - {b}": float((outs[a].float() - outs[b].float()).abs().max())
-                              for i, a in enumerate(names) for b in names[i + 1:]}
+                              for a, b in pairs}
     try:
         from flashinfer.utils import determine_attention_backend
 
@@ -129,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the report here as JSON too")
     a = ap.parse_args(argv)
-    report = compare()
-    text = json.dumps(report, indent=1)
+    text = json.dumps(compare(), indent=1)
     print(text)
     if a.out:
         a.out.write_text(text)

@@ -1,8 +1,6 @@
-"""The CPU comparisons as data, run by the same runner as the GPU suite (`python bench/suite.py
---only NAME`), the bundled all-MiniLM-L6-v2 on the CPU engine: against its peers (``cpu-peers``),
-the gateway's engine-call settings (``engine-calls``), the gateway alone before an engine that
-answers at once (``gateway-overhead``, ``gateway-loop``, ``gateway-cpu``), the quality gate
-(``quality-cpu``). bench/README.md says what each measures."""
+"""The CPU comparisons as data for the GPU suite's runner (`python bench/suite.py --only NAME`), the
+bundled all-MiniLM-L6-v2 on the CPU engine: ``cpu-peers``, ``engine-calls``, ``gateway-overhead``,
+``gateway-loop``, ``gateway-cpu``, ``quality-cpu``, ``rerank-cpu``; bench/README.md says what each does."""
 
 from __future__ import annotations
 
@@ -30,13 +28,11 @@ from runner import Step, lifecycle, step_compare, step_quality, step_vectors
 OPEN = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}  # admission never caps a run
 CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", **OPEN}  # `up`'s engine (a gateway given engines starts none)
 MEAN = ("--device", "cpu", "--dtype", "float32", "--pooling-method", "mean")
-PEER_LOADS = [
-    Case("20-word texts, 1 per request, 16 in flight", Load("fixed:20", 16, seconds=15, warmup=2, words=True,
-                                                             batches=(1, 16)), rounds=3),
-    Case("64-word texts x 32 per request, 4 in flight", Load("fixed:64", 4, inputs="32", seconds=15, warmup=2,
-                                                              words=True, batches=(32,)), rounds=3),
-    Case("one in flight", Load("fixed:20", 1, seconds=15, warmup=2, words=True, batches=(1,)), rounds=3),
-]
+PEER_LOADS = [Case(name, Load(mix, conc, inputs, seconds=15, warmup=2, words=True, batches=batches), rounds=3)
+              for name, mix, conc, inputs, batches in (
+                  ("20-word texts, 1 per request, 16 in flight", "fixed:20", 16, "1", (1, 16)),
+                  ("64-word texts x 32 per request, 4 in flight", "fixed:64", 4, "32", (32,)),
+                  ("one in flight", "fixed:20", 1, "1", (1,)))]
 
 
 def up(name: str, port: int, **settings: str) -> Side:
@@ -141,9 +137,8 @@ def step_stages(host: Host, budget_end: float, n: int = 300) -> dict[str, Any]:
     return {"tables": {"One request in flight, the gateway's stage headers (medians)": rows}}
 
 
-INSTANT_ENGINE = Side("instant engine", INSTANT, 18611, "bundled", {"DIM": "384"}, tag="instant-384")
-OVERHEAD = [INSTANT_ENGINE, Side("gateway (text)", GATEWAY, 18610, "bundled", OPEN, behind=(18611,),
-                                 tag="gateway-overhead"),
+OVERHEAD = [Side("instant engine", INSTANT, 18611, "bundled", {"DIM": "384"}, tag="instant-384"),
+            Side("gateway (text)", GATEWAY, 18610, "bundled", OPEN, behind=(18611,), tag="gateway-overhead"),
             Side("gateway (ids)", GATEWAY, 18610, "bundled", ids=True, tag="gateway-overhead")]
 LOOP_ENGINE = Side("instant engine", INSTANT, 30993, "bundled", {"DIM": "1024"}, tag="instant-1024")
 
@@ -160,11 +155,8 @@ def loop_sides(host: Host) -> list[Side]:
                                                      for lp in ("uvloop", "asyncio"))]
 
 
-def loop_cases() -> list[Case]:
-    return [Case(f"{name}, {conc} in flight", Load(mix, conc, seconds=10, warmup=2, build_workers=0))
-            for conc in (64, 1) for name, mix in (("short 16-512", "uniform:16-512"), ("seed mix", "seed"))]
-
-
+LOOP_CASES = [Case(f"{name}, {conc} in flight", Load(mix, conc, seconds=10, warmup=2, build_workers=0))
+              for conc in (64, 1) for name, mix in (("short 16-512", "uniform:16-512"), ("seed mix", "seed"))]
 CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", OPEN, behind=(30991,), tag="gateway-cpu")
 CPU_GATEWAY_ENGINE = Side("instant engine", INSTANT, 30991, "bundled", {"DIM": "384"}, tag="instant-cpu")
 # request shapes (name, tokens a text, texts, encoding): loads through the gateway, and in process
@@ -173,15 +165,6 @@ REQUESTS = (("1 short text, float", 14, 1, "float"), ("1 short text, base64", 14
             ("1 long text (256 tokens), base64", 256, 1, "base64"))
 SHAPES = [Case(name, Load(f"fixed:{tokens}", 32, str(n), seconds=10, warmup=1, encoding=encoding))
           for name, tokens, n, encoding in REQUESTS]
-
-
-def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
-    return {"tables": {"Where the gateway's CPU time goes, in process (median µs per request)":
-                       stage_rows(host.model("bundled"))}}
-
-
-# -- the gateway's stages in process ------------------------------------------------------------
-
 SHORT = "How do I keep GPU memory flat when inputs vary in length?"  # 14 tokens
 LONG = " ".join(["the embedding service truncates long inputs and keeps the EOS token"] * 30)
 
@@ -224,19 +207,16 @@ def stages(tok: Any, fields: dict[str, Any]) -> dict[str, float]:
     return out | {"sum_us": round(sum(out.values()), 1)}
 
 
-def stage_rows(model_dir: str, cap: int = 256) -> list[dict[str, Any]]:
+def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
     from embedserve.gateway.tokenize import ModelTokenizer
 
-    tok = ModelTokenizer(Path(model_dir), cap)
-    rows = []
+    tok, rows = ModelTokenizer(Path(host.model("bundled")), 256), []
     for name, tokens, n, encoding in REQUESTS:
         text = SHORT if tokens < 256 else LONG
         rows.append({"request": name, **stages(tok, {"input": text if n == 1 else [text] * n,
                                                      "encoding_format": encoding})})
-    return rows
+    return {"tables": {"Where the gateway's CPU time goes, in process (median µs per request)": rows}}
 
-
-# -- rerank: the default stack's cosine against a cross-encoder, and Infinity's rerank ------------
 
 def rerank_sides(host: Host) -> list[Side]:
     """A cross-encoder of ms-marco-MiniLM-L-6-v2's shape with random weights (no model hub here;
@@ -284,46 +264,40 @@ def quality_pairs(host: Host) -> list[tuple[str, Side, Side]]:
 
 
 def cpu_steps() -> list[Step]:
+    def step(name: str, run: Callable[..., dict[str, Any]], seconds: float, **args: Any) -> Step:
+        """A step of the scenario its name starts with."""
+        return Step(name, (next(s for s in SCENARIOS if name.startswith(s)),), partial(run, **args), seconds)
+
     calls = partial(variant_sides, first=8900)
+    peers_on, peers_off = lifecycle("cpu-peers", "cpu-peers", peer_sides, 300, one_at_a_time=True)
+    calls_on, calls_off = lifecycle("engine-calls", "engine-calls", calls, 120)
+    quality_on, quality_off = lifecycle("quality-cpu", "quality-cpu", quality_base)
     rerank_on, rerank_off = lifecycle("rerank-cpu", "rerank-cpu", rerank_sides)
-    (peers_on, peers_off), (calls_on, calls_off), (quality_on, quality_off) = (
-        lifecycle("cpu-peers", "cpu-peers", peer_sides, 300, one_at_a_time=True),
-        lifecycle("engine-calls", "engine-calls", calls, 120),
-        lifecycle("quality-cpu", "quality-cpu", quality_base))
     return [
-        Step("cpu-peers-export", ("cpu-peers",), step_first_export, 60),
-        Step("cpu-peers-onnx", ("cpu-peers",), step_onnx, 90), peers_on,
-        Step("cpu-peers-vectors", ("cpu-peers",), partial(step_vectors, sides=peer_sides,
-                                                          reference="ST torch in process"), 30),
-        Step("cpu-peers-load", ("cpu-peers",), partial(
-        step_compare, sides=peer_sides, cases=PEER_LOADS, seed=1000, section="CPU peers (all-MiniLM-L6-v2)"),
-             1500),
-        peers_off, calls_on,
-        Step("engine-calls-load", ("engine-calls",), partial(
-            step_compare, sides=calls, seed=5000, section="The gateway's engine-call settings (CPU engine)",
-            cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), 3) for c in PEER_LOADS]), 600),
-        Step("engine-calls-stages", ("engine-calls",), step_stages, 60), calls_off,
-        Step("gateway-overhead", ("gateway-overhead",), partial(
-            step_compare, sides=OVERHEAD, start=OVERHEAD[:2], stop=OVERHEAD[:2], seed=0,
-            section="The gateway over an engine that answers at once",
-            cases=[Case(f"{n} in flight", Load("seed", n, seconds=10), 2) for n in (1, 8)]), 300),
-        Step("gateway-loop", ("gateway-loop",), partial(
-            step_compare, sides=loop_sides, start=lambda host: [LOOP_ENGINE, *loop_sides(host)],
-            cases=loop_cases(), stop=lambda host: [*loop_sides(host), LOOP_ENGINE], seed=7,
-            section="The gateway's event loop per request (instant engine)"), 400),
-        Step("gateway-cpu", ("gateway-cpu",), partial(
-            step_compare, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
-            stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
-            section="The gateway's CPU per request (instant engine)"), 120),
-        Step("gateway-cpu-stages", ("gateway-cpu",), step_gateway_stages, 60), quality_on,
-        Step("quality-cpu", ("quality-cpu",), partial(step_quality, pairs=quality_pairs, one_at_a_time=True),
-             900),
-        quality_off, Step("rerank-cpu-model", ("rerank-cpu",), step_cross_encoder, 30), rerank_on,
-        Step("rerank-cpu-scores", ("rerank-cpu",), step_rerank_scores, 10),
-        Step("rerank-cpu-load", ("rerank-cpu",), partial(
-            step_compare, sides=rerank_sides, cases=RERANK_LOADS, seed=11,
-            section="Rerank on CPU, pairs/s (inputs/s)",
-            warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), 400), rerank_off]
+        step("cpu-peers-export", step_first_export, 60), step("cpu-peers-onnx", step_onnx, 90), peers_on,
+        step("cpu-peers-vectors", step_vectors, 30, sides=peer_sides, reference="ST torch in process"),
+        step("cpu-peers-load", step_compare, 1500, sides=peer_sides, cases=PEER_LOADS, seed=1000,
+             section="CPU peers (all-MiniLM-L6-v2)"), peers_off, calls_on,
+        step("engine-calls-load", step_compare, 600, sides=calls, seed=5000,
+             section="The gateway's engine-call settings (CPU engine)",
+             cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), 3) for c in PEER_LOADS]),
+        step("engine-calls-stages", step_stages, 60), calls_off,
+        step("gateway-overhead", step_compare, 300, sides=OVERHEAD, start=OVERHEAD[:2], stop=OVERHEAD[:2],
+             seed=0, section="The gateway over an engine that answers at once",
+             cases=[Case(f"{n} in flight", Load("seed", n, seconds=10), 2) for n in (1, 8)]),
+        step("gateway-loop", step_compare, 400, sides=loop_sides, cases=LOOP_CASES, seed=7,
+             start=lambda h: [LOOP_ENGINE, *loop_sides(h)], stop=lambda h: [*loop_sides(h), LOOP_ENGINE],
+             section="The gateway's event loop per request (instant engine)"),
+        step("gateway-cpu", step_compare, 120, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
+             stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
+             section="The gateway's CPU per request (instant engine)"),
+        step("gateway-cpu-stages", step_gateway_stages, 60), quality_on,
+        step("quality-cpu", step_quality, 900, pairs=quality_pairs, one_at_a_time=True), quality_off,
+        step("rerank-cpu-model", step_cross_encoder, 30), rerank_on,
+        step("rerank-cpu-scores", step_rerank_scores, 10),
+        step("rerank-cpu-load", step_compare, 400, sides=rerank_sides, cases=RERANK_LOADS, seed=11,
+             section="Rerank on CPU, pairs/s (inputs/s)",
+             warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), rerank_off]
 
 
 SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu",

@@ -17,13 +17,12 @@ class _Stub(types.ModuleType):
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if fullname.partition(".")[0] == "torchvision":  # a package: the import system sets __path__
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
         m = _Stub(spec.name)
-        m.__path__ = []
         m.__version__ = "0.26.0"  # type: ignore[attr-defined]
         return m
 
@@ -32,11 +31,10 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _Finder())
+import sglang  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 p = argparse.ArgumentParser()
 ServerArgs.add_cli_args(p)
 flags = sorted({o for a in p._actions for o in a.option_strings if o.startswith("--")})
-import sglang  # noqa: E402
-
 json.dump({"sglang": sglang.__version__, "flags": flags}, sys.stdout, indent=0)

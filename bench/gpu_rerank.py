@@ -1,8 +1,7 @@
-"""rerank-gpu: a cross-encoder of bge-reranker-v2-m3's shape (XLM-R large, one segment type, random
-weights: no model hub on the host) served by embedserve on SGLang and by vLLM 0.26.0's pooling
-runner (its ``/rerank``), side by side on one GPU, the same texts: pairs/s and each side's scores
-of the same 8 pairs. Its servers start with the vllm scenario's (start-ups overlap) and are
-measured once the vllm scenario's first servers are ready, so no start-up shares the GPU."""
+"""rerank-gpu (bench/README.md): a cross-encoder of bge-reranker-v2-m3's shape (random weights: no
+model hub on the host) on embedserve's SGLang and vLLM's ``/rerank``, side by side on one GPU. Its
+servers start with the vllm scenario's and are measured once that one's first servers are ready,
+so no start-up shares the GPU."""
 
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """The CPU stack's probes that are not comparisons, as suite scenarios (`python bench/suite.py
---only NAME`), each on a fresh `embedserve up` with the product's defaults (the CPU engine, the
-bundled all-MiniLM-L6-v2): ``ctrl-c`` (how long `up` takes to exit after SIGINT while it
-starts), ``huge-request`` (one huge request beside short ones, then a large one the engines can
-finish), ``slow-clients`` (trickling connections beside a normal client), ``idle-burst`` (a
-burst after an idle spell). ``--time-scale`` multiplies their durations (the idle spell too),
-``--rounds`` sets the slow-clients rounds; ``autoscale-ramp`` (the autoscaling signal along a
-closed-loop ramp, bench/cpu/autoscale_ramp.py) runs on a stack with an admission bound of its
-own. Every input is unique."""
+--only NAME`, bench/README.md says what each measures): ``ctrl-c``, ``huge-request``,
+``slow-clients``, ``idle-burst`` on a fresh `embedserve up` with the product's defaults (the CPU
+engine, the bundled all-MiniLM-L6-v2), ``autoscale-ramp`` (bench/cpu/autoscale_ramp.py) on one
+with an admission bound of its own. ``--time-scale`` multiplies their durations (the idle spell
+too), ``--rounds`` sets the slow-clients rounds. Every input is unique."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -23,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -43,35 +42,32 @@ RAMP_BOUND, RAMP_TOKENS = 512, 64  # one input a request: the ninth in flight is
 RAMP = Side("embedserve up", UP, 18700, "bundled", {"EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
             "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(RAMP_BOUND)}, tag="ramp")
 MAX_TRICKLE_S = 120.0  # a trickler gives up after this long: the bound of a slow-clients round
-
-
-def model_name() -> str:
-    return str(httpx.get(URL + "/v1/models", timeout=10).json()["data"][0]["id"])
+Answer = tuple[int, str, float, float]  # status, error code, seconds, the Retry-After it asked for
 
 
 def ms(seconds: list[float], q: float) -> float | None:
     return round(float(np.percentile(seconds, q)) * 1000, 1) if seconds else None
 
 
-def answers(name: str, what: str, got: list[tuple[int, str, float, float]]) -> dict[str, Any]:
+def tally(keys: Any) -> str:
+    return ", ".join(f"{k}: {n}" for k, n in Counter(keys).items())
+
+
+def answers(name: str, what: str, got: list[Answer]) -> dict[str, Any]:
     """One client's row: its answers by status (and error code), latency of the 200s."""
     ok = [s for status, _, s, _ in got if status == 200]
     return {"client": name, "sends": what, "answers": len(got),
-            "statuses": ", ".join(f"{k}: {n}" for k, n in sorted(Counter(
-                f"{status} {code}".strip() for status, code, *_ in got).items())),
+            "statuses": tally(sorted(f"{status} {code}".strip() for status, code, *_ in got)),
             "seconds": f"{min(g[2] for g in got):.2f}-{max(g[2] for g in got):.2f}" if got else None,
             "p50_ms": ms(ok, 50), "p95_ms": ms(ok, 95), "max_ms": round(max(ok) * 1000, 1) if ok else None}
 
 
-def post(client: httpx.Client, body: dict[str, Any]) -> tuple[int, str, float, float]:
-    """Status, error code, seconds and the Retry-After it asked for."""
+def post(client: httpx.Client, body: dict[str, Any]) -> Answer:
     t0 = time.monotonic()
     r = client.post(URL + "/v1/embeddings", json=body)
     code = "" if r.status_code == 200 else str(r.json().get("error", {}).get("code") or "")
     return r.status_code, code, time.monotonic() - t0, float(r.headers.get("retry-after", 1))
 
-
-# -- ctrl-c: SIGINT to `up` while it starts --------------------------------------------------
 
 def step_ctrl_c(host: Host, budget_end: float) -> dict[str, Any]:
     """Each round a fresh `up` (ports of its own), sent SIGINT that long after its start (what a
@@ -103,17 +99,14 @@ def step_ctrl_c(host: Host, budget_end: float) -> dict[str, Any]:
             "rounds": rounds, "notes": notes if starting else []}
 
 
-# -- huge-request: one huge request beside short ones ----------------------------------------
-
 def step_huge(host: Host, budget_end: float, inputs: int, words: int, seconds: float) -> dict[str, Any]:
-    """``inputs`` texts of ``words`` distinct words (within the documented limits: 2,048 inputs,
-    300,000 tokens) sent again as soon as answered (after its Retry-After when refused), beside
-    one short input at a time with 0.2 s pauses. Target: the short requests' P95 at or under
-    1 s with no 5xx, the huge one answered 200 or refused at once."""
-    model, stop = model_name(), time.monotonic() + seconds * host.time_scale
+    """``inputs`` texts of ``words`` distinct words (within the limits: 2,048 inputs, 300,000 tokens)
+    sent again once answered (after its Retry-After when refused), beside one short input at a time,
+    0.2 s apart. Target: the short ones' P95 at most 1 s, no 5xx, the huge one 200 or refused at once."""
+    model, stop = host.served_name(STACK.shape), time.monotonic() + seconds * host.time_scale
     texts = [" ".join(f"{WORDS[(i + j) % len(WORDS)]}{i}" for j in range(words)) for i in range(inputs)]
-    big: list[tuple[int, str, float, float]] = []
-    small: list[tuple[int, str, float, float]] = []
+    big: list[Answer] = []
+    small: list[Answer] = []
 
     def big_client() -> None:
         with httpx.Client(timeout=300) as c:
@@ -137,8 +130,6 @@ def step_huge(host: Host, budget_end: float, inputs: int, words: int, seconds: f
         answers("huge", f"{inputs} inputs x {words} words", big), answers("short", "one input", small)]}}
 
 
-# -- slow-clients: trickling connections beside a normal client ------------------------------
-
 async def trickle(kind: str, model: str) -> dict[str, Any]:
     """One slow client (``head``: a header line a second; ``body``: the head, then a byte a
     second): how long the server let it trickle and what it answered."""
@@ -150,7 +141,7 @@ async def trickle(kind: str, model: str) -> dict[str, Any]:
     pieces = ([head[: head.index(b"\r\n") + 2]] + [b"X-Slow-%d: y\r\n" % i for i in range(200)]
               if kind == "head" else [head] + [body[i : i + 1] for i in range(len(body))])
     reading = asyncio.ensure_future(reader.read(65536))
-    try:
+    with contextlib.suppress(ConnectionError, OSError):
         for piece in pieces:
             if reading.done() or time.monotonic() - t0 > MAX_TRICKLE_S:
                 break
@@ -158,8 +149,6 @@ async def trickle(kind: str, model: str) -> dict[str, Any]:
             await writer.drain()
             await asyncio.wait([reading], timeout=1.0)
         await asyncio.wait([reading], timeout=max(0.0, MAX_TRICKLE_S - (time.monotonic() - t0)))
-    except (ConnectionError, OSError):
-        pass
     took = time.monotonic() - t0
     answer = reading.result() if reading.done() and not reading.exception() else b""
     reading.cancel()
@@ -174,15 +163,13 @@ async def normal(client: httpx.AsyncClient, model: str, seconds: float) -> list[
     while time.monotonic() < end:
         t0 = time.monotonic()
         body = {"model": model, "input": f"a normal query {next(SERIAL)}"}
-        r = await client.post(URL + "/v1/embeddings", json=body)
-        if r.status_code == 200:
+        if (await client.post(URL + "/v1/embeddings", json=body)).status_code == 200:
             out.append(time.monotonic() - t0)
     return out
 
 
-async def slow_rounds(rounds: int, tricklers: int, window_s: float) -> list[dict[str, Any]]:
+async def slow_rounds(model: str, rounds: int, tricklers: int, window_s: float) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=60) as client:
-        model = (await client.get(URL + "/v1/models")).json()["data"][0]["id"]
         await normal(client, model, 2.0)  # warm-up
         out: list[dict[str, Any]] = []
         for i in range(rounds):
@@ -192,9 +179,8 @@ async def slow_rounds(rounds: int, tricklers: int, window_s: float) -> list[dict
             await asyncio.sleep(0.5)  # all connected and trickling
             busy = await normal(client, model, window_s)
             held = await asyncio.gather(*slow)
-            row: dict[str, Any] = {"round": i + 1, "p50_ms_quiet": ms(quiet, 50),
-                                   "p50_ms_trickle": ms(busy, 50), "p95_ms_quiet": ms(quiet, 95),
-                                   "p95_ms_trickle": ms(busy, 95)}
+            row: dict[str, Any] = {"round": i + 1, **{f"p{q}_ms_{when}": ms(got, q) for q in (50, 95)
+                                                      for when, got in (("quiet", quiet), ("trickle", busy))}}
             if quiet and busy:
                 row["p50_ratio"] = round(row["p50_ms_trickle"] / row["p50_ms_quiet"], 2)
             for kind in ("head", "body"):
@@ -213,12 +199,10 @@ def step_slow(host: Host, budget_end: float, tricklers: int = 400, window_s: flo
     ``tricklers`` connections trickle, half the head and half the body; each trickler timed
     until the server closes it (`gateway.header_timeout_s`, `gateway.body_idle_timeout_s`: 20 s)."""
     window = max(2.0, window_s * host.time_scale)
-    rows = asyncio.run(slow_rounds(host.rounds or 3, tricklers, window))
+    rows = asyncio.run(slow_rounds(host.served_name(STACK.shape), host.rounds or 3, tricklers, window))
     title = f"A normal client, quiet and beside {tricklers} tricklers ({window:g} s windows)"
     return {"tables": {title: rows}}
 
-
-# -- idle-burst: a burst after an idle spell --------------------------------------------------
 
 def burst(model: str, inputs: int, clients: int = 8, words: int = 70) -> list[dict[str, Any]]:
     """``clients`` concurrent requests of ``inputs`` unique texts each."""
@@ -240,27 +224,24 @@ def phase(name: str, model: str) -> dict[str, Any]:
     """Eight requests of one engine call's size (one input), then eight of several (twelve)."""
     row: dict[str, Any] = {"phase": name}
     for key, inputs in (("one_call", 1), ("several_calls", 12)):
-        got = burst(model, inputs)
+        row[key] = got = burst(model, inputs)
         tokens = sorted(r["tokens"] for r in got if r["tokens"] is not None)
-        row[key] = got
-        statuses = Counter(str(r["status"]) for r in got)
-        row[f"{key}_statuses"] = ", ".join(f"{k}: {n}" for k, n in statuses.items())
+        row[f"{key}_statuses"] = tally(str(r["status"]) for r in got)
         row[f"{key}_tokens"] = f"{tokens[0]:,}-{tokens[-1]:,}" if tokens else "no usage"
     return row
 
 
 def capacity() -> float | None:
-    for line in httpx.get(URL + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("embedserve_capacity_tokens_per_second "):
-            return float(line.split()[1])
-    return None
+    lines = httpx.get(URL + "/metrics", timeout=10).text.splitlines()
+    gauge = "embedserve_capacity_tokens_per_second "
+    return next((float(x.split()[1]) for x in lines if x.startswith(gauge)), None)
 
 
 def step_idle(host: Host, budget_end: float, idle_s: float = 3600.0) -> dict[str, Any]:
     """Three evening rounds, ``idle_s`` with no request at all, the morning's burst. Target:
     every request of the burst answered 200 (none refused with 413), and the measured capacity
     the same before and after the idle spell."""
-    model = model_name()
+    model = host.served_name(STACK.shape)
     evening = [phase(f"evening, round {i + 1}", model) for i in range(3)]
     before, idle = capacity(), idle_s * host.time_scale
     time.sleep(idle)
@@ -272,8 +253,6 @@ def step_idle(host: Host, budget_end: float, idle_s: float = 3600.0) -> dict[str
     return {"phases": [*evening, morning], **caps, "tables": {
         "Statuses and embedded tokens (usage) per phase": rows, "Capacity (tokens/s)": [caps]}}
 
-
-# -- autoscale-ramp: the autoscaling signal along a closed-loop ramp --------------------------
 
 def step_ramp(host: Host, budget_end: float) -> dict[str, Any]:
     """A full admission window for 20 s, 45 s idle, then one closed-loop step per in-flight
@@ -290,25 +269,25 @@ def step_ramp(host: Host, budget_end: float) -> dict[str, Any]:
     doc = {"title": f"embedserve_load along a closed-loop ramp, CPU stack ({os.cpu_count()} cores), 1 x "
                     f"{RAMP_TOKENS} tokens per request, admission bound {RAMP_BOUND:,} tokens",
            "steps": rows, "crossing": ramp.crossing(rows), "load_average": [load_before, os.getloadavg()]}
-    (host.out or host.work.root).mkdir(parents=True, exist_ok=True)
-    ramp.plot(doc, (host.out or host.work.root) / "ramp.png")
+    (folder := host.out or host.work.root).mkdir(parents=True, exist_ok=True)
+    ramp.plot(doc, folder / "ramp.png")
     return {**doc, "tables": {"The ramp (medians over each step's measured time)": ramp.table(doc)},
             "notes": ramp.verdict(doc)}
 
 
+HUGE = partial(step_huge, inputs=1000, words=400, seconds=60.0)
+ADMITTED = partial(step_huge, inputs=60, words=300, seconds=45.0)
+Probe = tuple[str, Callable[..., dict[str, Any]], float]  # a step: its name, what it runs, its seconds
+PROBES: dict[str, list[Probe]] = {  # each on a fresh stack
+    "huge-request": [("huge-request", HUGE, 90), ("huge-request-admitted", ADMITTED, 60)],
+    "slow-clients": [("slow-clients", step_slow, 200)], "idle-burst": [("idle-burst", step_idle, 3720)],
+    "autoscale-ramp": [("autoscale-ramp", step_ramp, 700)]}
+SCENARIOS = ("ctrl-c", *PROBES)
+
+
 def steps() -> list[Step]:
-    measured = {"huge-request": [Step("huge-request", ("huge-request",), partial(
-                    step_huge, inputs=1000, words=400, seconds=60.0), 90),
-                                 Step("huge-request-admitted", ("huge-request",), partial(
-                    step_huge, inputs=60, words=300, seconds=45.0), 60)],
-                "slow-clients": [Step("slow-clients", ("slow-clients",), step_slow, 200)],
-                "idle-burst": [Step("idle-burst", ("idle-burst",), step_idle, 3720)],
-                "autoscale-ramp": [Step("autoscale-ramp", ("autoscale-ramp",), step_ramp, 700)]}
     out = [Step("ctrl-c", ("ctrl-c",), step_ctrl_c, 150)]
-    for name, probe in measured.items():  # each on a fresh stack
+    for name, probe in PROBES.items():
         on, off = lifecycle(f"{name}-stack", name, [RAMP if name == "autoscale-ramp" else STACK], 120)
-        out += [on, *probe, off]
+        out += [on, *(Step(step, (name,), run, seconds) for step, run, seconds in probe), off]
     return out
-
-
-SCENARIOS = ("ctrl-c", "huge-request", "slow-clients", "idle-burst", "autoscale-ramp")

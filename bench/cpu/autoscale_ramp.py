@@ -1,15 +1,11 @@
-"""The autoscaling signal (``embedserve_load``) along a closed-loop ramp, as the suite's
-``autoscale-ramp`` scenario runs it (bench/probes.py; tests/test_load_signal.py runs a short
-ramp with the same functions): ``prime`` the stack, then ``embedserve loadtest`` once per
-``step``, closed loop, with more requests in flight each step, the load generator reading the
-gauge and its parts from the gateway's /metrics (``--gauge``); ``crossing`` finds where the
-gauge reaches 1.0 and where 429s begin.
-
-Why prime: the gauge's demand part divides by the engines' measured capacity, at start that of
-``up``'s warm-up call (a batch of the model's longest inputs on a cold engine); a pod in service
-has measured it on its own traffic, and calls under a quarter of the call budget do not count.
-The idle time lets the priming traffic leave the 15 s averages; the capacity keeps its value.
-Every input is unique. Target: the gauge crosses 1.0 within 20% of the load where 429s begin.
+"""The autoscaling signal (``embedserve_load``) along a closed-loop ramp: the suite's
+``autoscale-ramp`` scenario (bench/probes.py) and tests/test_load_signal.py's short ramp. ``prime``
+the stack, then one closed-loop ``embedserve loadtest`` per ``step``, more requests in flight each
+step, reading the gauge and its parts from the gateway's /metrics (``--gauge``); ``crossing`` finds
+where the gauge reaches 1.0 and where 429s begin (target: within 20%). Why prime: the gauge's demand
+part divides by the engines' measured capacity, at start that of ``up``'s warm-up call (the model's
+longest inputs on a cold engine), where a pod in service has measured its own traffic (calls under a
+quarter of the call budget do not count); the idle time lets the priming leave the 15 s averages.
 """
 
 from __future__ import annotations
@@ -39,21 +35,17 @@ def step(url: str, concurrency: int, a: argparse.Namespace, out: Path) -> dict[s
     loadtest([*args, *(x for g in GAUGES for x in ("--gauge", g))])
     res = json.loads((out / "results.json").read_text())
     m, g = res["measured"], res["gauges"]["measured"]
+    load = g["embedserve_load"]
     attempts, seconds = max(m["attempts"], 1), max(m["duration_s"], 1e-9)
-    return {
-        "concurrency": concurrency, "attempts": m["attempts"], "ok": m["ok"],
-        "throttled_429": m["throttled_429"],
-        "share_429": round(m["throttled_429"] / attempts, 4),
-        "offered_tokens_per_s": round(m["attempts"] * a.tokens * a.inputs / seconds, 1),
-        "answered_tokens_per_s": round(m["tokens_per_s"], 1),
-        "p50_ms": m["latency_ms"]["p50"], "p95_ms": m["latency_ms"]["p95"],
-        "load_median": g["embedserve_load"]["median"], "load_min": g["embedserve_load"]["min"],
-        "load_max": g["embedserve_load"]["max"],
-        "capacity_tokens_per_s": g["embedserve_capacity_tokens_per_second"]["median"],
-        "gateway_offered_tokens_per_s": g["embedserve_offered_tokens_per_second"]["median"],
-        "gateway_refused_tokens_per_s": g["embedserve_refused_tokens_per_second"]["median"],
-        "admission_fill_median": g["embedserve_admission_fill"]["median"],
-    }
+    return {"concurrency": concurrency, "attempts": m["attempts"], "ok": m["ok"],
+            "throttled_429": m["throttled_429"], "share_429": round(m["throttled_429"] / attempts, 4),
+            "offered_tokens_per_s": round(m["attempts"] * a.tokens * a.inputs / seconds, 1),
+            "answered_tokens_per_s": round(m["tokens_per_s"], 1), "p50_ms": m["latency_ms"]["p50"],
+            "p95_ms": m["latency_ms"]["p95"], **{f"load_{k}": load[k] for k in ("median", "min", "max")},
+            "capacity_tokens_per_s": g["embedserve_capacity_tokens_per_second"]["median"],
+            "gateway_offered_tokens_per_s": g["embedserve_offered_tokens_per_second"]["median"],
+            "gateway_refused_tokens_per_s": g["embedserve_refused_tokens_per_second"]["median"],
+            "admission_fill_median": g["embedserve_admission_fill"]["median"]}
 
 
 def prime(url: str, a: argparse.Namespace, concurrency: int, out: Path) -> None:
@@ -71,20 +63,17 @@ def crossing(rows: list[dict[str, Any]]) -> dict[str, Any]:
     cross: dict[str, Any] | None = None
     for prev, r in zip([None, *rows], rows, strict=False):
         if r["load_median"] is not None and r["load_median"] >= 1.0:
+            keys = ("offered_tokens_per_s", "concurrency")
             if prev is None or prev["load_median"] is None:
-                cross = {"offered_tokens_per_s": r["offered_tokens_per_s"], "concurrency": r["concurrency"]}
+                cross = {k: r[k] for k in keys}
             else:  # linear between the two steps, in offered load
                 lo, hi = prev["load_median"], r["load_median"]
                 f = (1.0 - lo) / (hi - lo) if hi > lo else 1.0
-                x0, x1 = prev["offered_tokens_per_s"], r["offered_tokens_per_s"]
-                c0, c1 = prev["concurrency"], r["concurrency"]
-                cross = {"offered_tokens_per_s": round(x0 + f * (x1 - x0), 1),
-                         "concurrency": round(c0 + f * (c1 - c0), 1)}
+                cross = {k: round(prev[k] + f * (r[k] - prev[k]), 1) for k in keys}
             break
-    out: dict[str, Any] = {"gauge_reaches_1": cross, "onset_429": None, "within_20_percent": None}
-    if onset is not None:
-        out["onset_429"] = {"offered_tokens_per_s": onset["offered_tokens_per_s"],
-                            "concurrency": onset["concurrency"], "gauge": onset["load_median"]}
+    out: dict[str, Any] = {"gauge_reaches_1": cross, "onset_429": None if onset is None else {
+        "offered_tokens_per_s": onset["offered_tokens_per_s"], "concurrency": onset["concurrency"],
+        "gauge": onset["load_median"]}, "within_20_percent": None}
     if cross is not None and onset is not None:
         # The ramp's load is the closed loop's requests in flight. Offered tokens/s is given
         # too, but it jumps at the onset: every refused request is sent again after its

@@ -1,8 +1,6 @@
 """The bundled all-MiniLM-L6-v2 with its weights in fp16, for a GPU host: SGLang's
 ``--dtype auto`` runs an fp32 checkpoint in fp16 anyway, and fp16 halves the transfer."""
 
-from __future__ import annotations
-
 import shutil
 import sys
 from pathlib import Path
