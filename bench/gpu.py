@@ -12,19 +12,19 @@ from typing import Any
 
 import psutil
 
+from embedserve.nvml import open_nvml
+
 GB = 1e9
 
 
 class Nvml:
-    """NVML opened once and read as often as needed; ``None`` readings without a driver."""
+    """NVML opened once (the product's ``open_nvml``) and read as often as needed; ``None``
+    readings without a driver."""
 
     def __init__(self) -> None:
         self.nv: Any = None
         with contextlib.suppress(Exception):
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nv = pynvml
+            self.nv = open_nvml()
 
     def _handles(self) -> list[Any]:
         return [self.nv.nvmlDeviceGetHandleByIndex(i) for i in range(self.nv.nvmlDeviceGetCount())]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu import once
-from procs import WorkDir, alive, child_env, embedserve_cmd, log_tail, port_busy, wait_ok
+from procs import WorkDir, alive, child_env, embedserve_cmd, http_get, log_tail, port_busy
 
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
 
@@ -208,7 +208,7 @@ def wait_ready(host: Host, side: Side, budget_end: float, limit_s: float = 900.0
         if time.time() > budget_end:
             raise TimeoutError(f"{side.key} not ready yet")
         banner = side.kind.banner is None or side.kind.banner in log_tail(log, 200_000)
-        if banner and wait_ok(f"http://127.0.0.1:{side.port}{side.kind.ready}", time.time() + 2, info["pid"]):
+        if banner and http_get(f"http://127.0.0.1:{side.port}{side.kind.ready}")[0] == 200:
             return round(time.time() - info["started_at"], 1)
         time.sleep(1)
 

@@ -1,20 +1,23 @@
 """A model in one process, no HTTP on its measured path: the ceiling a server of the same backend
-could reach, the reference vectors are compared against, and the body of bench/fake_vllm.py.
+could reach, and the reference vectors are compared against.
 
     python bench/inprocess.py BACKEND MODEL_DIR PORT
+    python bench/inprocess.py serve MODEL_DIR --port P ...   # vLLM's command line (--vllm-cmd)
 
 Backends: ``st-torch`` and ``st-onnx`` (sentence-transformers; ONNX reads model.onnx from the
 folder), ``ort-export`` (ONNX Runtime on embedserve's export, its tokenizer at 256 tokens),
 ``transformers`` (a plain forward pass: last-token pooling, L2 norm, as Qwen3-Embedding's
-sentence-transformers files say; on the GPU where there is one). It answers on
-127.0.0.1:PORT ``GET /health``, ``POST /v1/embeddings`` (vectors and ``usage``, each text alone
-for ``transformers``: no padding to get wrong) and ``POST /run`` ``{"batch", "words", "seconds",
-"seed"}``: unique texts of ``words`` words (loadtest's word builder), ``batch`` at a time, for
-``seconds``; inputs/s and the P50 of one call.
+sentence-transformers files say; on the GPU where there is one). It answers ``GET /health``,
+``POST /v1/embeddings`` (each text alone for ``transformers``: no padding to get wrong) and
+``POST /run`` ``{"batch", "words", "seconds", "seed"}``: unique texts of ``words`` words,
+``batch`` at a time, for ``seconds``; inputs/s and the P50 of one call. ``serve`` stands in for
+`vllm serve MODEL --runner pooling ...` on a machine without vLLM or a GPU: the forward pass
+with vLLM's routes, prefix-cache counters and start-up lines; its figures mean nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -145,7 +148,16 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None)
 
 
 if __name__ == "__main__":
-    backend, model_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    model = load(backend, model_dir)
-    model(["warm up"] * 4)
-    serve(model, port)
+    if sys.argv[1] == "serve":
+        ap = argparse.ArgumentParser()
+        for arg in ("command", "model", "--served-model-name", "--port", "--max-model-len"):
+            ap.add_argument(arg)
+        a = ap.parse_known_args()[0]
+        print("INFO [cuda.py] Using FAKE_CPU attention backend out of potential backends: ['FAKE_CPU'].\n"
+              "INFO [core.py] Initializing a V1 LLM engine (fake) with config: "
+              "compilation_config={'cudagraph_mode': <CUDAGraphMode.NONE: 0>}", flush=True)
+        serve(load("transformers", a.model), int(a.port), a.served_model_name, int(a.max_model_len))
+    else:
+        model = load(sys.argv[1], sys.argv[2])
+        model(["warm up"] * 4)
+        serve(model, int(sys.argv[3]))

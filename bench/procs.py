@@ -36,19 +36,7 @@ def embedserve_cmd() -> list[str]:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
-
-
-def spawn(argv: list[str], log: Path, env: dict[str, str], cwd: str | None = None) -> int:
-    """Start ``argv`` in a new session, output appended to ``log``; returns its pid (= pgid)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
-    return proc.pid
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 def alive(pid: int) -> bool:
@@ -59,21 +47,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def stop_group(pid: int, wait_s: float = 90) -> bool:
-    """SIGTERM the process group (``up`` drains and stops its engines); SIGKILL if it lingers.
-    True when it ended on SIGTERM."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    until = time.time() + wait_s
-    while time.time() < until:
-        if not alive(pid):
-            return True
-        time.sleep(0.5)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    return False
 
 
 def port_busy(port: int) -> bool:
@@ -97,18 +70,6 @@ def http_post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> An
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def wait_ok(url: str, until: float, pid: int | None = None) -> float | None:
-    """Poll ``url`` until it answers 200 (returns the time), ``until`` passes or ``pid``'s
-    group is gone (None)."""
-    while time.time() < until:
-        if http_get(url, timeout=5)[0] == 200:
-            return time.time()
-        if pid is not None and not alive(pid):
-            return None
-        time.sleep(1)
-    return None
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -146,7 +107,10 @@ class WorkDir:
         if old and alive(old["pid"]):
             raise RuntimeError(f"{tag} is still running (pid {old['pid']})")
         log = self.root / "logs" / f"{tag}.log"
-        pid = spawn(argv, log, child_env(env), cwd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as fh:  # a session of its own: its pid is its group's id
+            pid = subprocess.Popen(argv, env=child_env(env), stdout=fh, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd).pid
         info = {"pid": pid, "argv": argv, "started_at": time.time(), "log": str(log)}
         self.state["procs"][tag] = info
         self.note(f"started {tag}: pid {pid}: {' '.join(argv[-6:])}")
@@ -157,10 +121,19 @@ class WorkDir:
         return bool(info) and alive(info["pid"])
 
     def stop(self, tag: str, wait_s: float = 90) -> bool | None:
+        """SIGTERM the process group (``up`` drains and stops its engines), SIGKILL if it
+        lingers; True when it ended on SIGTERM, None when ``tag`` was not running."""
         info = self.state["procs"].pop(tag, None)
         if not info:
             return None
-        clean = stop_group(info["pid"], wait_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(info["pid"], signal.SIGTERM)
+        until = time.time() + wait_s
+        while alive(info["pid"]) and time.time() < until:
+            time.sleep(0.5)
+        if not (clean := not alive(info["pid"])):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(info["pid"], signal.SIGKILL)
         self.note(f"stopped {tag} ({'clean' if clean else 'killed'})")
         return clean
 

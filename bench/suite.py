@@ -34,6 +34,8 @@ from peers import variant
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 from runner import Step
 
+from embedserve.loadtest.textbuild import load_tokenizer
+
 GPU_SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
                  "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm",
                  "rerank-gpu")
@@ -55,15 +57,10 @@ def step_models(host: Host, budget_end: float, shapes: tuple[str, ...] = ("4b",)
         if proc.returncode:
             raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
     return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs),
-            "tokenizer_tokens": {s: tokenizer_tokens(Path(host.model(s))) for s in shapes}}
-
-
-def tokenizer_tokens(model_dir: Path) -> int:
-    """Tokens in a checkpoint's tokenizer.json, added ones included (Qwen3's: 151,669): a
-    folder kept from an earlier run may hold another tokenizer, and the report says which."""
-    doc = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = doc["model"]["vocab"]
-    return len(vocab) + sum(t["content"] not in vocab for t in doc.get("added_tokens", []))
+            # added tokens included (Qwen3's: 151,669): a folder kept from an earlier run may hold
+            # another tokenizer, and the report says which
+            "tokenizer_tokens": {s: load_tokenizer(host.model(s)).get_vocab_size(with_added_tokens=True)
+                                 for s in shapes}}
 
 
 def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
@@ -176,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
                                                  "default: built from python3-doc when the host has it)")
     add("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
     add("--vllm-cmd", help="replaces `python3 -m vllm.entrypoints.cli.main` (a stand-in: "
-                           "'python3 bench/fake_vllm.py')")
+                           "'python3 bench/inprocess.py')")
     add("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     add("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's engine's)")
     add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm: its "

@@ -226,7 +226,7 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     models = {s: str(checkpoint(tmp_path / s)) for s in ("4b", "0.6b")}
     host = Host(WorkDir(tmp_path / "w"), device="cuda", models=models,
                 variants=(("x2", {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}),), out=tmp_path / "out",
-                attention_backends=("triton",), vllm_cmd=("python3", "bench/fake_vllm.py"))
+                attention_backends=("triton",), vllm_cmd=("python3", "bench/inprocess.py"))
     skip = {"models", "drill", "up-2", "scale-load-2", "attention"}  # need checkpoints, two GPUs, SGLang
     steps = [s for s in suite.plan(suite.GPU_SCENARIOS) if s.name not in skip and "profile" not in s.name]
     assert suite.run(host, steps, tmp_path / "out", None, []) == 0
