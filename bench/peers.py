@@ -15,6 +15,8 @@ from typing import Any
 from harness import Host, Kind, Side
 from procs import child_env, log_tail
 
+from embedserve.engines.sizing import ModelShape
+
 HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count (vllm-project/vllm#22941)
@@ -66,10 +68,8 @@ def site_env(site: str) -> dict[str, str]:
 
 def kv_pool_bytes(model_dir: str, tokens: int) -> int:
     """Bytes of a bf16 KV cache of ``tokens`` tokens for this checkpoint (K and V, every layer)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]  # a BERT: every head
-    return tokens * 2 * c["num_hidden_layers"] * kv_heads * head_dim * 2
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return tokens * ModelShape.from_config(config).kv_bytes_per_token
 
 
 def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:

@@ -110,15 +110,16 @@ def section(title: str, rows: list[dict[str, Any]], cross: list[dict[str, Any]])
 
 
 def quality_rows(quality: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per pair: the gate's figures against its thresholds, or why it did not run."""
+    """One row per pair, keyed by the table's headers: the gate's figures against its
+    thresholds, or why it did not run."""
     out = []
     for name, q in quality.items():
         m = q.get("measured") or {}
         recall = {side: r.get("recall_at_10") for side, r in (q.get("retrieval") or {}).items()}
-        out.append({"pair": name, "texts": q.get("texts"), "median": m.get("median_cosine"),
-                    "p1": m.get("p1_cosine"), "min": (q.get("cosine") or {}).get("min"),
-                    "overlap": m.get("top10_overlap"), "recall_base": recall.get("baseline"),
-                    "recall_cand": recall.get("candidate"), "passed": q.get("passed"),
+        out.append({"pair": name, "texts": q.get("texts"), "median cosine": m.get("median_cosine"),
+                    "1st pct cosine": m.get("p1_cosine"), "min cosine": (q.get("cosine") or {}).get("min"),
+                    "top-10 overlap": m.get("top10_overlap"), "recall@10 base": recall.get("baseline"),
+                    "recall@10 candidate": recall.get("candidate"), "passed": q.get("passed"),
                     "note": q.get("not_run") or (q.get("error") or "")[-200:] or None})
     return out
 
@@ -150,13 +151,10 @@ def step_lines(name: str, s: dict[str, Any]) -> list[str]:
                "alone:", "",
                *table(vec["pairs"], [("pair", "pair"), ("min", "min cosine"), ("cosines", "cosines")]), ""]
         md += [f"- {k}: no vectors: `{v[-300:]}`" for k, v in vec.get("errors", {}).items()]
-    if s.get("quality"):
-        cols = [("pair", "pair"), ("texts", "texts"), ("median", "median cosine"), ("p1", "1st pct cosine"),
-                ("min", "min cosine"), ("overlap", "top-10 overlap"), ("recall_base", "recall@10 base"),
-                ("recall_cand", "recall@10 candidate"), ("passed", "passed"), ("note", "note")]
+    if rows := quality_rows(s.get("quality") or {}):
         md += ["", "Quality gate (`embedserve quality`; thresholds: median cosine >= 0.99, 1st percentile >= "
                "0.98, top-10 overlap >= 0.9, recall@10 and nDCG@10 at most 0.01 below the baseline's):", "",
-               *table(quality_rows(s["quality"]), cols), ""]
+               *table(rows, [(k, k) for k in rows[0]]), ""]
     for title, rows in (s.get("tables") or {}).items():
         if rows:
             md += ["", f"{title}:", "", *table(rows, [(k, k.replace("_", " ")) for k in rows[0]]), ""]

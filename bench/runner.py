@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import profile_engine
 from gpu import tree_used_gb
 from harness import Host, Side, slug
 from measure import Case, Load, measure, target
@@ -268,8 +269,6 @@ def step_quality(host: Host, budget_end: float, pairs: Callable[[Host], list[tup
 def step_profile(host: Host, budget_end: float, side: Side, folder: str) -> dict[str, Any]:
     """Where the time goes on one `up` stack under the seed mix at 64 in flight: py-spy over its
     gateway and first engine's processes, then that engine's torch profile."""
-    import profile_engine
-
     if not harness.running(host, side):
         return {"skipped": f"{side.key} is not running"}
     return profile_engine.profile_under_load(

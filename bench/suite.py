@@ -30,7 +30,7 @@ import probes
 import report
 import vllm_scenario as vs
 from harness import SHAPES_ON_CPU, Host, describe, pack_fi_cache
-from peers import variant
+from peers import VARIANTS, variant
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 from runner import Step
 
@@ -154,17 +154,15 @@ def parser() -> argparse.ArgumentParser:
     add("--budget-s", type=float, help="stop before a step that would not fit; resume later")
     add("--redo", nargs="*", default=[], help="forget these steps' results first")
     add("--fresh", action="store_true", help="forget every result in the work dir first (a re-measurement)")
-    add("--until", metavar="STEP", help="stop after this step (exit 3): e.g. vllm-start starts servers while "
-                                        "later bundles are staged")
-    add("--skip", nargs="*", default=[], metavar="STEP",
-        help="leave these steps out (e.g. a profile measured before)")
+    add("--until", metavar="STEP", help="stop after this step (exit 3): vllm-start starts servers early")
+    add("--skip", nargs="*", default=[], metavar="STEP", help="leave these steps out (a profile done before)")
     add("--work", type=Path, help="state, logs, models (default: /tmp/embedserve-bench[-cpu|-SCENARIO])")
     add("--device", choices=("cuda", "cpu"), default="cuda")
     add("--cap", type=int, help="max sequence length (default 8192; 512 on cpu)")
     add("--time-scale", type=float, help="multiply every run's duration (default 1; cpu 0.1)")
     add("--rounds", type=int, help="rounds of every case (default: each case's own)")
     add("--model", action="append", default=[], metavar="NAME=DIR",
-        help="use this checkpoint instead of building one (e.g. 4b=/models/q4b); gateway-loop: a tokenizer")
+        help="use this checkpoint instead of building one (4b=/models/q4b); gateway-loop: a tokenizer")
     add("--fi-cache", default="/tmp/fi-cache", help="FlashInfer JIT cache folder")
     add("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
     add("--drill-leak", metavar="RATE", help="the drill's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
@@ -172,15 +170,12 @@ def parser() -> argparse.ArgumentParser:
     add("--quality-corpus", metavar="FILE", help="the quality gate's corpus (embedserve quality-corpus; "
                                                  "default: built from python3-doc when the host has it)")
     add("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
-    add("--vllm-cmd", help="replaces `python3 -m vllm.entrypoints.cli.main` (a stand-in: "
-                           "'python3 bench/inprocess.py')")
+    add("--vllm-cmd", help="replaces `python3 -m vllm.entrypoints.cli.main` ('python3 bench/inprocess.py')")
     add("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     add("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's engine's)")
-    add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm: its "
-                                                       "defaults; vllm tuned: its throughput flags)")
-    add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), "
-                                                 "comma-separated, of: x1, x2, x3, graphs, "
-                                                 "tokenizer-workers, nokv (+ joins several)")
+    add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm, vllm tuned)")
+    add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
+                                                 f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
         help="an embedserve side with these settings (engine-calls, quality-cpu: `baseline` is the baseline)")
     return ap
