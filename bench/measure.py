@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 from gpu import Sampler, tree_used_gb
-from harness import Host, Side, pid
+from harness import Host, Side
 from procs import child_env, embedserve_cmd, http_post_json
 
 from embedserve.health.sources.processes import read_processes
@@ -83,7 +83,7 @@ class Target:
 def target(host: Host, side: Side) -> Target:
     base = f"http://127.0.0.1:{side.port}"
     metrics = [f"http://127.0.0.1:{p}/metrics" for p in side.engine_ports()] or [base + "/metrics"]
-    own = pid(host, side)
+    own = (host.work.state["procs"].get(side.key) or {}).get("pid")
     return Target(base + side.kind.route, host.model(side.shape), host.served_name(side.shape),
                   side.takes_ids, host.cap_of(side.shape), metrics, own if side.kind.front else None,
                   own, side.kind.in_process, side.kind.timeout_s,

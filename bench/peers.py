@@ -24,9 +24,7 @@ TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc
 #: embedserve's variants, as an operator sets them: settings on top of the defaults, and SGLang
 #: flags appended through ``engine.extra_args``; ``+`` joins several (``x2+graphs``)
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
-    "x1": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "1"}, []),
-    "x2": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}, []),
-    "x3": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"}, []),
+    **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
     "graphs": ({}, TC_PIECEWISE),
     "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
@@ -73,11 +71,9 @@ def kv_pool_bytes(model_dir: str, tokens: int) -> int:
 
 
 def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
-    """`vllm serve` with vLLM's defaults but two: the KV pool (``--kv-cache-memory-bytes``, by
-    default as many tokens as embedserve's engine, so that all servers fit on one GPU; the
-    utilisation then only gates the start-up check of free memory) and chunked prefill, off:
-    on, it hangs Qwen3-Embedding under mixed lengths (vllm-project/vllm#47971; here: 1 request
-    running, 63 waiting, 0 tokens/s). ``side.args`` adds flags (``vllm tuned``)."""
+    """`vllm serve` with vLLM's defaults but two (bench/README.md says why): the KV pool, by
+    default as many tokens as embedserve's engine, and chunked prefill, off (vllm-project/vllm#47971).
+    ``side.args`` adds flags (``vllm tuned``)."""
     base = list(host.vllm_cmd) or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     model = host.model(side.shape)
     kv_tokens = host.vllm_kv_tokens or max(BATCH_BUDGET, 2 * host.cap)

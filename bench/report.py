@@ -124,10 +124,6 @@ def quality_rows(quality: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def gb(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {fmt(v)} GB" for k, v in d.items())
-
-
 def step_lines(name: str, s: dict[str, Any]) -> list[str]:
     """What a step recorded beside its rows."""
     ready: dict[str, Any] = s["ready_s"] if isinstance(s.get("ready_s"), dict) else {}
@@ -140,7 +136,8 @@ def step_lines(name: str, s: dict[str, Any]) -> list[str]:
     md += [f"- {side} not run: {why[-400:]}" for side, why in (s.get("not_run") or {}).items()]
     md += [f"- {side} stopped: {why}" for side, why in (s.get("stalled") or {}).items()]
     for key, what in (("gpu_gb_idle", "idle"), ("gpu_gb_after", "after the runs")):
-        md += [f"- GPU memory of each side's processes (NVML), {what}: {gb(s[key])}"] if s.get(key) else []
+        gb = ", ".join(f"{k} {fmt(v)} GB" for k, v in (s.get(key) or {}).items())
+        md += [f"- GPU memory of each side's processes (NVML), {what}: {gb}"] if gb else []
     if isinstance(s.get("ready_s"), int | float):
         md.append(f"- ready after {s['ready_s']} s")
     md += [f"- {note}" for note in s.get("notes") or []]

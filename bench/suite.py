@@ -28,7 +28,6 @@ import gpu_rerank
 import gpu_scenarios as gs
 import probes
 import report
-import vllm_scenario as vs
 from harness import SHAPES_ON_CPU, Host, describe, pack_fi_cache
 from peers import VARIANTS, variant
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
@@ -69,7 +68,7 @@ def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
     return {"stopped": host.work.stop_all(), "fi_cache_tgz_mb": pack_fi_cache(host)}
 
 
-def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = vs.VLLM_SHAPES) -> list[Step]:
+def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPES) -> list[Step]:
     both = {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"}
     shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
     if "small-model" in selected:
@@ -86,7 +85,7 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = vs.VLLM_SHAPE
 
 def vllm_after_first_ready(shapes: tuple[str, ...]) -> list[Step]:
     """The vllm scenario's steps with rerank-gpu's measurement after its first servers are ready."""
-    steps = vs.vllm_steps(shapes)
+    steps = gs.vllm_steps(shapes)
     at = next(i for i, s in enumerate(steps) if s.name.startswith("vllm-ready-")) + 1
     return [*steps[:at], *gpu_rerank.measure_steps(), *steps[at:]]
 
@@ -191,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = tuple(variant(v) for v in [*filter(None, a.embedserve_variants.split(",")), *a.variant])
     except ValueError as exc:
         ap.error(str(exc))
-    if set(shapes := a.vllm_shapes.split(",")) - set(vs.VLLM_SHAPES):
-        ap.error(f"--vllm-shapes takes {', '.join(vs.VLLM_SHAPES)}")
+    if set(shapes := a.vllm_shapes.split(",")) - set(gs.VLLM_SHAPES):
+        ap.error(f"--vllm-shapes takes {', '.join(gs.VLLM_SHAPES)}")
     if set(vllm_sides := [v.strip() for v in a.vllm_sides.split(",") if v.strip()]) - {"vllm", "vllm tuned"}:
         ap.error("--vllm-sides takes vllm and vllm tuned, comma-separated")
     only_cpu = not set(selected) & set(GPU_SCENARIOS)  # CPU scenarios: real figures, the host's CPU

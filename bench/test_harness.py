@@ -20,7 +20,6 @@ import pytest
 import report
 import runner
 import suite
-import vllm_scenario as vs
 from harness import Host, Side
 from procs import WorkDir
 
@@ -155,7 +154,7 @@ def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None
                                                                               "EMBEDSERVE_B": "x"})
     assert peers.variant("nokv")[1] == {"EMBEDSERVE_ENGINE__KV_CACHE": "none"}
     tuned_only = Host(WorkDir(tmp_path), vllm_sides=("vllm tuned",))
-    assert [s.name for s in vs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
+    assert [s.name for s in gs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
     for bad in ("x2+turbo", "n=PATH=/x"):
         with pytest.raises(ValueError):
             peers.variant(bad)
@@ -266,9 +265,9 @@ def test_a_side_that_answers_nothing_is_stopped_and_not_measured_again(
 
     monkeypatch.setattr(runner, "measure", vllm_stalls)
     host = Host(WorkDir(tmp_path / "w"), models={"0.6b": str(checkpoint(tmp_path / "m"))}, vllm_cmd=("stub",))
-    sides = vs.vllm_sides("0.6b")
+    sides = gs.vllm_sides("0.6b")
     runner.step_start(host, 0.0, sides)
-    out = runner.step_compare(host, 0.0, sides, vs.VLLM_CASES[:2], section="v", seed=1, stall=True)
+    out = runner.step_compare(host, 0.0, sides, gs.VLLM_CASES[:2], section="v", seed=1, stall=True)
     assert out["stalled"] == {"vllm": "no answer in 'short, 64 in flight': stopped"}
     assert "vllm" not in {r["side"] for r in out["rows"] if r["case"] == "short, 256 in flight"}
     assert not harness.running(host, sides(host)[1])  # stopped, and recorded as failed for this run
