@@ -6,6 +6,7 @@ engines on its port + 22000."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,7 @@ from gpu import gpu_used_gb
 from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
 from measure import Case, Load
 from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
+from procs import http_get
 from runner import Step, gate, lifecycle, profile, step_compare, step_quality, step_start, step_stop
 
 from embedserve.engines.sglang import fa3_installed
@@ -188,8 +190,6 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
     """The 4B (bf16) behind a gateway on each chosen prefill backend, against FlashInfer (the
     fp8 scenario's bf16 pair, or one started here), alternating; the backend each engine
     resolved (SGLang's own fallbacks may override the flag) and the quality gate against it."""
-    from procs import http_get
-
     base = pair(host, "4b", "bf16", FP8_PORTS["4b"][0], {})
     backends = {n: pair(host, "4b", n, port, {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": n})
                 for n, port in (("fa3", 30410), ("triton", 30411)) if n in host.attention_backends}
@@ -280,8 +280,6 @@ SETTINGS_CASES = [c for c in CASES if c.name in ("short", "seed mix", "one in fl
 
 
 def step_small_start(host: Host, budget_end: float) -> dict[str, Any]:
-    import importlib.util
-
     uvloop = importlib.util.find_spec("uvloop") is not None
     return step_start(host, budget_end, list(SMALL.values())) | {
         "notes": [f"uvloop {'is' if uvloop else 'is NOT'} installed (without it `x2, uvloop` runs asyncio)."]}
