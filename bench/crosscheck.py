@@ -75,8 +75,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                     data = await r.json(content_type=None) if r.status == 200 else None
             except (TimeoutError, aiohttp.ClientError):
                 data = None
-            done = time.perf_counter()
-            if not start <= done <= stop:
+            if not start <= (done := time.perf_counter()) <= stop:
                 continue
             if data is None:
                 errors += 1
@@ -88,10 +87,9 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=a.concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(*(worker(s) for _ in range(a.concurrency)))
-    secs = a.seconds
-    return {"tok_s": round(tokens / secs), "req_s": round(len(lat) / secs, 2), "requests": len(lat),
-            "errors": errors, "seconds": round(secs, 1),
-            "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
+    n, secs = len(lat), a.seconds
+    return {"tok_s": round(tokens / secs), "req_s": round(n / secs, 2), "requests": n, "errors": errors,
+            "seconds": round(secs, 1), "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ def site_env(site: str) -> dict[str, str]:
 
 # -- vLLM 0.26.0's pooling runner ------------------------------------------------------------------
 
-
 def kv_pool_bytes(model_dir: str, tokens: int) -> int:
     """Bytes of a bf16 KV cache of ``tokens`` tokens for this checkpoint (K and V, every layer)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -118,7 +117,6 @@ VLLM_TUNED_ARGS = ("--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-
 
 # -- Infinity 0.0.78, from a folder of its own (it breaks on transformers 5) ----------------------
 
-
 def infinity_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
     """``side.args``: options over the defaults below (``--engine optimum``, ``--pooling-method
     mean``); given a folder with model.onnx as ``cwd``, it is started there with ``--model-id .``
@@ -144,7 +142,6 @@ INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", rerank="
 
 
 # -- in process: a model in the client's own loop, no HTTP (bench/inprocess.py) -------------------
-
 
 def in_process_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
     backend = side.args[0] if side.args else "st-torch"

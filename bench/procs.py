@@ -21,15 +21,10 @@ from typing import Any
 
 
 def embedserve_cmd() -> list[str]:
-    """How to call ``embedserve``: on PATH, or the script pip put in ``SITE/bin`` when it
-    installed into a target folder on PYTHONPATH (a host with no package index)."""
-    found = shutil.which("embedserve")
-    if found:
+    """How to call ``embedserve``: on PATH, else as a module (also where pip installed it into a
+    target folder on PYTHONPATH, on a host with no package index)."""
+    if found := shutil.which("embedserve"):
         return [found]
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        script = Path(entry, "bin", "embedserve")
-        if entry and script.is_file():
-            return [sys.executable, str(script)]
     if importlib.util.find_spec("embedserve") is not None:
         return [sys.executable, "-m", "embedserve"]
     raise RuntimeError("no `embedserve` command: pip install the project, or stage it (bench/README.md)")

@@ -117,7 +117,6 @@ def _short(frame: str) -> str:
 
 # -- on the GPU host -------------------------------------------------------------------------------
 
-
 def listener_pid(port: int) -> int | None:
     """The process listening on a TCP port."""
     return next((pid for pid in listener_pids(port) if pid), None)
@@ -163,8 +162,7 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
     loader.start()
     time.sleep(load.warmup + 4)  # the loadtest's own start-up, then its warm-up
     pids = {"gateway": listener_pid(gateway_port)}
-    engine = listener_pid(engine_port)
-    if engine:
+    if engine := listener_pid(engine_port):
         pids.update(sglang_processes(engine))
     files = {name: out / f"{name.replace(' ', '-')}.txt" for name, pid in pids.items() if pid}
     spies = {name: (pyspy(pids[name] or 0, pyspy_s, path), path) for name, path in files.items()}

@@ -78,8 +78,7 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPE
     steps = [Step("models", GPU_SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
              *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS, *gs.MANY_STACK_STEPS,
              *gpu_rerank.start_steps(), *vllm_after_first_ready(vllm_shapes), *cpu_scenarios.cpu_steps(),
-             *probes.steps(),
-             Step("finish", SCENARIOS, step_finish, 20, always=True)]
+             *probes.steps(), Step("finish", SCENARIOS, step_finish, 20, always=True)]
     return [s for s in steps if set(s.used_by) & set(selected)]
 
 
