@@ -53,14 +53,13 @@ def load(backend: str, model_dir: str) -> Encode:
     forward = OnnxForward(Settings(_env_file=None))
     tok = load_tokenizer(model_dir)
     tok.enable_truncation(256)
+    tok.enable_padding()  # zeros on the right, as the engine pads
 
     def encode(texts: list[str]) -> tuple[np.ndarray, list[int]]:
-        rows = [e.ids for e in tok.encode_batch(texts)]
-        ids = np.zeros((len(rows), max(map(len, rows))), dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for i, x in enumerate(rows):
-            ids[i, : len(x)], mask[i, : len(x)] = x, 1
-        return np.asarray(forward(ids, mask)), [len(x) for x in rows]
+        rows = tok.encode_batch(texts)
+        ids = np.array([e.ids for e in rows], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in rows], dtype=np.int64)
+        return np.asarray(forward(ids, mask)), [int(m.sum()) for m in mask]
 
     return encode
 

@@ -49,11 +49,13 @@ def variant(spec: str) -> tuple[str, dict[str, str]]:
     return spec, env | ({"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(extra)} if extra else {})
 
 
-def importable(site: str, probe: str) -> str | None:
-    """None when ``probe`` runs with ``site`` first on the path, else its last error line."""
+def importable(site: str, probe: str, what: str) -> str | None:
+    """None when ``probe`` runs with ``site`` first on the path, else why ``what`` cannot start
+    (its last error line)."""
     done = subprocess.run([sys.executable, "-c", probe], env=child_env(site_env(site)), capture_output=True,
                           text=True, timeout=300, check=False)
-    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:300]
+    why = (done.stderr.strip().splitlines() or ["?"])[-1][:300]
+    return None if done.returncode == 0 else f"{what} not importable from {site}: {why}"
 
 
 def site_env(site: str) -> dict[str, str]:
@@ -86,10 +88,8 @@ def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
 
 
 def vllm_missing(host: Host) -> str | None:
-    if host.vllm_cmd:
-        return None
-    why = importable(host.vllm_site, "import vllm, vllm.entrypoints.cli.main")
-    return why and f"vLLM not importable from {host.vllm_site}: {why}"
+    return None if host.vllm_cmd else importable(host.vllm_site, "import vllm, vllm.entrypoints.cli.main",
+                                                 "vLLM")
 
 
 LOG_LINES = re.compile(r"attention backend|cudagraph|CUDA graph|Model loading took|KV cache|"
@@ -132,9 +132,8 @@ def infinity_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]
 
 
 def infinity_missing(host: Host) -> str | None:
-    why = importable(host.infinity_site, "import infinity_emb, transformers; "
-                     "assert transformers.__version__.startswith('4.'), transformers.__version__")
-    return why and f"Infinity not importable from {host.infinity_site}: {why}"
+    return importable(host.infinity_site, "import infinity_emb, transformers; assert "
+                      "transformers.__version__.startswith('4.'), transformers.__version__", "Infinity")
 
 
 INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", rerank="/rerank",

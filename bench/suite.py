@@ -75,18 +75,14 @@ def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPE
         shapes = ("0.6b",) if set(selected) == {"small-model"} else tuple(dict.fromkeys((*shapes, "0.6b")))
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
+    vllm = gs.vllm_steps(vllm_shapes)  # rerank-gpu is measured once the first vLLM servers are ready
+    at = next(i for i, s in enumerate(vllm) if s.name.startswith("vllm-ready-")) + 1
     steps = [Step("models", GPU_SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
              *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS, *gs.MANY_STACK_STEPS,
-             *gpu_rerank.start_steps(), *vllm_after_first_ready(vllm_shapes), *cpu_scenarios.cpu_steps(),
-             *probes.steps(), Step("finish", SCENARIOS, step_finish, 20, always=True)]
+             *gpu_rerank.start_steps(), *vllm[:at], *gpu_rerank.measure_steps(), *vllm[at:],
+             *cpu_scenarios.cpu_steps(), *probes.steps(),
+             Step("finish", SCENARIOS, step_finish, 20, always=True)]
     return [s for s in steps if set(s.used_by) & set(selected)]
-
-
-def vllm_after_first_ready(shapes: tuple[str, ...]) -> list[Step]:
-    """The vllm scenario's steps with rerank-gpu's measurement after its first servers are ready."""
-    steps = gs.vllm_steps(shapes)
-    at = next(i for i, s in enumerate(steps) if s.name.startswith("vllm-ready-")) + 1
-    return [*steps[:at], *gpu_rerank.measure_steps(), *steps[at:]]
 
 
 def write_results(host: Host, out: Path, names: list[str]) -> None:

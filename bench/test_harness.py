@@ -153,8 +153,8 @@ def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None
     assert name == "x2+graphs+tokenizer-workers" and env["EMBEDSERVE_ENGINE__ENGINES_PER_GPU"] == "2"
     extra = json.loads(env["EMBEDSERVE_ENGINE__EXTRA_ARGS"])
     assert extra == [*peers.TC_PIECEWISE, "--tokenizer-worker-num", "2"]
-    assert peers.variant("calls2=EMBEDSERVE_A=2,EMBEDSERVE_B=x") == ("calls2", {"EMBEDSERVE_A": "2",
-                                                                              "EMBEDSERVE_B": "x"})
+    own = {"EMBEDSERVE_A": "2", "EMBEDSERVE_B": "x"}
+    assert peers.variant("calls2=EMBEDSERVE_A=2,EMBEDSERVE_B=x") == ("calls2", own)
     assert peers.variant("nokv")[1] == {"EMBEDSERVE_ENGINE__KV_CACHE": "none"}
     tuned_only = Host(WorkDir(tmp_path), vllm_sides=("vllm tuned",))
     assert [s.name for s in gs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
@@ -293,28 +293,22 @@ def kernel(ts: float, dur: float, name: str, cat: str = "kernel") -> dict[str, o
 
 
 def test_kernels_are_sorted_into_gemm_attention_and_the_rest() -> None:
-    assert kernel_kind("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
-    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
-    assert kernel_kind("BatchPrefillWithRaggedKVCacheKernel") == "attention"
-    assert kernel_kind("flash_fwd_kernel") == "attention"
-    name = "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>"
-    assert kernel_kind(name) == "attention"
-    assert kernel_kind("RMSNormKernel") == "other"
+    gemm = ["nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "sm90_xmma_gemm_bf16bf16_bf16f32"]
+    cutlass = "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>"
+    attention = ["BatchPrefillWithRaggedKVCacheKernel", "flash_fwd_kernel", cutlass]
+    kinds = [kernel_kind(n) for n in [*gemm, *attention, "RMSNormKernel"]]
+    assert kinds == ["gemm", "gemm", "attention", "attention", "attention", "other"]
 
 
 def test_busy_time_and_gaps_from_a_trace() -> None:
-    events = [
-        kernel(0, 100, "gemm_a"),  # 0-100
-        kernel(50, 100, "flash_fwd"),  # overlaps: busy to 150
-        kernel(155, 45, "rmsnorm"),  # 5 us gap
-        kernel(250, 50, "gemm_b"),  # 50 us gap
-        kernel(2300, 100, "copy", cat="gpu_memcpy"),  # 2,000 us gap
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # not GPU time
-    ]
+    events = [kernel(0, 100, "gemm_a"),  # 0-100
+              kernel(50, 100, "flash_fwd"),  # overlaps: busy to 150
+              kernel(155, 45, "rmsnorm"),  # 5 us gap
+              kernel(250, 50, "gemm_b"),  # 50 us gap
+              kernel(2300, 100, "copy", cat="gpu_memcpy"),  # 2,000 us gap
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]  # not GPU time
     s = summarise_trace(events, steps=2)
-    assert s["kernels"] == 5
-    assert s["span_ms"] == pytest.approx(2.4)
-    assert s["gpu_busy_ms"] == pytest.approx(0.345)
+    assert (s["kernels"], s["span_ms"], s["gpu_busy_ms"]) == (5, pytest.approx(2.4), pytest.approx(0.345))
     assert s["kernel_ms_by_kind"] == {"gemm": 0.15, "attention": 0.1, "memcpy/memset": 0.1, "other": 0.045}
     assert s["gaps_by_size"] == {"under 10 us": 1, "10-100 us": 1, "0.1-1 ms": 0, "over 1 ms": 1}
     assert s["idle_ms_by_gap"]["over 1 ms"] == pytest.approx(2.0)
@@ -333,16 +327,12 @@ def test_gzipped_trace_files_load(tmp_path: Path) -> None:
 
 
 def test_pyspy_shares_per_thread_and_the_busiest_threads_functions() -> None:
-    raw = "\n".join([
-        "thread (0x1);run (a/loop.py:10);forward (m/model.py:5) 60",
-        "thread (0x1);run (a/loop.py:10);recv (z/zmq.py:3) 40",
-        "thread (0x2);tokenize (t/tok.py:1) 20",
-        "not a stack line",
-    ])
+    raw = "\n".join(["thread (0x1);run (a/loop.py:10);forward (m/model.py:5) 60",
+                     "thread (0x1);run (a/loop.py:10);recv (z/zmq.py:3) 40",
+                     "thread (0x2);tokenize (t/tok.py:1) 20", "not a stack line"])
     s = summarise_pyspy(raw, rate_hz=100, seconds=1)
     assert s["threads_cpu_pct"] == {"thread (0x1)": 100.0, "thread (0x2)": 20.0}
-    assert s["busiest_thread"] == "thread (0x1)"
-    assert s["inclusive_pct"]["run (loop.py)"] == 100.0
+    assert s["busiest_thread"] == "thread (0x1)" and s["inclusive_pct"]["run (loop.py)"] == 100.0
     assert s["own_pct"] == {"forward (model.py)": 60.0, "recv (zmq.py)": 40.0}
 
 
