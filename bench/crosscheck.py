@@ -7,8 +7,7 @@ N tokens (the gateway). Tokens are counted from the server's `usage`. Prints one
     python3 bench/crosscheck.py URL --model M --text 16-512 --tokenizer MODEL_DIR
     python3 bench/crosscheck.py URL --model M --text 0.92:8-512,0.06:513-1024,0.02:1025-32768 --cap 8192
 
-Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn),
-clamped to --cap.
+Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn), clamped to --cap.
 """
 
 from __future__ import annotations
@@ -61,14 +60,13 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     tokens, lat, errors = 0, [], 0
     start = time.perf_counter() + a.warmup  # only answers between start and stop count
     stop = start + a.seconds
+    extra = {"input_type": a.input_type} if a.input_type else {}  # the gateway adds the instruction
 
     async def worker(s: aiohttp.ClientSession) -> None:
         nonlocal tokens, errors
         while time.perf_counter() < stop:
             inputs = [make_input(a, rng, words) for _ in range(a.batch)]
-            body: dict[str, Any] = {"model": a.model, "input": inputs}
-            if a.input_type:
-                body["input_type"] = a.input_type
+            body = {"model": a.model, "input": inputs, **extra}
             t = time.perf_counter()
             try:
                 async with s.post(a.url, json=body) as r:

@@ -1,6 +1,5 @@
-"""The GPU suite's scenarios as data: each one's sides (bench/harness.py, bench/peers.py), its
-cases, and the steps that start, compare and stop them (bench/runner.py). bench/README.md says
-what each measures. Ports: raw engines 30000-30405, gateways and stacks 7997-8720, `up`'s
+"""The GPU suite's scenarios as data: sides, cases and the runner's steps (bench/README.md says
+what each measures). Ports: raw engines 30000-30411, gateways and stacks 7997-8791, `up`'s
 engines on its port + 22000."""
 
 from __future__ import annotations
@@ -295,8 +294,7 @@ MANY_STACK_STEPS = [
     # per-stack memory, profiles, latency in three rounds, a larger batch budget
     DETAIL[0],
     *(profile(f"detail-profile-{g}", "engines-per-gpu-detail", GROUPS[g][0], f"profiles-detail/{g}")
-      for g in ("0.6b", "4b")),
-    latency_step("0.6b"), latency_step("4b"),
+      for g in ("0.6b", "4b")), latency_step("0.6b"), latency_step("4b"),
     Step("detail-knobs", ("engines-per-gpu-detail",), partial(
         step_compare, sides=[GROUPS["0.6b"][1], B32K], seed=70,
         cases=[Case(c.name, c.load, rounds=2) for c in CASES[:3]],
@@ -313,8 +311,7 @@ MANY_STACK_STEPS = [
         section="The 0.6B: the gateway's settings side by side"), 240) for turn in (0, 1)),
     Step("small-crosscheck", ("small-model",), partial(
         step_compare, sides=[SMALL["x2"], SMALL["fp8 x1"]], cases=CASES[1:2], crosscheck=CASES[1:2], seed=95,
-        section="The 0.6B: the seed mix by two clients, back to back"), 65),
-    SMALL_STEPS[1],
+        section="The 0.6B: the seed mix by two clients, back to back"), 65), SMALL_STEPS[1],
 ]
 
 

@@ -97,8 +97,7 @@ def run(encode: Encode, batch: int, words: int, seconds: float, seed: int) -> di
         lat.append(time.perf_counter() - t0)
     return {"inputs_s": round(len(lat) * batch / sum(lat), 1),
             "p50_ms": round(1000 * statistics.median(lat), 2), "requests": len(lat), "errors": 0,
-            "seconds": round(sum(lat), 1),
-            "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
+            "seconds": round(sum(lat), 1), "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
 
 
 def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None) -> None:

@@ -1,7 +1,6 @@
 """One measured run, condensed to a row: `embedserve loadtest` (or bench/crosscheck.py, or an
-in-process side's own loop) against one side, with what the honest-benchmark rules put beside
-the throughput: the prefix-cache hit rate, the GPU's memory and busy share, the side's own GPU
-memory and RSS, the gateway's CPU per request, the client's and the host's CPU."""
+in-process side's own loop) against one side, with what the rules put beside the throughput
+(bench/README.md): cache hits, GPU memory and busy share, the side's RSS, CPU per request."""
 
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc
 #: flags appended through ``engine.extra_args``; ``+`` joins several (``x2+graphs``)
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
-    "graphs": ({}, TC_PIECEWISE),
-    "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
+    "graphs": ({}, TC_PIECEWISE), "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
 }
 
@@ -82,8 +81,7 @@ def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
             "--host", "127.0.0.1", "--port", str(side.port), "--max-model-len", str(host.cap),
             "--dtype", "float32" if host.cpu else "bfloat16",
             "--kv-cache-memory-bytes", str(kv_pool_bytes(model, kv_tokens)),
-            "--gpu-memory-utilization", "0.1",
-            "--no-enable-chunked-prefill", *side.args]
+            "--gpu-memory-utilization", "0.1", "--no-enable-chunked-prefill", *side.args]
     return argv, site_env(host.vllm_site) | {"VLLM_NO_USAGE_STATS": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
 

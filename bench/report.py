@@ -1,7 +1,6 @@
-"""results.md from a run's results.json: one table per section (every case on every side, medians
-over the alternating rounds, each side beside the first), the cross-check's agreement, and what
-each step recorded beside its rows (start-up, vectors, quality gates, profiles, the drill).
-Pure: no I/O, so it is tested on any machine (bench/test_harness.py)."""
+"""results.md from a run's results.json: one table per section (medians over the alternating
+rounds, each side beside the first), the cross-check's agreement, and what each step recorded
+beside its rows. Pure: no I/O, so it is tested on any machine (bench/test_harness.py)."""
 
 from __future__ import annotations
 

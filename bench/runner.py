@@ -1,7 +1,6 @@
-"""The one runner: every comparison, GPU or CPU, is sides and cases given to these steps (start,
-compare, vectors, quality gate, profile, stop). Each takes the run's Host and the time it must
-end by, and returns what results.json keeps; a side that cannot start, or stalls, is a finding,
-and the others go on."""
+"""The one runner: every comparison is sides and cases given to these steps (start, compare,
+vectors, quality gate, profile, stop). Each takes the run's Host and the time it must end by and
+returns what results.json keeps; a side that cannot start, or stalls, is a finding, not a failure."""
 
 from __future__ import annotations
 
