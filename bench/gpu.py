@@ -17,8 +17,7 @@ GB = 1e9
 
 
 class Nvml:
-    """NVML opened once (the product's ``open_nvml``) and read as often as needed; ``None``
-    readings without a driver."""
+    """NVML opened once (``open_nvml``), read as often as needed; ``None`` readings without a driver."""
 
     def __init__(self) -> None:
         self.nv: Any = None

@@ -109,8 +109,7 @@ def raw_engine_steps(shapes: tuple[str, ...]) -> list[Step]:
              300),
         *(step for shape in shapes if shape != "4b" for step in raw_vs_gateway(shape)),
         Step("stop-engines", SHARED_ENGINES, partial(step_stop, sides=[raw(s) for s in shapes]), 20,
-             always=True),
-    ]
+             always=True)]
 
 
 SHARED_ENGINES = ("raw-vs-gateway", "kv-pool", "radix", "peers")
@@ -156,8 +155,7 @@ UP_STEPS = [  # `embedserve up` first: what operators run, and the 2-GPU part wh
     Step("scale-load-2", ("scale",), partial(step_scale, replicas=2), 85),
     Step("down-2", ("scale",), partial(step_stop, sides=[UPS[2]]), 30, always=True),
     # a stack of its own (ports 8300, 30300-30302), started and stopped within the step
-    Step("drill", ("drill",), drill.step_drill, 640),
-]
+    Step("drill", ("drill",), drill.step_drill, 640)]
 
 # -- FP8 against bf16, and the prefill attention backends -------------------------------------------
 
@@ -224,8 +222,7 @@ FP8_STEPS = [
         step_compare, sides=lambda host: [p[1] for p in fp8_pairs(host)["4b"]], cases=FP8_CASES, warm=WARM,
         seed=500, least=2, section="FP8 vs bf16 (4B, through the gateway)"), 330),
     Step("attention", ("attention",), step_attention, 330),
-    Step("fp8-stop", ("fp8", "attention"), partial(step_stop, sides=fp8_sides), 30, always=True),
-]
+    Step("fp8-stop", ("fp8", "attention"), partial(step_stop, sides=fp8_sides), 30, always=True)]
 
 # -- several engines per GPU, and the small model ------------------------------------------------------
 
@@ -263,9 +260,8 @@ def group_step(group: str, seconds: float) -> Step:
 def latency_step(group: str) -> Step:
     one, two = GROUPS[group][:2]
     return Step(f"detail-latency-{group}", ("engines-per-gpu-detail",), partial(
-        step_compare, sides=[beneath(one), one, two], seed=60,
-        section="Engines per GPU: one request in flight",
-        cases=[case("one in flight", 3, mix="seed", seconds=8)]), 75)
+        step_compare, sides=[beneath(one), one, two], cases=[case("one in flight", 3, mix="seed", seconds=8)],
+        seed=60, section="Engines per GPU: one request in flight"), 75)
 
 
 SMALL = {"x2": stack("0.6b", 2, 8500), "x2, inline 2048": stack("0.6b", 2, 8510, "x2, inline 2048",
@@ -311,8 +307,7 @@ MANY_STACK_STEPS = [
         section="The 0.6B: the gateway's settings side by side"), 240) for turn in (0, 1)),
     Step("small-crosscheck", ("small-model",), partial(
         step_compare, sides=[SMALL["x2"], SMALL["fp8 x1"]], cases=CASES[1:2], crosscheck=CASES[1:2], seed=95,
-        section="The 0.6B: the seed mix by two clients, back to back"), 65), SMALL_STEPS[1],
-]
+        section="The 0.6B: the seed mix by two clients, back to back"), 65), SMALL_STEPS[1]]
 
 
 # -- vllm: vLLM 0.26.0's pooling runner beside embedserve, same GPU, checkpoint and texts (README) -------
@@ -387,8 +382,7 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
             profile(f"vllm-profile-{shape}", "vllm", vllm_default(shape), f"profiles-vllm/{shape}", 45),
             Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
-                                                             crosscheck=VLLM_CASES[:1]), 380),
-        ]
+                                                             crosscheck=VLLM_CASES[:1]), 380)]
         if shape == "0.6b":  # what the client alone caps: inputs built on one thread, or by processes
             steps.append(Step("vllm-client-0.6b", ("vllm",), partial(
                 step_compare, sides=client_sides, cases=[Case("seed mix", VLLM_CASES[2].load, rounds=2)],

@@ -6,14 +6,10 @@ could reach, and the reference vectors are compared against.
 
 Backends: ``st-torch`` and ``st-onnx`` (sentence-transformers; ONNX reads model.onnx from the
 folder), ``ort-export`` (ONNX Runtime on embedserve's export, its tokenizer at 256 tokens),
-``transformers`` (a plain forward pass: last-token pooling, L2 norm, as Qwen3-Embedding's
-sentence-transformers files say; on the GPU where there is one). It answers ``GET /health``,
-``POST /v1/embeddings`` (each text alone for ``transformers``: no padding to get wrong) and
-``POST /run`` ``{"batch", "words", "seconds", "seed"}``: unique texts of ``words`` words,
-``batch`` at a time, for ``seconds``; inputs/s and the P50 of one call. ``serve`` stands in for
-`vllm serve MODEL --runner pooling ...` on a machine without vLLM or a GPU: the forward pass
-with vLLM's routes, prefix-cache counters and start-up lines; its figures mean nothing.
-"""
+``transformers`` (last-token pooling, L2 norm, as Qwen3-Embedding's sentence-transformers files
+say; each text alone, no padding to get wrong; on the GPU where there is one). ``POST /run``
+measures the model in its own loop (``run``). ``serve`` stands in for `vllm serve` on a machine
+without vLLM or a GPU: the forward pass with vLLM's routes, counters and start-up lines."""
 
 from __future__ import annotations
 
@@ -87,6 +83,7 @@ def forward_pass(model_dir: str) -> Encode:
 
 
 def run(encode: Encode, batch: int, words: int, seconds: float, seed: int) -> dict[str, Any]:
+    """``POST /run``: unique texts of ``words`` words, ``batch`` at a time, for ``seconds``."""
     builder, rng, serial, lat = WordBuilder(seed), random.Random(seed), 0, []
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:

@@ -1,6 +1,5 @@
-"""Long-lived processes of a benchmark run: started in their own process group (setsid), so
-they can outlive one command when the suite runs in slices, recorded by pid in the work dir,
-stopped by that pid's group. Only the ``embedserve`` CLI and plain HTTP are used."""
+"""Long-lived processes of a run, each in a process group of its own (setsid) so that it outlives
+one command of a sliced run, recorded by pid in the work dir and stopped by that group."""
 
 from __future__ import annotations
 

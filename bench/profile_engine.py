@@ -1,7 +1,6 @@
-"""Where an engine's time goes under load: SGLang's torch profile of its scheduler (GPU kernels
-by kind, and the gaps between them) and py-spy over every process on the request's path (the
-gateway, SGLang's HTTP + tokenizer-manager process, its scheduler and its detokenizer), as the
-suite's profile steps record them (``profile_under_load``, while a load runs)."""
+"""Where an engine's time goes under load (``profile_under_load``): SGLang's torch profile of its
+scheduler (GPU kernels by kind, the gaps between them) and py-spy over every process on the
+request's path (the gateway, SGLang's HTTP + tokenizer manager, scheduler and detokenizer)."""
 
 from __future__ import annotations
 

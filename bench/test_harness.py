@@ -286,8 +286,6 @@ def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_
     assert [r["side"] for r in rows] == ["ST torch in process, batch 1", "ST torch in process, batch 16"]
 
 
-# -- bench/profile_engine.py's arithmetic on hand-made traces and py-spy output --------------------
-
 def kernel(ts: float, dur: float, name: str, cat: str = "kernel") -> dict[str, object]:
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
