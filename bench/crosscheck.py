@@ -7,8 +7,7 @@ N tokens (the gateway). Tokens are counted from the server's `usage`. Prints one
     python3 bench/crosscheck.py URL --model M --text 16-512 --tokenizer MODEL_DIR
     python3 bench/crosscheck.py URL --model M --text 0.92:8-512,0.06:513-1024,0.02:1025-32768 --cap 8192
 
-Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn),
-clamped to --cap.
+Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn), clamped to --cap.
 """
 
 from __future__ import annotations
@@ -61,22 +60,20 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     tokens, lat, errors = 0, [], 0
     start = time.perf_counter() + a.warmup  # only answers between start and stop count
     stop = start + a.seconds
+    extra = {"input_type": a.input_type} if a.input_type else {}  # the gateway adds the instruction
 
     async def worker(s: aiohttp.ClientSession) -> None:
         nonlocal tokens, errors
         while time.perf_counter() < stop:
             inputs = [make_input(a, rng, words) for _ in range(a.batch)]
-            body: dict[str, Any] = {"model": a.model, "input": inputs}
-            if a.input_type:
-                body["input_type"] = a.input_type
+            body = {"model": a.model, "input": inputs, **extra}
             t = time.perf_counter()
             try:
                 async with s.post(a.url, json=body) as r:
                     data = await r.json(content_type=None) if r.status == 200 else None
             except (TimeoutError, aiohttp.ClientError):
                 data = None
-            done = time.perf_counter()
-            if not start <= done <= stop:
+            if not start <= (done := time.perf_counter()) <= stop:
                 continue
             if data is None:
                 errors += 1
@@ -88,10 +85,9 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=a.concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(*(worker(s) for _ in range(a.concurrency)))
-    secs = a.seconds
-    return {"tok_s": round(tokens / secs), "req_s": round(len(lat) / secs, 2), "requests": len(lat),
-            "errors": errors, "seconds": round(secs, 1),
-            "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
+    n, secs = len(lat), a.seconds
+    return {"tok_s": round(tokens / secs), "req_s": round(n / secs, 2), "requests": n, "errors": errors,
+            "seconds": round(secs, 1), "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
 
 
 if __name__ == "__main__":

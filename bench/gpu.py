@@ -10,21 +10,19 @@ import threading
 import time
 from typing import Any
 
-import psutil
+from embedserve.nvml import open_nvml
+from embedserve.runtime.ports import family
 
 GB = 1e9
 
 
 class Nvml:
-    """NVML opened once and read as often as needed; ``None`` readings without a driver."""
+    """NVML opened once (``open_nvml``), read as often as needed; ``None`` readings without a driver."""
 
     def __init__(self) -> None:
         self.nv: Any = None
         with contextlib.suppress(Exception):
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nv = pynvml
+            self.nv = open_nvml()
 
     def _handles(self) -> list[Any]:
         return [self.nv.nvmlDeviceGetHandleByIndex(i) for i in range(self.nv.nvmlDeviceGetCount())]
@@ -79,12 +77,7 @@ def gpu_used_gb() -> list[float] | None:
 def tree_used_gb(roots: dict[str, list[int]]) -> dict[str, float]:
     """GPU memory of each named set of processes and all their descendants (`up` starts each
     engine in a session of its own, which a process group would miss); empty without NVML."""
-    members: dict[str, set[int]] = {}
-    for name, pids in roots.items():
-        members[name] = set(pids)
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                members[name].update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    members = {name: {p for pid in pids for p in family(pid) | {pid}} for name, pids in roots.items()}
     reading = once()
     if reading is None:
         return {}

@@ -1,11 +1,11 @@
-"""The GPU suite's scenarios as data: each one's sides (bench/harness.py, bench/peers.py), its
-cases, and the steps that start, compare and stop them (bench/runner.py). bench/README.md says
-what each measures. Ports: raw engines 30000-30405, gateways and stacks 7997-8720, `up`'s
+"""The GPU suite's scenarios as data: sides, cases and the runner's steps (bench/README.md says
+what each measures). Ports: raw engines 30000-30411, gateways and stacks 7997-8791, `up`'s
 engines on its port + 22000."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from functools import partial
 from typing import Any
 
@@ -14,7 +14,8 @@ import harness
 from gpu import gpu_used_gb
 from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
 from measure import Case, Load
-from peers import INFINITY
+from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
+from procs import http_get
 from runner import Step, gate, lifecycle, profile, step_compare, step_quality, step_start, step_stop
 
 from embedserve.engines.sglang import fa3_installed
@@ -108,8 +109,7 @@ def raw_engine_steps(shapes: tuple[str, ...]) -> list[Step]:
              300),
         *(step for shape in shapes if shape != "4b" for step in raw_vs_gateway(shape)),
         Step("stop-engines", SHARED_ENGINES, partial(step_stop, sides=[raw(s) for s in shapes]), 20,
-             always=True),
-    ]
+             always=True)]
 
 
 SHARED_ENGINES = ("raw-vs-gateway", "kv-pool", "radix", "peers")
@@ -155,8 +155,7 @@ UP_STEPS = [  # `embedserve up` first: what operators run, and the 2-GPU part wh
     Step("scale-load-2", ("scale",), partial(step_scale, replicas=2), 85),
     Step("down-2", ("scale",), partial(step_stop, sides=[UPS[2]]), 30, always=True),
     # a stack of its own (ports 8300, 30300-30302), started and stopped within the step
-    Step("drill", ("drill",), drill.step_drill, 640),
-]
+    Step("drill", ("drill",), drill.step_drill, 640)]
 
 # -- FP8 against bf16, and the prefill attention backends -------------------------------------------
 
@@ -188,8 +187,6 @@ def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
     """The 4B (bf16) behind a gateway on each chosen prefill backend, against FlashInfer (the
     fp8 scenario's bf16 pair, or one started here), alternating; the backend each engine
     resolved (SGLang's own fallbacks may override the flag) and the quality gate against it."""
-    from procs import http_get
-
     base = pair(host, "4b", "bf16", FP8_PORTS["4b"][0], {})
     backends = {n: pair(host, "4b", n, port, {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": n})
                 for n, port in (("fa3", 30410), ("triton", 30411)) if n in host.attention_backends}
@@ -225,8 +222,7 @@ FP8_STEPS = [
         step_compare, sides=lambda host: [p[1] for p in fp8_pairs(host)["4b"]], cases=FP8_CASES, warm=WARM,
         seed=500, least=2, section="FP8 vs bf16 (4B, through the gateway)"), 330),
     Step("attention", ("attention",), step_attention, 330),
-    Step("fp8-stop", ("fp8", "attention"), partial(step_stop, sides=fp8_sides), 30, always=True),
-]
+    Step("fp8-stop", ("fp8", "attention"), partial(step_stop, sides=fp8_sides), 30, always=True)]
 
 # -- several engines per GPU, and the small model ------------------------------------------------------
 
@@ -264,9 +260,8 @@ def group_step(group: str, seconds: float) -> Step:
 def latency_step(group: str) -> Step:
     one, two = GROUPS[group][:2]
     return Step(f"detail-latency-{group}", ("engines-per-gpu-detail",), partial(
-        step_compare, sides=[beneath(one), one, two], seed=60,
-        section="Engines per GPU: one request in flight",
-        cases=[case("one in flight", 3, mix="seed", seconds=8)]), 75)
+        step_compare, sides=[beneath(one), one, two], cases=[case("one in flight", 3, mix="seed", seconds=8)],
+        seed=60, section="Engines per GPU: one request in flight"), 75)
 
 
 SMALL = {"x2": stack("0.6b", 2, 8500), "x2, inline 2048": stack("0.6b", 2, 8510, "x2, inline 2048",
@@ -280,8 +275,6 @@ SETTINGS_CASES = [c for c in CASES if c.name in ("short", "seed mix", "one in fl
 
 
 def step_small_start(host: Host, budget_end: float) -> dict[str, Any]:
-    import importlib.util
-
     uvloop = importlib.util.find_spec("uvloop") is not None
     return step_start(host, budget_end, list(SMALL.values())) | {
         "notes": [f"uvloop {'is' if uvloop else 'is NOT'} installed (without it `x2, uvloop` runs asyncio)."]}
@@ -297,8 +290,7 @@ MANY_STACK_STEPS = [
     # per-stack memory, profiles, latency in three rounds, a larger batch budget
     DETAIL[0],
     *(profile(f"detail-profile-{g}", "engines-per-gpu-detail", GROUPS[g][0], f"profiles-detail/{g}")
-      for g in ("0.6b", "4b")),
-    latency_step("0.6b"), latency_step("4b"),
+      for g in ("0.6b", "4b")), latency_step("0.6b"), latency_step("4b"),
     Step("detail-knobs", ("engines-per-gpu-detail",), partial(
         step_compare, sides=[GROUPS["0.6b"][1], B32K], seed=70,
         cases=[Case(c.name, c.load, rounds=2) for c in CASES[:3]],
@@ -315,6 +307,87 @@ MANY_STACK_STEPS = [
         section="The 0.6B: the gateway's settings side by side"), 240) for turn in (0, 1)),
     Step("small-crosscheck", ("small-model",), partial(
         step_compare, sides=[SMALL["x2"], SMALL["fp8 x1"]], cases=CASES[1:2], crosscheck=CASES[1:2], seed=95,
-        section="The 0.6B: the seed mix by two clients, back to back"), 65),
-    SMALL_STEPS[1],
-]
+        section="The 0.6B: the seed mix by two clients, back to back"), 65), SMALL_STEPS[1]]
+
+
+# -- vllm: vLLM 0.26.0's pooling runner beside embedserve, same GPU, checkpoint and texts (README) -------
+
+VLLM_SHAPES = ("0.6b", "4b")
+VLLM_CASES = [Case("short, 64 in flight", case("short").load),
+              Case("short, 256 in flight", case("short", conc=256).load),
+              *map(case, ("seed mix", "seed mix, 1-16 inputs", "medium", "long")), case("one in flight", 2)]
+
+
+def vllm_default(shape: str, **env: str) -> Side:
+    """embedserve's defaults (engines per GPU ``auto``), in the vllm scenario."""
+    port = {"0.6b": 8600, "4b": 8650}[shape]
+    return Side("embedserve", UP, port, shape, UNCAPPED | env, tag=f"embedserve-{shape}")
+
+
+def vllm_sides(shape: str) -> Any:
+    """Every side of a shape, embedserve's first: its defaults, one stack per variant
+    (``--embedserve-variants``), vLLM with its defaults and tuned."""
+    port = {"0.6b": 8700, "4b": 8720}[shape]
+
+    def sides(host: Host) -> list[Side]:
+        gpu0 = {} if host.cpu else {"CUDA_VISIBLE_DEVICES": "0"}
+        default = vllm_default(shape, **gpu0)
+        return [default, *(Side(f"embedserve {name}", UP, default.port + 10 * (k + 1), shape,
+                                default.env | env, tag=harness.slug(f"embedserve-{name}-{shape}"))
+                           for k, (name, env) in enumerate(host.variants)),
+                *[s for s in (Side("vllm", VLLM, port, shape, tag=f"vllm-{shape}"),
+                              Side("vllm tuned", VLLM, port + 1, shape, args=VLLM_TUNED_ARGS,
+                                   tag=f"vllm-tuned-{shape}")) if s.name in host.vllm_sides]]
+    return sides
+
+
+def reference(shape: str) -> Side:
+    """A transformers forward pass of the same checkpoint (last-token pooling, L2 norm)."""
+    return Side("transformers", IN_PROCESS, {"0.6b": 8790, "4b": 8791}[shape], shape, args=("transformers",),
+                tag=f"reference-{shape}")
+
+
+def vector_sides(shape: str, host: Host) -> list[Side]:
+    return [*(s for s in vllm_sides(shape)(host) if s.name in ("embedserve", "vllm")), reference(shape)]
+
+
+def variant_pairs(shape: str, host: Host) -> list[tuple[str, Side, Side]]:
+    """Each embedserve variant's vectors against the defaults' (the quality gate on the corpus)."""
+    default, *others = vllm_sides(shape)(host)
+    return [(f"{side.name}-{shape}", default, side) for side in others if side.kind is UP]
+
+
+def client_sides(host: Host) -> list[Side]:
+    default = vllm_default("0.6b")
+    return [Side(name, UP, default.port, "0.6b", tag=default.key)
+            for name in ("client one build thread", "client build processes")]
+
+
+def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
+    """Every shape's servers started together (their start-ups overlap), then per shape: readiness,
+    vectors, the variants' quality gate, a profile, two load parts, its servers stopped."""
+    steps = [Step("vllm-start", ("vllm",), partial(step_start, wait=False, sides=lambda host: [
+        side for s in shapes for side in vllm_sides(s)(host)]), 30)]
+    for shape in shapes:
+        sides, title = vllm_sides(shape), f"vLLM 0.26.0 (pooling runner) vs embedserve, {shape}, same texts"
+        load = partial(step_compare, sides=sides, stall=True, least=2, section=title,
+                       warm=Load("uniform:16-512", 32, seconds=6, warmup=0))
+        steps += [
+            Step(f"vllm-ready-{shape}", ("vllm",), partial(step_start, sides=sides), 150),
+            Step(f"vllm-vectors-{shape}", ("vllm",), partial(
+                step_compare, sides=partial(vector_sides, shape), cases=[], vectors=True, seed=0,
+                start=[reference(shape)], stop=[reference(shape)], section=title), 60),
+            Step(f"vllm-quality-{shape}", ("vllm",), partial(
+                step_quality, pairs=partial(variant_pairs, shape)), 120),
+            profile(f"vllm-profile-{shape}", "vllm", vllm_default(shape), f"profiles-vllm/{shape}", 45),
+            Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
+            Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
+                                                             crosscheck=VLLM_CASES[:1]), 380)]
+        if shape == "0.6b":  # what the client alone caps: inputs built on one thread, or by processes
+            steps.append(Step("vllm-client-0.6b", ("vllm",), partial(
+                step_compare, sides=client_sides, cases=[Case("seed mix", VLLM_CASES[2].load, rounds=2)],
+                seed=720, loads={"client one build thread": Load("seed", 64, seconds=15, build_workers=0)},
+                section="The client alone: `embedserve loadtest` building inputs on one thread against its "
+                        "build processes, 0.6b"), 130))
+        steps.append(Step(f"vllm-stop-{shape}", ("vllm",), partial(step_stop, sides=sides), 20))
+    return steps

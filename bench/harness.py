@@ -1,9 +1,7 @@
-"""What a comparison starts and measures, as data. A :class:`Side` is one server measured (or
-run in process): its :class:`Kind` says how it starts, where it answers and whether it takes
-texts or token ids; the side adds its port, model and settings. Embedserve's own kinds are
-here (a raw engine, a gateway, `embedserve up`, the instant engine); the peers' are in
-bench/peers.py. Everything starts through its own command line, settings as EMBEDSERVE_*
-variables as an operator would set them, in a process group of its own (bench/procs.py)."""
+"""What a comparison starts and measures, as data: a :class:`Side` (port, model, settings) of a
+:class:`Kind` (how it starts, where it answers, texts or token ids); embedserve's own kinds here,
+the peers' in bench/peers.py. Everything starts through its own command line, settings as
+EMBEDSERVE_* variables as an operator would set them."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu import once
-from procs import WorkDir, alive, child_env, embedserve_cmd, log_tail, port_busy, wait_ok
+from procs import WorkDir, alive, child_env, embedserve_cmd, http_get, log_tail, port_busy
 
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
 
@@ -208,14 +206,9 @@ def wait_ready(host: Host, side: Side, budget_end: float, limit_s: float = 900.0
         if time.time() > budget_end:
             raise TimeoutError(f"{side.key} not ready yet")
         banner = side.kind.banner is None or side.kind.banner in log_tail(log, 200_000)
-        if banner and wait_ok(f"http://127.0.0.1:{side.port}{side.kind.ready}", time.time() + 2, info["pid"]):
+        if banner and http_get(f"http://127.0.0.1:{side.port}{side.kind.ready}")[0] == 200:
             return round(time.time() - info["started_at"], 1)
         time.sleep(1)
-
-
-def pid(host: Host, side: Side) -> int | None:
-    info = host.work.state["procs"].get(side.key)
-    return info["pid"] if info else None
 
 
 def describe(host: Host, gpu_run: bool = True, command: str = "") -> dict[str, Any]:

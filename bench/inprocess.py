@@ -1,20 +1,19 @@
 """A model in one process, no HTTP on its measured path: the ceiling a server of the same backend
-could reach, the reference vectors are compared against, and the body of bench/fake_vllm.py.
+could reach, and the reference vectors are compared against.
 
     python bench/inprocess.py BACKEND MODEL_DIR PORT
+    python bench/inprocess.py serve MODEL_DIR --port P ...   # vLLM's command line (--vllm-cmd)
 
 Backends: ``st-torch`` and ``st-onnx`` (sentence-transformers; ONNX reads model.onnx from the
 folder), ``ort-export`` (ONNX Runtime on embedserve's export, its tokenizer at 256 tokens),
-``transformers`` (a plain forward pass: last-token pooling, L2 norm, as Qwen3-Embedding's
-sentence-transformers files say; on the GPU where there is one). It answers on
-127.0.0.1:PORT ``GET /health``, ``POST /v1/embeddings`` (vectors and ``usage``, each text alone
-for ``transformers``: no padding to get wrong) and ``POST /run`` ``{"batch", "words", "seconds",
-"seed"}``: unique texts of ``words`` words (loadtest's word builder), ``batch`` at a time, for
-``seconds``; inputs/s and the P50 of one call.
-"""
+``transformers`` (last-token pooling, L2 norm, as Qwen3-Embedding's sentence-transformers files
+say; each text alone, no padding to get wrong; on the GPU where there is one). ``POST /run``
+measures the model in its own loop (``run``). ``serve`` stands in for `vllm serve` on a machine
+without vLLM or a GPU: the forward pass with vLLM's routes, counters and start-up lines."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -50,14 +49,13 @@ def load(backend: str, model_dir: str) -> Encode:
     forward = OnnxForward(Settings(_env_file=None))
     tok = load_tokenizer(model_dir)
     tok.enable_truncation(256)
+    tok.enable_padding()  # zeros on the right, as the engine pads
 
     def encode(texts: list[str]) -> tuple[np.ndarray, list[int]]:
-        rows = [e.ids for e in tok.encode_batch(texts)]
-        ids = np.zeros((len(rows), max(map(len, rows))), dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for i, x in enumerate(rows):
-            ids[i, : len(x)], mask[i, : len(x)] = x, 1
-        return np.asarray(forward(ids, mask)), [len(x) for x in rows]
+        rows = tok.encode_batch(texts)
+        ids = np.array([e.ids for e in rows], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in rows], dtype=np.int64)
+        return np.asarray(forward(ids, mask)), [int(m.sum()) for m in mask]
 
     return encode
 
@@ -85,6 +83,7 @@ def forward_pass(model_dir: str) -> Encode:
 
 
 def run(encode: Encode, batch: int, words: int, seconds: float, seed: int) -> dict[str, Any]:
+    """``POST /run``: unique texts of ``words`` words, ``batch`` at a time, for ``seconds``."""
     builder, rng, serial, lat = WordBuilder(seed), random.Random(seed), 0, []
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
@@ -95,8 +94,7 @@ def run(encode: Encode, batch: int, words: int, seconds: float, seed: int) -> di
         lat.append(time.perf_counter() - t0)
     return {"inputs_s": round(len(lat) * batch / sum(lat), 1),
             "p50_ms": round(1000 * statistics.median(lat), 2), "requests": len(lat), "errors": 0,
-            "seconds": round(sum(lat), 1),
-            "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
+            "seconds": round(sum(lat), 1), "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
 
 
 def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None) -> None:
@@ -145,7 +143,16 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None)
 
 
 if __name__ == "__main__":
-    backend, model_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    model = load(backend, model_dir)
-    model(["warm up"] * 4)
-    serve(model, port)
+    if sys.argv[1] == "serve":
+        ap = argparse.ArgumentParser()
+        for arg in ("command", "model", "--served-model-name", "--port", "--max-model-len"):
+            ap.add_argument(arg)
+        a = ap.parse_known_args()[0]
+        print("INFO [cuda.py] Using FAKE_CPU attention backend out of potential backends: ['FAKE_CPU'].\n"
+              "INFO [core.py] Initializing a V1 LLM engine (fake) with config: "
+              "compilation_config={'cudagraph_mode': <CUDAGraphMode.NONE: 0>}", flush=True)
+        serve(load("transformers", a.model), int(a.port), a.served_model_name, int(a.max_model_len))
+    else:
+        model = load(sys.argv[1], sys.argv[2])
+        model(["warm up"] * 4)
+        serve(model, int(sys.argv[3]))

@@ -1,7 +1,6 @@
 """One measured run, condensed to a row: `embedserve loadtest` (or bench/crosscheck.py, or an
-in-process side's own loop) against one side, with what the honest-benchmark rules put beside
-the throughput: the prefix-cache hit rate, the GPU's memory and busy share, the side's own GPU
-memory and RSS, the gateway's CPU per request, the client's and the host's CPU."""
+in-process side's own loop) against one side, with what the rules put beside the throughput
+(bench/README.md): cache hits, GPU memory and busy share, the side's RSS, CPU per request."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from typing import Any
 
 import psutil
 from gpu import Sampler, tree_used_gb
-from harness import Host, Side, pid
+from harness import Host, Side
 from procs import child_env, embedserve_cmd, http_post_json
 
 from embedserve.health.sources.processes import read_processes
@@ -83,7 +82,7 @@ class Target:
 def target(host: Host, side: Side) -> Target:
     base = f"http://127.0.0.1:{side.port}"
     metrics = [f"http://127.0.0.1:{p}/metrics" for p in side.engine_ports()] or [base + "/metrics"]
-    own = pid(host, side)
+    own = (host.work.state["procs"].get(side.key) or {}).get("pid")
     return Target(base + side.kind.route, host.model(side.shape), host.served_name(side.shape),
                   side.takes_ids, host.cap_of(side.shape), metrics, own if side.kind.front else None,
                   own, side.kind.in_process, side.kind.timeout_s,

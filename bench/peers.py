@@ -15,6 +15,8 @@ from typing import Any
 from harness import Host, Kind, Side
 from procs import child_env, log_tail
 
+from embedserve.engines.sizing import ModelShape
+
 HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count (vllm-project/vllm#22941)
@@ -22,11 +24,8 @@ TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc
 #: embedserve's variants, as an operator sets them: settings on top of the defaults, and SGLang
 #: flags appended through ``engine.extra_args``; ``+`` joins several (``x2+graphs``)
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
-    "x1": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "1"}, []),
-    "x2": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}, []),
-    "x3": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "3"}, []),
-    "graphs": ({}, TC_PIECEWISE),
-    "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
+    **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
+    "graphs": ({}, TC_PIECEWISE), "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
 }
 
@@ -49,11 +48,13 @@ def variant(spec: str) -> tuple[str, dict[str, str]]:
     return spec, env | ({"EMBEDSERVE_ENGINE__EXTRA_ARGS": json.dumps(extra)} if extra else {})
 
 
-def importable(site: str, probe: str) -> str | None:
-    """None when ``probe`` runs with ``site`` first on the path, else its last error line."""
+def importable(site: str, probe: str, what: str) -> str | None:
+    """None when ``probe`` runs with ``site`` first on the path, else why ``what`` cannot start
+    (its last error line)."""
     done = subprocess.run([sys.executable, "-c", probe], env=child_env(site_env(site)), capture_output=True,
                           text=True, timeout=300, check=False)
-    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:300]
+    why = (done.stderr.strip().splitlines() or ["?"])[-1][:300]
+    return None if done.returncode == 0 else f"{what} not importable from {site}: {why}"
 
 
 def site_env(site: str) -> dict[str, str]:
@@ -63,21 +64,16 @@ def site_env(site: str) -> dict[str, str]:
 
 # -- vLLM 0.26.0's pooling runner ------------------------------------------------------------------
 
-
 def kv_pool_bytes(model_dir: str, tokens: int) -> int:
     """Bytes of a bf16 KV cache of ``tokens`` tokens for this checkpoint (K and V, every layer)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]  # a BERT: every head
-    return tokens * 2 * c["num_hidden_layers"] * kv_heads * head_dim * 2
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return tokens * ModelShape.from_config(config).kv_bytes_per_token
 
 
 def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
-    """`vllm serve` with vLLM's defaults but two: the KV pool (``--kv-cache-memory-bytes``, by
-    default as many tokens as embedserve's engine, so that all servers fit on one GPU; the
-    utilisation then only gates the start-up check of free memory) and chunked prefill, off:
-    on, it hangs Qwen3-Embedding under mixed lengths (vllm-project/vllm#47971; here: 1 request
-    running, 63 waiting, 0 tokens/s). ``side.args`` adds flags (``vllm tuned``)."""
+    """`vllm serve` with vLLM's defaults but two (bench/README.md says why): the KV pool, by
+    default as many tokens as embedserve's engine, and chunked prefill, off (vllm-project/vllm#47971).
+    ``side.args`` adds flags (``vllm tuned``)."""
     base = list(host.vllm_cmd) or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     model = host.model(side.shape)
     kv_tokens = host.vllm_kv_tokens or max(BATCH_BUDGET, 2 * host.cap)
@@ -85,16 +81,13 @@ def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
             "--host", "127.0.0.1", "--port", str(side.port), "--max-model-len", str(host.cap),
             "--dtype", "float32" if host.cpu else "bfloat16",
             "--kv-cache-memory-bytes", str(kv_pool_bytes(model, kv_tokens)),
-            "--gpu-memory-utilization", "0.1",
-            "--no-enable-chunked-prefill", *side.args]
+            "--gpu-memory-utilization", "0.1", "--no-enable-chunked-prefill", *side.args]
     return argv, site_env(host.vllm_site) | {"VLLM_NO_USAGE_STATS": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
 
 def vllm_missing(host: Host) -> str | None:
-    if host.vllm_cmd:
-        return None
-    why = importable(host.vllm_site, "import vllm, vllm.entrypoints.cli.main")
-    return why and f"vLLM not importable from {host.vllm_site}: {why}"
+    return None if host.vllm_cmd else importable(host.vllm_site, "import vllm, vllm.entrypoints.cli.main",
+                                                 "vLLM")
 
 
 LOG_LINES = re.compile(r"attention backend|cudagraph|CUDA graph|Model loading took|KV cache|"
@@ -122,7 +115,6 @@ VLLM_TUNED_ARGS = ("--max-num-batched-tokens", str(BATCH_BUDGET), "--api-server-
 
 # -- Infinity 0.0.78, from a folder of its own (it breaks on transformers 5) ----------------------
 
-
 def infinity_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
     """``side.args``: options over the defaults below (``--engine optimum``, ``--pooling-method
     mean``); given a folder with model.onnx as ``cwd``, it is started there with ``--model-id .``
@@ -138,9 +130,8 @@ def infinity_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]
 
 
 def infinity_missing(host: Host) -> str | None:
-    why = importable(host.infinity_site, "import infinity_emb, transformers; "
-                     "assert transformers.__version__.startswith('4.'), transformers.__version__")
-    return why and f"Infinity not importable from {host.infinity_site}: {why}"
+    return importable(host.infinity_site, "import infinity_emb, transformers; assert "
+                      "transformers.__version__.startswith('4.'), transformers.__version__", "Infinity")
 
 
 INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", rerank="/rerank",
@@ -148,7 +139,6 @@ INFINITY = Kind(infinity_command, ready="/health", route="/embeddings", rerank="
 
 
 # -- in process: a model in the client's own loop, no HTTP (bench/inprocess.py) -------------------
-
 
 def in_process_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
     backend = side.args[0] if side.args else "st-torch"

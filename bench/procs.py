@@ -1,6 +1,5 @@
-"""Long-lived processes of a benchmark run: started in their own process group (setsid), so
-they can outlive one command when the suite runs in slices, recorded by pid in the work dir,
-stopped by that pid's group. Only the ``embedserve`` CLI and plain HTTP are used."""
+"""Long-lived processes of a run, each in a process group of its own (setsid) so that it outlives
+one command of a sliced run, recorded by pid in the work dir and stopped by that group."""
 
 from __future__ import annotations
 
@@ -21,34 +20,17 @@ from typing import Any
 
 
 def embedserve_cmd() -> list[str]:
-    """How to call ``embedserve``: on PATH, or the script pip put in ``SITE/bin`` when it
-    installed into a target folder on PYTHONPATH (a host with no package index)."""
-    found = shutil.which("embedserve")
-    if found:
+    """How to call ``embedserve``: on PATH, else as a module (also where pip installed it into a
+    target folder on PYTHONPATH, on a host with no package index)."""
+    if found := shutil.which("embedserve"):
         return [found]
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        script = Path(entry, "bin", "embedserve")
-        if entry and script.is_file():
-            return [sys.executable, str(script)]
     if importlib.util.find_spec("embedserve") is not None:
         return [sys.executable, "-m", "embedserve"]
     raise RuntimeError("no `embedserve` command: pip install the project, or stage it (bench/README.md)")
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
-
-
-def spawn(argv: list[str], log: Path, env: dict[str, str], cwd: str | None = None) -> int:
-    """Start ``argv`` in a new session, output appended to ``log``; returns its pid (= pgid)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
-    return proc.pid
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 def alive(pid: int) -> bool:
@@ -59,21 +41,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def stop_group(pid: int, wait_s: float = 90) -> bool:
-    """SIGTERM the process group (``up`` drains and stops its engines); SIGKILL if it lingers.
-    True when it ended on SIGTERM."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    until = time.time() + wait_s
-    while time.time() < until:
-        if not alive(pid):
-            return True
-        time.sleep(0.5)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    return False
 
 
 def port_busy(port: int) -> bool:
@@ -97,18 +64,6 @@ def http_post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> An
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def wait_ok(url: str, until: float, pid: int | None = None) -> float | None:
-    """Poll ``url`` until it answers 200 (returns the time), ``until`` passes or ``pid``'s
-    group is gone (None)."""
-    while time.time() < until:
-        if http_get(url, timeout=5)[0] == 200:
-            return time.time()
-        if pid is not None and not alive(pid):
-            return None
-        time.sleep(1)
-    return None
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -146,7 +101,10 @@ class WorkDir:
         if old and alive(old["pid"]):
             raise RuntimeError(f"{tag} is still running (pid {old['pid']})")
         log = self.root / "logs" / f"{tag}.log"
-        pid = spawn(argv, log, child_env(env), cwd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as fh:  # a session of its own: its pid is its group's id
+            pid = subprocess.Popen(argv, env=child_env(env), stdout=fh, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd).pid
         info = {"pid": pid, "argv": argv, "started_at": time.time(), "log": str(log)}
         self.state["procs"][tag] = info
         self.note(f"started {tag}: pid {pid}: {' '.join(argv[-6:])}")
@@ -157,10 +115,19 @@ class WorkDir:
         return bool(info) and alive(info["pid"])
 
     def stop(self, tag: str, wait_s: float = 90) -> bool | None:
+        """SIGTERM the process group (``up`` drains and stops its engines), SIGKILL if it
+        lingers; True when it ended on SIGTERM, None when ``tag`` was not running."""
         info = self.state["procs"].pop(tag, None)
         if not info:
             return None
-        clean = stop_group(info["pid"], wait_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(info["pid"], signal.SIGTERM)
+        until = time.time() + wait_s
+        while alive(info["pid"]) and time.time() < until:
+            time.sleep(0.5)
+        if not (clean := not alive(info["pid"])):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(info["pid"], signal.SIGKILL)
         self.note(f"stopped {tag} ({'clean' if clean else 'killed'})")
         return clean
 

@@ -1,7 +1,6 @@
-"""Where an engine's time goes under load: SGLang's torch profile of its scheduler (GPU kernels
-by kind, and the gaps between them) and py-spy over every process on the request's path (the
-gateway, SGLang's HTTP + tokenizer-manager process, its scheduler and its detokenizer), as the
-suite's profile steps record them (``profile_under_load``, while a load runs)."""
+"""Where an engine's time goes under load (``profile_under_load``): SGLang's torch profile of its
+scheduler (GPU kernels by kind, the gaps between them) and py-spy over every process on the
+request's path (the gateway, SGLang's HTTP + tokenizer manager, scheduler and detokenizer)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from embedserve.runtime.ports import listener_pids
+
 GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|wgmma|scaled_mm", re.I)
 ATTENTION = re.compile(r"flash|fmha|attention|batchprefill|prefill|mha_", re.I)
 GAP_BUCKETS_US = ((10, "under 10 us"), (100, "10-100 us"), (1000, "0.1-1 ms"), (float("inf"), "over 1 ms"))
@@ -25,21 +28,15 @@ GAP_BUCKETS_US = ((10, "under 10 us"), (100, "10-100 us"), (1000, "0.1-1 ms"), (
 def kernel_kind(name: str) -> str:
     """Attention first: FlashInfer's prefill kernels are CUTLASS templates, so their names
     match the GEMM pattern too."""
-    if ATTENTION.search(name):
-        return "attention"
-    if GEMM.search(name):
-        return "gemm"
-    return "other"
+    return "attention" if ATTENTION.search(name) else "gemm" if GEMM.search(name) else "other"
 
 
 def summarise_trace(events: list[dict[str, Any]], steps: int | None = None) -> dict[str, Any]:
     """GPU time by kernel kind, and the idle gaps between kernels, from a Chrome trace's events
     (what torch.profiler writes). Times in ms."""
-    gpu = sorted(
-        (float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "")), str(e.get("cat", "")))
-        for e in events
-        if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")
-    )
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    gpu = sorted((float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "")), str(e.get("cat", "")))
+                 for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in kinds)
     if not gpu:
         return {"kernels": 0}
     by_kind: dict[str, float] = collections.defaultdict(float)
@@ -62,15 +59,12 @@ def summarise_trace(events: list[dict[str, Any]], steps: int | None = None) -> d
     span = end - gpu[0][0]
     ms = 1e-3
     out: dict[str, Any] = {
-        "kernels": len(gpu),
-        "span_ms": round(span * ms, 3),
-        "gpu_busy_ms": round(busy * ms, 3),
+        "kernels": len(gpu), "span_ms": round(span * ms, 3), "gpu_busy_ms": round(busy * ms, 3),
         "gpu_busy_pct": round(100 * busy / span, 1) if span else None,
         "kernel_ms_by_kind": {k: round(v * ms, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "idle_ms_by_gap": {label: round(gaps[label] * ms, 3) for _, label in GAP_BUCKETS_US},
         "gaps_by_size": {label: gap_count[label] for _, label in GAP_BUCKETS_US},
-        "top_kernels_ms": {k: round(v * ms, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
-    }
+        "top_kernels_ms": {k: round(v * ms, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]}}
     if steps:
         out["steps"] = steps
         out["per_step_ms"] = {"span": round(span * ms / steps, 3), "gpu_busy": round(busy * ms / steps, 3)}
@@ -78,11 +72,9 @@ def summarise_trace(events: list[dict[str, Any]], steps: int | None = None) -> d
 
 
 def load_trace(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
         doc = json.load(f)
-    events = doc.get("traceEvents", doc) if isinstance(doc, dict) else doc
-    return list(events)
+    return list(doc.get("traceEvents", doc) if isinstance(doc, dict) else doc)
 
 
 def summarise_pyspy(text: str, rate_hz: float, seconds: float, top: int = 12) -> dict[str, Any]:
@@ -94,10 +86,9 @@ def summarise_pyspy(text: str, rate_hz: float, seconds: float, top: int = 12) ->
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = stack.split(";")
-        thread = frames[0]
+        thread, *frames = stack.split(";")
         per_thread[thread] += int(count)
-        stacks[thread][";".join(frames[1:])] += int(count)
+        stacks[thread][";".join(frames)] += int(count)
     ticks = rate_hz * seconds
     threads = {t: round(100 * n / ticks, 1) for t, n in per_thread.most_common(6)}
     if not per_thread:
@@ -112,12 +103,9 @@ def summarise_pyspy(text: str, rate_hz: float, seconds: float, top: int = 12) ->
         if frames:
             own[frames[-1]] += n
     total = per_thread[busiest]
-    return {
-        "threads_cpu_pct": threads,
-        "busiest_thread": busiest,
-        "inclusive_pct": {f: round(100 * n / total, 1) for f, n in inclusive.most_common(top)},
-        "own_pct": {f: round(100 * n / total, 1) for f, n in own.most_common(top)},
-    }
+    return {"threads_cpu_pct": threads, "busiest_thread": busiest,
+            "inclusive_pct": {f: round(100 * n / total, 1) for f, n in inclusive.most_common(top)},
+            "own_pct": {f: round(100 * n / total, 1) for f, n in own.most_common(top)}}
 
 
 def _short(frame: str) -> str:
@@ -128,19 +116,13 @@ def _short(frame: str) -> str:
 
 # -- on the GPU host -------------------------------------------------------------------------------
 
-
 def listener_pid(port: int) -> int | None:
     """The process listening on a TCP port."""
-    import psutil
-
-    return next((c.pid for c in psutil.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port), None)
+    return next((pid for pid in listener_pids(port) if pid), None)
 
 
 def sglang_processes(main_pid: int) -> dict[str, int]:
     """SGLang's HTTP process and the children it names by role (setproctitle)."""
-    import psutil
-
     found = {"sglang http": main_pid}
     for child in psutil.Process(main_pid).children(recursive=True):
         try:
@@ -179,8 +161,7 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
     loader.start()
     time.sleep(load.warmup + 4)  # the loadtest's own start-up, then its warm-up
     pids = {"gateway": listener_pid(gateway_port)}
-    engine = listener_pid(engine_port)
-    if engine:
+    if engine := listener_pid(engine_port):
         pids.update(sglang_processes(engine))
     files = {name: out / f"{name.replace(' ', '-')}.txt" for name, pid in pids.items() if pid}
     spies = {name: (pyspy(pids[name] or 0, pyspy_s, path), path) for name, path in files.items()}

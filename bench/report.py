@@ -1,7 +1,6 @@
-"""results.md from a run's results.json: one table per section (every case on every side, medians
-over the alternating rounds, each side beside the first), the cross-check's agreement, and what
-each step recorded beside its rows (start-up, vectors, quality gates, profiles, the drill).
-Pure: no I/O, so it is tested on any machine (bench/test_harness.py)."""
+"""results.md from a run's results.json: one table per section (medians over the alternating
+rounds, each side beside the first), the cross-check's agreement, and what each step recorded
+beside its rows. Pure: no I/O, so it is tested on any machine (bench/test_harness.py)."""
 
 from __future__ import annotations
 
@@ -110,21 +109,18 @@ def section(title: str, rows: list[dict[str, Any]], cross: list[dict[str, Any]])
 
 
 def quality_rows(quality: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per pair: the gate's figures against its thresholds, or why it did not run."""
+    """One row per pair, keyed by the table's headers: the gate's figures against its
+    thresholds, or why it did not run."""
     out = []
     for name, q in quality.items():
         m = q.get("measured") or {}
         recall = {side: r.get("recall_at_10") for side, r in (q.get("retrieval") or {}).items()}
-        out.append({"pair": name, "texts": q.get("texts"), "median": m.get("median_cosine"),
-                    "p1": m.get("p1_cosine"), "min": (q.get("cosine") or {}).get("min"),
-                    "overlap": m.get("top10_overlap"), "recall_base": recall.get("baseline"),
-                    "recall_cand": recall.get("candidate"), "passed": q.get("passed"),
+        out.append({"pair": name, "texts": q.get("texts"), "median cosine": m.get("median_cosine"),
+                    "1st pct cosine": m.get("p1_cosine"), "min cosine": (q.get("cosine") or {}).get("min"),
+                    "top-10 overlap": m.get("top10_overlap"), "recall@10 base": recall.get("baseline"),
+                    "recall@10 candidate": recall.get("candidate"), "passed": q.get("passed"),
                     "note": q.get("not_run") or (q.get("error") or "")[-200:] or None})
     return out
-
-
-def gb(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {fmt(v)} GB" for k, v in d.items())
 
 
 def step_lines(name: str, s: dict[str, Any]) -> list[str]:
@@ -139,7 +135,8 @@ def step_lines(name: str, s: dict[str, Any]) -> list[str]:
     md += [f"- {side} not run: {why[-400:]}" for side, why in (s.get("not_run") or {}).items()]
     md += [f"- {side} stopped: {why}" for side, why in (s.get("stalled") or {}).items()]
     for key, what in (("gpu_gb_idle", "idle"), ("gpu_gb_after", "after the runs")):
-        md += [f"- GPU memory of each side's processes (NVML), {what}: {gb(s[key])}"] if s.get(key) else []
+        gb = ", ".join(f"{k} {fmt(v)} GB" for k, v in (s.get(key) or {}).items())
+        md += [f"- GPU memory of each side's processes (NVML), {what}: {gb}"] if gb else []
     if isinstance(s.get("ready_s"), int | float):
         md.append(f"- ready after {s['ready_s']} s")
     md += [f"- {note}" for note in s.get("notes") or []]
@@ -150,13 +147,10 @@ def step_lines(name: str, s: dict[str, Any]) -> list[str]:
                "alone:", "",
                *table(vec["pairs"], [("pair", "pair"), ("min", "min cosine"), ("cosines", "cosines")]), ""]
         md += [f"- {k}: no vectors: `{v[-300:]}`" for k, v in vec.get("errors", {}).items()]
-    if s.get("quality"):
-        cols = [("pair", "pair"), ("texts", "texts"), ("median", "median cosine"), ("p1", "1st pct cosine"),
-                ("min", "min cosine"), ("overlap", "top-10 overlap"), ("recall_base", "recall@10 base"),
-                ("recall_cand", "recall@10 candidate"), ("passed", "passed"), ("note", "note")]
+    if rows := quality_rows(s.get("quality") or {}):
         md += ["", "Quality gate (`embedserve quality`; thresholds: median cosine >= 0.99, 1st percentile >= "
                "0.98, top-10 overlap >= 0.9, recall@10 and nDCG@10 at most 0.01 below the baseline's):", "",
-               *table(quality_rows(s["quality"]), cols), ""]
+               *table(rows, [(k, k) for k in rows[0]]), ""]
     for title, rows in (s.get("tables") or {}).items():
         if rows:
             md += ["", f"{title}:", "", *table(rows, [(k, k.replace("_", " ")) for k in rows[0]]), ""]

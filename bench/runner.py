@@ -1,7 +1,6 @@
-"""The one runner: every comparison, GPU or CPU, is sides and cases given to these steps (start,
-compare, vectors, quality gate, profile, stop). Each takes the run's Host and the time it must
-end by, and returns what results.json keeps; a side that cannot start, or stalls, is a finding,
-and the others go on."""
+"""The one runner: every comparison is sides and cases given to these steps (start, compare,
+vectors, quality gate, profile, stop). Each takes the run's Host and the time it must end by and
+returns what results.json keeps; a side that cannot start, or stalls, is a finding, not a failure."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import profile_engine
 from gpu import tree_used_gb
 from harness import Host, Side, slug
 from measure import Case, Load, measure, target
@@ -268,8 +268,6 @@ def step_quality(host: Host, budget_end: float, pairs: Callable[[Host], list[tup
 def step_profile(host: Host, budget_end: float, side: Side, folder: str) -> dict[str, Any]:
     """Where the time goes on one `up` stack under the seed mix at 64 in flight: py-spy over its
     gateway and first engine's processes, then that engine's torch profile."""
-    import profile_engine
-
     if not harness.running(host, side):
         return {"skipped": f"{side.key} is not running"}
     return profile_engine.profile_under_load(

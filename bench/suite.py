@@ -28,11 +28,12 @@ import gpu_rerank
 import gpu_scenarios as gs
 import probes
 import report
-import vllm_scenario as vs
 from harness import SHAPES_ON_CPU, Host, describe, pack_fi_cache
-from peers import variant
+from peers import VARIANTS, variant
 from procs import WorkDir, child_env, embedserve_cmd, log_tail
 from runner import Step
+
+from embedserve.loadtest.textbuild import load_tokenizer
 
 GPU_SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
                  "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm",
@@ -55,15 +56,10 @@ def step_models(host: Host, budget_end: float, shapes: tuple[str, ...] = ("4b",)
         if proc.returncode:
             raise RuntimeError(f"synth-model {shape} failed: {output[-1500:]}")
     return {"models": {s: host.model(s) for s in shapes}, "built": sorted(procs),
-            "tokenizer_tokens": {s: tokenizer_tokens(Path(host.model(s))) for s in shapes}}
-
-
-def tokenizer_tokens(model_dir: Path) -> int:
-    """Tokens in a checkpoint's tokenizer.json, added ones included (Qwen3's: 151,669): a
-    folder kept from an earlier run may hold another tokenizer, and the report says which."""
-    doc = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = doc["model"]["vocab"]
-    return len(vocab) + sum(t["content"] not in vocab for t in doc.get("added_tokens", []))
+            # added tokens included (Qwen3's: 151,669): a folder kept from an earlier run may hold
+            # another tokenizer, and the report says which
+            "tokenizer_tokens": {s: load_tokenizer(host.model(s)).get_vocab_size(with_added_tokens=True)
+                                 for s in shapes}}
 
 
 def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
@@ -72,26 +68,21 @@ def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
     return {"stopped": host.work.stop_all(), "fi_cache_tgz_mb": pack_fi_cache(host)}
 
 
-def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = vs.VLLM_SHAPES) -> list[Step]:
+def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPES) -> list[Step]:
     both = {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"}
     shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
     if "small-model" in selected:
         shapes = ("0.6b",) if set(selected) == {"small-model"} else tuple(dict.fromkeys((*shapes, "0.6b")))
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
+    vllm = gs.vllm_steps(vllm_shapes)  # rerank-gpu is measured once the first vLLM servers are ready
+    at = next(i for i, s in enumerate(vllm) if s.name.startswith("vllm-ready-")) + 1
     steps = [Step("models", GPU_SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
              *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS, *gs.MANY_STACK_STEPS,
-             *gpu_rerank.start_steps(), *vllm_after_first_ready(vllm_shapes), *cpu_scenarios.cpu_steps(),
-             *probes.steps(),
+             *gpu_rerank.start_steps(), *vllm[:at], *gpu_rerank.measure_steps(), *vllm[at:],
+             *cpu_scenarios.cpu_steps(), *probes.steps(),
              Step("finish", SCENARIOS, step_finish, 20, always=True)]
     return [s for s in steps if set(s.used_by) & set(selected)]
-
-
-def vllm_after_first_ready(shapes: tuple[str, ...]) -> list[Step]:
-    """The vllm scenario's steps with rerank-gpu's measurement after its first servers are ready."""
-    steps = vs.vllm_steps(shapes)
-    at = next(i for i, s in enumerate(steps) if s.name.startswith("vllm-ready-")) + 1
-    return [*steps[:at], *gpu_rerank.measure_steps(), *steps[at:]]
 
 
 def write_results(host: Host, out: Path, names: list[str]) -> None:
@@ -157,17 +148,15 @@ def parser() -> argparse.ArgumentParser:
     add("--budget-s", type=float, help="stop before a step that would not fit; resume later")
     add("--redo", nargs="*", default=[], help="forget these steps' results first")
     add("--fresh", action="store_true", help="forget every result in the work dir first (a re-measurement)")
-    add("--until", metavar="STEP", help="stop after this step (exit 3): e.g. vllm-start starts servers while "
-                                        "later bundles are staged")
-    add("--skip", nargs="*", default=[], metavar="STEP",
-        help="leave these steps out (e.g. a profile measured before)")
+    add("--until", metavar="STEP", help="stop after this step (exit 3): vllm-start starts servers early")
+    add("--skip", nargs="*", default=[], metavar="STEP", help="leave these steps out (a profile done before)")
     add("--work", type=Path, help="state, logs, models (default: /tmp/embedserve-bench[-cpu|-SCENARIO])")
     add("--device", choices=("cuda", "cpu"), default="cuda")
     add("--cap", type=int, help="max sequence length (default 8192; 512 on cpu)")
     add("--time-scale", type=float, help="multiply every run's duration (default 1; cpu 0.1)")
     add("--rounds", type=int, help="rounds of every case (default: each case's own)")
     add("--model", action="append", default=[], metavar="NAME=DIR",
-        help="use this checkpoint instead of building one (e.g. 4b=/models/q4b); gateway-loop: a tokenizer")
+        help="use this checkpoint instead of building one (4b=/models/q4b); gateway-loop: a tokenizer")
     add("--fi-cache", default="/tmp/fi-cache", help="FlashInfer JIT cache folder")
     add("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
     add("--drill-leak", metavar="RATE", help="the drill's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
@@ -175,15 +164,12 @@ def parser() -> argparse.ArgumentParser:
     add("--quality-corpus", metavar="FILE", help="the quality gate's corpus (embedserve quality-corpus; "
                                                  "default: built from python3-doc when the host has it)")
     add("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
-    add("--vllm-cmd", help="replaces `python3 -m vllm.entrypoints.cli.main` (a stand-in: "
-                           "'python3 bench/fake_vllm.py')")
+    add("--vllm-cmd", help="replaces `python3 -m vllm.entrypoints.cli.main` ('python3 bench/inprocess.py')")
     add("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     add("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's engine's)")
-    add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm: its "
-                                                       "defaults; vllm tuned: its throughput flags)")
-    add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), "
-                                                 "comma-separated, of: x1, x2, x3, graphs, "
-                                                 "tokenizer-workers, nokv (+ joins several)")
+    add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm, vllm tuned)")
+    add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
+                                                 f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
         help="an embedserve side with these settings (engine-calls, quality-cpu: `baseline` is the baseline)")
     return ap
@@ -199,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = tuple(variant(v) for v in [*filter(None, a.embedserve_variants.split(",")), *a.variant])
     except ValueError as exc:
         ap.error(str(exc))
-    if set(shapes := a.vllm_shapes.split(",")) - set(vs.VLLM_SHAPES):
-        ap.error(f"--vllm-shapes takes {', '.join(vs.VLLM_SHAPES)}")
+    if set(shapes := a.vllm_shapes.split(",")) - set(gs.VLLM_SHAPES):
+        ap.error(f"--vllm-shapes takes {', '.join(gs.VLLM_SHAPES)}")
     if set(vllm_sides := [v.strip() for v in a.vllm_sides.split(",") if v.strip()]) - {"vllm", "vllm tuned"}:
         ap.error("--vllm-sides takes vllm and vllm tuned, comma-separated")
     only_cpu = not set(selected) & set(GPU_SCENARIOS)  # CPU scenarios: real figures, the host's CPU

@@ -1,13 +1,15 @@
 """The harness without a GPU or a server: the report's arithmetic, the command lines each side and
-run get, the run plan, and every scenario's steps run end to end against stand-ins for the
-processes and the load generator. `python3 -m pytest bench/test_harness.py`."""
+run get, the run plan, every scenario's steps run end to end against stand-ins for the processes
+and the load generator, and the profiles' arithmetic. `python3 -m pytest bench/test_harness.py`."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,9 @@ import pytest
 import report
 import runner
 import suite
-import vllm_scenario as vs
 from harness import Host, Side
 from procs import WorkDir
+from profile_engine import kernel_kind, listener_pid, load_trace, summarise_pyspy, summarise_trace
 
 
 def row(case: str, side: str, tok: int, p50: float = 10.0, section: str = "s", **kw: Any) -> dict[str, Any]:
@@ -151,11 +153,11 @@ def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None
     assert name == "x2+graphs+tokenizer-workers" and env["EMBEDSERVE_ENGINE__ENGINES_PER_GPU"] == "2"
     extra = json.loads(env["EMBEDSERVE_ENGINE__EXTRA_ARGS"])
     assert extra == [*peers.TC_PIECEWISE, "--tokenizer-worker-num", "2"]
-    assert peers.variant("calls2=EMBEDSERVE_A=2,EMBEDSERVE_B=x") == ("calls2", {"EMBEDSERVE_A": "2",
-                                                                              "EMBEDSERVE_B": "x"})
+    own = {"EMBEDSERVE_A": "2", "EMBEDSERVE_B": "x"}
+    assert peers.variant("calls2=EMBEDSERVE_A=2,EMBEDSERVE_B=x") == ("calls2", own)
     assert peers.variant("nokv")[1] == {"EMBEDSERVE_ENGINE__KV_CACHE": "none"}
     tuned_only = Host(WorkDir(tmp_path), vllm_sides=("vllm tuned",))
-    assert [s.name for s in vs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
+    assert [s.name for s in gs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
     for bad in ("x2+turbo", "n=PATH=/x"):
         with pytest.raises(ValueError):
             peers.variant(bad)
@@ -206,8 +208,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
         return info
 
     def fake_measure(name: str, t: measure.Target, load: measure.Load, runs_dir: Path, *, seed: int = 0,
-                     tags: dict[str, Any] | None = None, client: str = "loadtest",
-                     batch: int | None = None) -> dict[str, Any]:
+                     tags: dict[str, Any] | None = None, client: str = "loadtest", **_: Any) -> Any:
         runs.append(((tags or {}).get("side", ""), client, seed))
         return {"name": name, **(tags or {}), "client": client, "tok_s": 1000 + seed, "req_s": 10.0,
                 "requests": 5, "errors": 0}
@@ -226,7 +227,7 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     models = {s: str(checkpoint(tmp_path / s)) for s in ("4b", "0.6b")}
     host = Host(WorkDir(tmp_path / "w"), device="cuda", models=models,
                 variants=(("x2", {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}),), out=tmp_path / "out",
-                attention_backends=("triton",), vllm_cmd=("python3", "bench/fake_vllm.py"))
+                attention_backends=("triton",), vllm_cmd=("python3", "bench/inprocess.py"))
     skip = {"models", "drill", "up-2", "scale-load-2", "attention"}  # need checkpoints, two GPUs, SGLang
     steps = [s for s in suite.plan(suite.GPU_SCENARIOS) if s.name not in skip and "profile" not in s.name]
     assert suite.run(host, steps, tmp_path / "out", None, []) == 0
@@ -235,7 +236,7 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
                                                                       "vllm tuned"]
     second = [r["side"] for r in st["vllm-load-0.6b-1"]["rows"] if r["case"] == "short, 256 in flight"]
     assert second == ["embedserve x2", "vllm", "vllm tuned", "embedserve"]  # the order turns each case
-    one = [r for r in st["raw-vs-gateway-4b-3"]["rows"]]
+    one = st["raw-vs-gateway-4b-3"]["rows"]
     order = [(r["side"], r["round"]) for r in one[:4]]
     assert order == [("raw", 0), ("gateway", 0), ("gateway", 1), ("raw", 1)]
     assert len({r["tok_s"] for r in one if r["round"] == 0}) == 1  # same seed per round on every side
@@ -248,8 +249,7 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     assert "- peers-infinity-1: infinity: Infinity not importable" in md  # no Infinity here: said, not failed
     for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "KV pool", "Radix", "Soak capacity",
                   "Scale-out", "FP8 vs bf16", "Engines per GPU: 0.6b", "The 0.6B: the gateway's",
-                  "Cross-check",
-                  "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b", "The client alone"):
+                  "Cross-check", "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b", "The client alone"):
         assert title in md, title
     written = json.loads((tmp_path / "out" / "results.json").read_text())["steps"]
     assert written.keys() == {s.name for s in steps}
@@ -266,9 +266,9 @@ def test_a_side_that_answers_nothing_is_stopped_and_not_measured_again(
 
     monkeypatch.setattr(runner, "measure", vllm_stalls)
     host = Host(WorkDir(tmp_path / "w"), models={"0.6b": str(checkpoint(tmp_path / "m"))}, vllm_cmd=("stub",))
-    sides = vs.vllm_sides("0.6b")
+    sides = gs.vllm_sides("0.6b")
     runner.step_start(host, 0.0, sides)
-    out = runner.step_compare(host, 0.0, sides, vs.VLLM_CASES[:2], section="v", seed=1, stall=True)
+    out = runner.step_compare(host, 0.0, sides, gs.VLLM_CASES[:2], section="v", seed=1, stall=True)
     assert out["stalled"] == {"vllm": "no answer in 'short, 64 in flight': stopped"}
     assert "vllm" not in {r["side"] for r in out["rows"] if r["case"] == "short, 256 in flight"}
     assert not harness.running(host, sides(host)[1])  # stopped, and recorded as failed for this run
@@ -284,3 +284,58 @@ def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_
     runner.step_start(host, 0.0, [st_torch])
     rows = runner.alternate(host, [st_torch], cs.PEER_LOADS[0], 5, {"section": "p"})
     assert [r["side"] for r in rows] == ["ST torch in process, batch 1", "ST torch in process, batch 16"]
+
+
+def kernel(ts: float, dur: float, name: str, cat: str = "kernel") -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_kernels_are_sorted_into_gemm_attention_and_the_rest() -> None:
+    gemm = ["nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "sm90_xmma_gemm_bf16bf16_bf16f32"]
+    cutlass = "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>"
+    attention = ["BatchPrefillWithRaggedKVCacheKernel", "flash_fwd_kernel", cutlass]
+    kinds = [kernel_kind(n) for n in [*gemm, *attention, "RMSNormKernel"]]
+    assert kinds == ["gemm", "gemm", "attention", "attention", "attention", "other"]
+
+
+def test_busy_time_and_gaps_from_a_trace() -> None:
+    events = [kernel(0, 100, "gemm_a"),  # 0-100
+              kernel(50, 100, "flash_fwd"),  # overlaps: busy to 150
+              kernel(155, 45, "rmsnorm"),  # 5 us gap
+              kernel(250, 50, "gemm_b"),  # 50 us gap
+              kernel(2300, 100, "copy", cat="gpu_memcpy"),  # 2,000 us gap
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]  # not GPU time
+    s = summarise_trace(events, steps=2)
+    assert (s["kernels"], s["span_ms"], s["gpu_busy_ms"]) == (5, pytest.approx(2.4), pytest.approx(0.345))
+    assert s["kernel_ms_by_kind"] == {"gemm": 0.15, "attention": 0.1, "memcpy/memset": 0.1, "other": 0.045}
+    assert s["gaps_by_size"] == {"under 10 us": 1, "10-100 us": 1, "0.1-1 ms": 0, "over 1 ms": 1}
+    assert s["idle_ms_by_gap"]["over 1 ms"] == pytest.approx(2.0)
+    assert s["per_step_ms"]["span"] == pytest.approx(1.2)
+
+
+def test_an_empty_trace_says_so() -> None:
+    assert summarise_trace([{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]) == {"kernels": 0}
+
+
+def test_gzipped_trace_files_load(tmp_path: Path) -> None:
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": [kernel(0, 10, "gemm")]}, f)
+    assert load_trace(path)[0]["name"] == "gemm"
+
+
+def test_pyspy_shares_per_thread_and_the_busiest_threads_functions() -> None:
+    raw = "\n".join(["thread (0x1);run (a/loop.py:10);forward (m/model.py:5) 60",
+                     "thread (0x1);run (a/loop.py:10);recv (z/zmq.py:3) 40",
+                     "thread (0x2);tokenize (t/tok.py:1) 20", "not a stack line"])
+    s = summarise_pyspy(raw, rate_hz=100, seconds=1)
+    assert s["threads_cpu_pct"] == {"thread (0x1)": 100.0, "thread (0x2)": 20.0}
+    assert s["busiest_thread"] == "thread (0x1)" and s["inclusive_pct"]["run (loop.py)"] == 100.0
+    assert s["own_pct"] == {"forward (model.py)": 60.0, "recv (zmq.py)": 40.0}
+
+
+def test_listener_pid_finds_this_process(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert listener_pid(s.getsockname()[1]) == os.getpid()
