@@ -220,7 +220,7 @@ def _k8s_engine_env() -> dict[str, str]:
 def test_gpu_image_hands_sglang_only_flags_it_knows(deployment, tmp_path, monkeypatch):
     """The SGLang command line the GPU image's settings produce (its ENV, then compose's or
     the Deployment's environment) uses only flags of SGLang 0.5.17, the fixture that
-    bench/extract_sglang_flags.py extracted."""
+    tests/fixtures/extract_sglang_flags.py extracted."""
     from embedserve.config import load_settings
     from embedserve.engines.sglang import build_launch
 

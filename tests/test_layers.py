@@ -173,3 +173,17 @@ MAX_MODULE_LINES = 400
 def test_no_module_over_the_line_limit() -> None:
     long = {m: n for m, path in ALL.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}, f"over {MAX_MODULE_LINES} lines, split by job: {long}"
+
+
+#: The workshop stays smaller than the house: bench/ (its tests included) within this many lines
+#: of Python, each file within the modules' limit.
+MAX_BENCH_LINES = 4500
+
+
+def test_the_benchmarks_stay_within_their_line_budget() -> None:
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    lines = {str(p.relative_to(bench)): len(p.read_text().splitlines()) for p in bench.rglob("*.py")}
+    long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
+    assert long == {}, f"bench files over {MAX_MODULE_LINES} lines: {long}"
+    total = sum(lines.values())
+    assert total <= MAX_BENCH_LINES, f"bench/ is {total} lines of Python, over {MAX_BENCH_LINES}"
