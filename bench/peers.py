@@ -27,6 +27,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
     "graphs": ({}, TC_PIECEWISE), "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
+    "overlap": ({"EMBEDSERVE_ENGINE__OVERLAP_SCHEDULE": "true"}, []),  # SGLang's overlap scheduler
 }
 
 

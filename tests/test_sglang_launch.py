@@ -144,6 +144,18 @@ def test_budget_raised_to_cap_with_note(model_dir: Path) -> None:
     assert any("batch_token_budget" in n for n in spec.notes)
 
 
+def test_overlap_schedule_holds_two_batches(model_dir: Path) -> None:
+    argv = build_launch(make(model_dir, overlap_schedule=True)).argv
+    assert "--disable-overlap-schedule" not in argv
+    assert arg(argv, "--max-total-tokens") == "32768"  # the batch on the GPU and the one being built
+    assert arg(argv, "--max-running-requests") == "256"
+    assert arg(argv, "--max-prefill-tokens") == "16384"  # each batch still within the budget
+    explicit = build_launch(make(model_dir, overlap_schedule=True, kv_pool_tokens=20000)).argv
+    assert arg(explicit, "--max-total-tokens") == "20000"
+    plain = build_launch(make(model_dir)).argv
+    assert arg(plain, "--max-running-requests") == "128" and "--disable-overlap-schedule" in plain
+
+
 def test_explicit_pool_and_too_small_pool(model_dir: Path) -> None:
     argv = build_launch(make(model_dir, kv_pool_tokens=131072)).argv
     assert arg(argv, "--max-total-tokens") == "131072"

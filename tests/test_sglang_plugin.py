@@ -309,3 +309,52 @@ def test_no_leak_without_the_drill(tmp_path: Path) -> None:
         clock.t += 60.0
         mon.on_idle()
     assert mon.leak is None and fake.allocated == start
+
+
+# --- the overlap scheduler's full running batch (sglang#22518) ---------------------------------
+class _Req:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def finished(self) -> bool:
+        return self.done
+
+
+class _Batch:
+    def __init__(self, reqs: list[_Req], full: bool = True, prefill_only: bool = True) -> None:
+        self.reqs, self.batch_is_full, self.is_prefill_only = reqs, full, prefill_only
+
+
+class _Scheduler:
+    def __init__(self, batch: _Batch | None) -> None:
+        self.running_batch = batch
+
+
+@pytest.mark.parametrize(("batch", "released"), [
+    (_Batch([_Req(True), _Req(False)]), True),   # the last batch done, the current one running
+    (_Batch([_Req(False), _Req(False)]), False),  # nothing finished: the batch really is full
+    (_Batch([_Req(True)], full=False), False),    # not full: nothing to clear
+    (_Batch([_Req(True)], prefill_only=False), False),  # a generation batch: SGLang's own rules
+    (None, False),
+])
+def test_a_full_prefill_only_running_batch_is_released_once_it_holds_finished_requests(
+    batch: _Batch | None, released: bool
+) -> None:
+    was_full = batch.batch_is_full if batch else None
+    assert sglang_plugin.release_full_running_batch(_Scheduler(batch)) is released
+    if batch is not None:
+        assert batch.batch_is_full is (False if released else was_full)
+
+
+def test_the_batch_hook_releases_the_running_batch_and_still_counts_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    policy = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
+    mon = Monitor(FakeCuda(), policy, str(tmp_path), 1.0)
+    monkeypatch.setattr(sglang_plugin, "_monitor", mon)
+    batch = _Batch([_Req(True), _Req(False)])
+    sglang_plugin.after_batch(None, _Scheduler(batch), "batch", "result")
+    assert batch.batch_is_full is False and mon.stats.batches == 1
+    sglang_plugin.after_batch(None, object(), "batch", "result")  # no running batch: no error
+    sglang_plugin.after_batch(None)  # no scheduler at all
+    assert mon.stats.batches == 3

@@ -50,9 +50,20 @@ class EngineSettings(BaseModel):
     batch_token_budget: int = Field(
         16384, ge=64, description="tokens per engine batch (prefill chunk, prefill budget)"
     )
-    max_running_requests: int = Field(128, ge=1)
+    max_running_requests: int = Field(
+        128, ge=1, description="requests (inputs) in one engine batch; SGLang's --max-running-requests, "
+        "twice this with overlap_schedule, where two batches are in the engine at once"
+    )
     kv_pool_tokens: int | None = Field(
-        None, description="SGLang --max-total-tokens; default: the batch budget, at least 2 x max seq"
+        None, description="SGLang --max-total-tokens; default: the batch budget (two with "
+        "overlap_schedule), at least 2 x max seq"
+    )
+    overlap_schedule: bool = Field(
+        False,
+        description="SGLang's overlap scheduler: the next batch is built and the last one's vectors "
+        "are sent while the GPU runs the current one, instead of the GPU waiting for both. "
+        "The engine then holds two batches at once, so the KV pool's default and "
+        "--max-running-requests are doubled (with kv_cache=none the pool holds no memory)",
     )
     mem_fraction_static: float = Field(0.85, gt=0, lt=1)
     gpu_memory_budget_gb: float | None = Field(

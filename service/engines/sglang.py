@@ -8,8 +8,9 @@
   length, so the longest input the gateway sends must be one shorter);
 * ``--chunked-prefill-size`` and ``--max-prefill-tokens`` = the batch token budget, raised
   to the cap so that one capped input always fits one prefill;
-* ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens``, else the budget and at
-  least 2 x cap, instead of SGLang's default of ~0.8 of the GPU.
+* ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens``, else the budget (twice
+  with ``engine.overlap_schedule``) and at least 2 x cap, instead of SGLang's default of ~0.8
+  of the GPU.
 
 Every flag used here exists in SGLang 0.5.17's parser: tests check the argv against the
 list extracted from it (``tests/fixtures/sglang_0.5.17_flags.json``). See docs/SGLANG.md.
@@ -38,17 +39,25 @@ class LaunchConfigError(ValueError):
     """The settings cannot make a working SGLang launch."""
 
 
-def default_kv_pool_tokens(cap: int, budget: int) -> int:
-    """One full prefill batch, and at least two capped inputs: an embedding server frees a
-    sequence's KV right after its forward pass, so a larger pool only holds memory (for the
-    4B: about 14 GB in use with 16,384 tokens, against 21 GB with 65,536)."""
-    return max(budget, 2 * cap)
+def default_kv_pool_tokens(cap: int, budget: int, batches: int = 1) -> int:
+    """One full prefill batch per batch in the engine, and at least two capped inputs: an
+    embedding server frees a sequence's KV right after its forward pass, so a larger pool only
+    holds memory (for the 4B: about 14 GB in use with 16,384 tokens, against 21 GB with 65,536).
+    The overlap scheduler builds the next batch while the last one still holds its slots."""
+    return max(batches * budget, 2 * cap)
+
+
+def batches_in_engine(settings: Settings) -> int:
+    """Two with the overlap scheduler (one on the GPU, one being built), else one."""
+    return 2 if settings.engine.overlap_schedule else 1
 
 
 def kv_pool_tokens(settings: Settings, cap: int) -> int:
     eng = settings.engine
     budget = max(eng.batch_token_budget, cap)
-    return eng.kv_pool_tokens if eng.kv_pool_tokens is not None else default_kv_pool_tokens(cap, budget)
+    if eng.kv_pool_tokens is not None:
+        return eng.kv_pool_tokens
+    return default_kv_pool_tokens(cap, budget, batches_in_engine(settings))
 
 
 def plan_engines(settings: Settings, info: ModelInfo, gpu_bytes: int | None = None) -> EnginesPlan:
@@ -234,12 +243,11 @@ def build_launch(
         "--chunked-prefill-size", str(budget) if kv_cache == "paged" else "-1",
         "--max-prefill-tokens", str(budget),
         "--max-total-tokens", str(kv),
-        "--max-running-requests", str(eng.max_running_requests),
+        "--max-running-requests", str(eng.max_running_requests * batches_in_engine(settings)),
         "--mem-fraction-static", repr(frac),
         "--enable-metrics",  # the prefix-cache counters the gateway re-exports
-        # sglang#22518: under the overlap scheduler an embedding batch that fills
-        # --max-running-requests leaves batch_is_full set forever (deadlock)
-        "--disable-overlap-schedule",
+        # off unless asked for: each batch waits for the last one's results (docs/SGLANG.md)
+        *([] if eng.overlap_schedule else ["--disable-overlap-schedule"]),
         # an idle scheduler otherwise spins a CPU core at 100%: with several engines per GPU
         # that is CPU taken from the busy engines, and under a CPU limit from the gateway
         "--sleep-on-idle",

@@ -12,6 +12,15 @@ process and again at the top of ``run_scheduler_process`` in every scheduler pro
 * ``Scheduler.on_idle``: the loop's idle branch, so statistics stay fresh when no traffic
   comes.
 
+The batch hook also mends sglang#22518 for the overlap scheduler (``engine.overlap_schedule``):
+there the next batch is built before the last one's results are processed, so the running
+batch still holds the last batch's requests when it fills ``--max-running-requests`` and sets
+``batch_is_full``; SGLang 0.5.17 clears that flag for a prefill-only running batch only once it
+is empty (``managers/scheduler.py:3009``), and an engine that builds no batch meanwhile stops
+taking work. Once a processed batch has finished requests in the running batch, the flag is
+cleared (as upstream's fix does when the running batch shrinks): the next
+``get_new_batch_prefill`` filters them out and counts the free room again.
+
 In a leak drill (``embedserve up --drill-leak RATE`` sets ``EMBEDSERVE_DRILL_LEAK_BYTES_PER_S``
 on the engines it starts) both hooks also grow GPU memory at that rate, held as tensors.
 
@@ -226,8 +235,29 @@ def _guarded(method: str) -> None:
             log.exception("embedserve plugin: %s failed (error %d; engine continues)", method, _errors)
 
 
-def after_batch(_result: Any, *_args: Any, **_kwargs: Any) -> None:
-    """AFTER hook on ``Scheduler.process_batch_result``; returns None (result unchanged)."""
+def release_full_running_batch(scheduler: Any) -> bool:
+    """Clear ``batch_is_full`` on a prefill-only running batch that holds finished requests
+    (sglang#22518, module docstring); True when it did."""
+    batch: Any = getattr(scheduler, "running_batch", None)
+    if not (getattr(batch, "is_prefill_only", False) and getattr(batch, "batch_is_full", False)):
+        return False
+    if not any(req.finished() for req in batch.reqs):
+        return False
+    batch.batch_is_full = False
+    return True
+
+
+def after_batch(_result: Any, *args: Any, **_kwargs: Any) -> None:
+    """AFTER hook on ``Scheduler.process_batch_result`` (``args[0]`` is the scheduler);
+    returns None (result unchanged)."""
+    global _errors
+    try:
+        if args:
+            release_full_running_batch(args[0])
+    except Exception:
+        _errors += 1
+        if _errors <= _MAX_LOGGED_ERRORS:
+            log.exception("embedserve plugin: releasing the full running batch failed (engine continues)")
     _guarded("on_batch")
 
 
