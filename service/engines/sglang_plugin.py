@@ -223,9 +223,13 @@ def _get_monitor() -> Monitor | None:
     return _monitor
 
 
-def _guarded(method: str) -> None:
+def _guarded(method: str, scheduler: Any = None) -> None:
+    """The monitor's ``method`` (and, given the scheduler, its full running batch released),
+    errors logged and swallowed: nothing here may break the scheduler."""
     global _errors
     try:
+        if scheduler is not None:
+            release_full_running_batch(scheduler)
         mon = _get_monitor()
         if mon is not None:
             getattr(mon, method)()
@@ -250,15 +254,7 @@ def release_full_running_batch(scheduler: Any) -> bool:
 def after_batch(_result: Any, *args: Any, **_kwargs: Any) -> None:
     """AFTER hook on ``Scheduler.process_batch_result`` (``args[0]`` is the scheduler);
     returns None (result unchanged)."""
-    global _errors
-    try:
-        if args:
-            release_full_running_batch(args[0])
-    except Exception:
-        _errors += 1
-        if _errors <= _MAX_LOGGED_ERRORS:
-            log.exception("embedserve plugin: releasing the full running batch failed (engine continues)")
-    _guarded("on_batch")
+    _guarded("on_batch", args[0] if args else None)
 
 
 def after_idle(_result: Any, *_args: Any, **_kwargs: Any) -> None:
