@@ -1,11 +1,10 @@
 """The CPU comparisons as data for the GPU suite's runner (`python bench/suite.py --only NAME`), the
-bundled all-MiniLM-L6-v2 on the CPU engine: ``cpu-peers``, ``engine-calls``, ``gateway-overhead``,
-``gateway-loop``, ``gateway-cpu``, ``quality-cpu``, ``rerank-cpu``; bench/README.md says what each does."""
+bundled all-MiniLM-L6-v2 on the CPU engine: ``cpu-peers``, ``gateway-overhead``, ``gateway-cpu``,
+``quality-cpu``, ``rerank-cpu``; bench/README.md says what each does."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import statistics
@@ -111,52 +110,9 @@ def step_first_export(host: Host, budget_end: float) -> dict[str, Any]:
     return {"tables": {"A first start's export into an empty cache": rows}}
 
 
-def variant_sides(host: Host, first: int, base: str = "default") -> list[Side]:
-    named = dict(host.variants)
-    return [up(base, first, **named.get(base, {})),
-            *(up(name, first + 10 * (i + 1), **env) for i, (name, env) in enumerate(host.variants)
-              if name != base)]
-
-
-def step_stages(host: Host, budget_end: float, n: int = 300) -> dict[str, Any]:
-    """One request in flight, ``n`` single short inputs a side: the round trip and the gateway's
-    stage headers (tokenise, queue, engine call), medians."""
-    rows = []
-    for side in variant_sides(host, 8900):
-        seen: dict[str, list[float]] = {"round_trip": [], "tokenize": [], "queue": [], "engine": []}
-        with httpx.Client(timeout=30) as client:
-            for i in range(n):
-                t0 = time.perf_counter()
-                body = {"model": host.served_name("bundled"), "input": f"short question {i} {time.time()}"}
-                r = client.post(f"http://127.0.0.1:{side.port}/v1/embeddings", json=body)
-                seen["round_trip"].append(1000 * (time.perf_counter() - t0))
-                for stage in ("tokenize", "queue", "engine"):
-                    seen[stage].append(float(r.headers[f"x-embedserve-{stage}-ms"]))
-        rows.append({"side": side.name, **{f"{k}_ms": round(statistics.median(v), 2)
-                                           for k, v in seen.items()}})
-    return {"tables": {"One request in flight, the gateway's stage headers (medians)": rows}}
-
-
 OVERHEAD = [Side("instant engine", INSTANT, 18611, "bundled", {"DIM": "384"}, tag="instant-384"),
             Side("gateway (text)", GATEWAY, 18610, "bundled", OPEN, behind=(18611,), tag="gateway-overhead"),
             Side("gateway (ids)", GATEWAY, 18610, "bundled", ids=True, tag="gateway-overhead")]
-LOOP_ENGINE = Side("instant engine", INSTANT, 30993, "bundled", {"DIM": "1024"}, tag="instant-1024")
-
-
-def loop_sides(host: Host) -> list[Side]:
-    """A gateway per tokenizer (every ``--model NAME=DIR`` that is not a suite shape), inline
-    tokenise limit and event loop, all in front of one instant engine."""
-    models = [m for m in host.models if m not in ("4b", "0.6b", "minilm", "bundled")]
-    return [Side(f"{loop}, {model}, inline {chars}", GATEWAY, 8993 + 10 * i, model,
-                 OPEN | {"EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS": chars,
-                        "EMBEDSERVE_GATEWAY__EVENT_LOOP": loop},
-                 behind=(LOOP_ENGINE.port,))
-            for i, (model, chars, loop) in enumerate((m, c, lp) for m in models for c in ("2048", "0")
-                                                     for lp in ("uvloop", "asyncio"))]
-
-
-LOOP_CASES = [Case(f"{name}, {conc} in flight", Load(mix, conc, seconds=10, warmup=2, build_workers=0))
-              for conc in (64, 1) for name, mix in (("short 16-512", "uniform:16-512"), ("seed mix", "seed"))]
 CPU_GATEWAY = Side("gateway", GATEWAY, 8991, "bundled", OPEN, behind=(30991,), tag="gateway-cpu")
 CPU_GATEWAY_ENGINE = Side("instant engine", INSTANT, 30991, "bundled", {"DIM": "384"}, tag="instant-cpu")
 # request shapes (name, tokens a text, texts, encoding): loads through the gateway, and in process
@@ -268,26 +224,17 @@ def cpu_steps() -> list[Step]:
         """A step of the scenario its name starts with."""
         return Step(name, (next(s for s in SCENARIOS if name.startswith(s)),), partial(run, **args), seconds)
 
-    calls = partial(variant_sides, first=8900)
     peers_on, peers_off = lifecycle("cpu-peers", "cpu-peers", peer_sides, 300, one_at_a_time=True)
-    calls_on, calls_off = lifecycle("engine-calls", "engine-calls", calls, 120)
     quality_on, quality_off = lifecycle("quality-cpu", "quality-cpu", quality_base)
     rerank_on, rerank_off = lifecycle("rerank-cpu", "rerank-cpu", rerank_sides)
     return [
         step("cpu-peers-export", step_first_export, 60), step("cpu-peers-onnx", step_onnx, 90), peers_on,
         step("cpu-peers-vectors", step_vectors, 30, sides=peer_sides, reference="ST torch in process"),
         step("cpu-peers-load", step_compare, 1500, sides=peer_sides, cases=PEER_LOADS, seed=1000,
-             section="CPU peers (all-MiniLM-L6-v2)"), peers_off, calls_on,
-        step("engine-calls-load", step_compare, 600, sides=calls, seed=5000,
-             section="The gateway's engine-call settings (CPU engine)",
-             cases=[Case(c.name, dataclasses.replace(c.load, seconds=12.0), 3) for c in PEER_LOADS]),
-        step("engine-calls-stages", step_stages, 60), calls_off,
+             section="CPU peers (all-MiniLM-L6-v2)"), peers_off,
         step("gateway-overhead", step_compare, 300, sides=OVERHEAD, start=OVERHEAD[:2], stop=OVERHEAD[:2],
              seed=0, section="The gateway over an engine that answers at once",
              cases=[Case(f"{n} in flight", Load("seed", n, seconds=10), 2) for n in (1, 8)]),
-        step("gateway-loop", step_compare, 400, sides=loop_sides, cases=LOOP_CASES, seed=7,
-             start=lambda h: [LOOP_ENGINE, *loop_sides(h)], stop=lambda h: [*loop_sides(h), LOOP_ENGINE],
-             section="The gateway's event loop per request (instant engine)"),
         step("gateway-cpu", step_compare, 120, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
              stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
              section="The gateway's CPU per request (instant engine)"),
@@ -300,5 +247,4 @@ def cpu_steps() -> list[Step]:
              warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), rerank_off]
 
 
-SCENARIOS = ("cpu-peers", "engine-calls", "gateway-overhead", "gateway-loop", "gateway-cpu", "quality-cpu",
-             "rerank-cpu")
+SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "quality-cpu", "rerank-cpu")

@@ -6,6 +6,7 @@ N tokens (the gateway). Tokens are counted from the server's `usage`. Prints one
     python3 bench/crosscheck.py URL --model M --ids 16-512 --concurrency 64 --seconds 20
     python3 bench/crosscheck.py URL --model M --text 16-512 --tokenizer MODEL_DIR
     python3 bench/crosscheck.py URL --model M --text 0.92:8-512,0.06:513-1024,0.02:1025-32768 --cap 8192
+    python3 bench/crosscheck.py URL --model M --ids 16-512 --requests 600   # a fixed set of inputs
 
 Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn), clamped to --cap.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -58,13 +60,15 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     if a.tokenizer and (config := Path(a.tokenizer) / "config.json").exists():
         a.vocab = min(a.vocab, json.loads(config.read_text()).get("vocab_size", a.vocab))
     tokens, lat, errors = 0, [], 0
-    start = time.perf_counter() + a.warmup  # only answers between start and stop count
-    stop = start + a.seconds
+    left = a.requests or -1  # with --requests, that many requests and every answer counts
+    start = time.perf_counter() + (0 if a.requests else a.warmup)  # answers between start and stop count
+    stop = math.inf if a.requests else start + a.seconds
     extra = {"input_type": a.input_type} if a.input_type else {}  # the gateway adds the instruction
 
     async def worker(s: aiohttp.ClientSession) -> None:
-        nonlocal tokens, errors
-        while time.perf_counter() < stop:
+        nonlocal tokens, errors, left
+        while time.perf_counter() < stop and left != 0:
+            left -= 1
             inputs = [make_input(a, rng, words) for _ in range(a.batch)]
             body = {"model": a.model, "input": inputs, **extra}
             t = time.perf_counter()
@@ -85,9 +89,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=a.concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(*(worker(s) for _ in range(a.concurrency)))
-    n, secs = len(lat), a.seconds
+    n, secs = len(lat), time.perf_counter() - start if a.requests else a.seconds
     return {"tok_s": round(tokens / secs), "req_s": round(n / secs, 2), "requests": n, "errors": errors,
-            "seconds": round(secs, 1), "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
+            "tokens": tokens, "seconds": round(secs, 1),
+            "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
 
 
 if __name__ == "__main__":
@@ -103,6 +108,7 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=20, help="measured time")
     ap.add_argument("--warmup", type=float, default=3, help="seconds first, not measured")
+    ap.add_argument("--requests", type=int, help="exactly this many (one seed: the same inputs), no warm-up")
     ap.add_argument("--input-type", help="e.g. query (the gateway adds the model's instruction)")
     ap.add_argument("--seed", type=int, default=0)
     print(json.dumps(asyncio.run(main(ap.parse_args()))))

@@ -5,23 +5,19 @@ engines on its port + 22000."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from functools import partial
 from typing import Any
 
 import drill
 import harness
+import kernel_profile
 from gpu import gpu_used_gb
 from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
 from measure import Case, Load
 from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
-from procs import http_get
-from runner import Step, gate, lifecycle, profile, step_compare, step_quality, step_start, step_stop
-
-from embedserve.engines.sglang import fa3_installed
+from runner import Step, lifecycle, profile, step_compare, step_quality, step_start, step_stop
 
 MAIN_KV_POOL = 16_384  # the product's default for the 4B: one prefill batch (engine.batch_token_budget)
-LARGE_KV_POOL = 65_536  # the earlier default, compared in kv-pool
 WARM = Load("uniform:16-512", 64, seconds=8, warmup=0)
 FP8 = {"EMBEDSERVE_ENGINE__QUANTIZATION": "fp8"}
 LOADS = {"short": Load("uniform:16-512", 64), "seed mix": Load("seed", 64),
@@ -50,7 +46,7 @@ def gateway(name: str, port: int, engine: Side, tag: str) -> Side:
     return Side(name, GATEWAY, port, engine.shape, behind=(engine.port,), tag=tag)
 
 
-# -- raw SGLang against the gateway, the KV pool, the radix cache, Infinity --------------------------
+# -- raw SGLang against the gateway, Infinity --------------------------
 
 RAW_VS_GATEWAY = [case("short", 2), *map(case, ("seed mix", "seed mix, 1-16 inputs", "medium", "long")),
                   case("one in flight", 6)]
@@ -72,11 +68,6 @@ def raw_vs_gateway(shape: str) -> list[Step]:
         for part, cases in PARTS.items()]
 
 
-KV_LARGE = Side(f"{LARGE_KV_POOL} tokens", ENGINE, 30003, "4b", kv(LARGE_KV_POOL), tag="engine-4b-kv64k")
-RADIX_ENGINE = Side("radix engine", ENGINE, 30002, "4b", kv(EMBEDSERVE_ENGINE__PREFIX_CACHE="true"),
-                    tag="engine-4b-radix")
-RADIX = [gateway("cache on", 8002, RADIX_ENGINE, "gateway-radix-on"),
-         gateway("cache off", 8003, raw("4b"), "gateway-radix-off")]
 PEER_GATEWAY = gateway("embedserve", 8004, raw("4b"), "gateway-peers")
 PEER_INFINITY = Side("infinity", INFINITY, 7997, "4b", tag="infinity")
 PEER_SIDES = [PEER_GATEWAY, PEER_INFINITY]
@@ -84,9 +75,6 @@ PEER_CASES = [Case("short, 1 input/request", case("short").load, 2),
               Case("short, 32 inputs/request", case("short", conc=4, inputs="32").load, 2),
               Case("~1,000 words", case("short", mix="uniform:1200-1400", conc=16).load, 2),
               case("one in flight", 4)]
-UNIQUE_AND_QUERIES = [Case("unique texts", case("short").load, 2),
-                      Case("queries (instruction prefix)", case("short", input_type="query").load, 2)]
-
 
 def raw_engine_steps(shapes: tuple[str, ...]) -> list[Step]:
     peers = partial(step_compare, sides=PEER_SIDES, start=PEER_SIDES, warm=WARM,
@@ -99,20 +87,12 @@ def raw_engine_steps(shapes: tuple[str, ...]) -> list[Step]:
                                                      seed=410), 300),
         Step("peers-infinity-2", ("peers",), partial(peers, cases=PEER_CASES[2:], seed=430, stop=PEER_SIDES),
              230),
-        Step("kv-pool", ("kv-pool",), partial(
-            step_compare, sides=[raw("4b", f"{MAIN_KV_POOL} tokens"), KV_LARGE], start=[KV_LARGE],
-            stop=[KV_LARGE], cases=[Case(c.name, c.load, rounds=2) for c in RAW_VS_GATEWAY[::2]], seed=200,
-            section="KV pool: 16,384 vs 65,536 tokens (4B, raw token ids)"), 380),
-        Step("radix", ("radix",), partial(
-            step_compare, sides=RADIX, start=[RADIX_ENGINE, *RADIX], stop=[*RADIX, RADIX_ENGINE], seed=300,
-            cases=UNIQUE_AND_QUERIES, section="Radix (prefix) cache on vs off (4B, through the gateway)"),
-             300),
         *(step for shape in shapes if shape != "4b" for step in raw_vs_gateway(shape)),
         Step("stop-engines", SHARED_ENGINES, partial(step_stop, sides=[raw(s) for s in shapes]), 20,
              always=True)]
 
 
-SHARED_ENGINES = ("raw-vs-gateway", "kv-pool", "radix", "peers")
+SHARED_ENGINES = ("raw-vs-gateway", "peers")
 
 # -- `embedserve up`: soak capacity, one and two engines ----------------------------------------------
 
@@ -157,7 +137,7 @@ UP_STEPS = [  # `embedserve up` first: what operators run, and the 2-GPU part wh
     # a stack of its own (ports 8300, 30300-30302), started and stopped within the step
     Step("drill", ("drill",), drill.step_drill, 640)]
 
-# -- FP8 against bf16, and the prefill attention backends -------------------------------------------
+# -- FP8 against bf16 -------------------------------------------
 
 FP8_PORTS = {"4b": (30400, 30401), "0.6b": (30402, 30403), "minilm": (30404, 30405)}  # gateways on - 22000
 FP8_CASES = [case("seed mix", 2), case("seed mix, 1-16 inputs"), case("medium"), case("long"),
@@ -183,37 +163,6 @@ def fp8_sides(host: Host) -> list[Side]:
     return [side for pairs in fp8_pairs(host).values() for p in pairs for side in p]
 
 
-def step_attention(host: Host, budget_end: float) -> dict[str, Any]:
-    """The 4B (bf16) behind a gateway on each chosen prefill backend, against FlashInfer (the
-    fp8 scenario's bf16 pair, or one started here), alternating; the backend each engine
-    resolved (SGLang's own fallbacks may override the flag) and the quality gate against it."""
-    base = pair(host, "4b", "bf16", FP8_PORTS["4b"][0], {})
-    backends = {n: pair(host, "4b", n, port, {"EMBEDSERVE_ENGINE__ATTENTION_BACKEND": n})
-                for n, port in (("fa3", 30410), ("triton", 30411)) if n in host.attention_backends}
-    out: dict[str, Any] = {"not_run": {}, "quality": {}, "resolved": {}}
-    if host.cpu:
-        return {"not_run": {b: "no attention backends on the CPU engine" for b in backends}}
-    if "fa3" in backends and not fa3_installed():
-        out["not_run"]["fa3"] = "sgl_kernel/flash_ops.abi3.so is not installed (1.1 GB; stage fa3/pNN)"
-        backends.pop("fa3")
-    step_start(host, budget_end, base)
-    for name, (engine, gw) in backends.items():
-        begun = step_start(host, budget_end, [engine, gw])
-        if begun["not_run"]:
-            out["not_run"] |= begun["not_run"]
-            continue
-        for side in (base[0], engine):
-            status, body = http_get(f"http://127.0.0.1:{side.port}/server_info", timeout=10)
-            out["resolved"][side.name] = body[:600] if status == 200 else f"HTTP {status}"
-        cases = [Case(c.name, c.load, rounds=3) for c in (FP8_CASES[0], FP8_CASES[2], FP8_CASES[3])]
-        out.setdefault("rows", []).extend(step_compare(
-            host, budget_end, [base[1], gw], cases, seed=600, tags={"backend_pair": name},
-            section=f"Prefill attention: FlashInfer vs {name} (4B, bf16, through the gateway)")["rows"])
-        out["quality"][f"attention-{name}"] = gate(host, f"attention-{name}", base[1], gw)
-        step_stop(host, budget_end, [gw, engine])
-    return out
-
-
 FP8_STEPS = [
     Step("fp8-engines", ("fp8",), partial(step_start, sides=fp8_sides), 150),
     Step("fp8-quality", ("fp8",), partial(step_quality, pairs=lambda host: [
@@ -221,10 +170,9 @@ FP8_STEPS = [
     Step("fp8-throughput", ("fp8",), partial(
         step_compare, sides=lambda host: [p[1] for p in fp8_pairs(host)["4b"]], cases=FP8_CASES, warm=WARM,
         seed=500, least=2, section="FP8 vs bf16 (4B, through the gateway)"), 330),
-    Step("attention", ("attention",), step_attention, 330),
-    Step("fp8-stop", ("fp8", "attention"), partial(step_stop, sides=fp8_sides), 30, always=True)]
+    Step("fp8-stop", ("fp8",), partial(step_stop, sides=fp8_sides), 30, always=True)]
 
-# -- several engines per GPU, and the small model ------------------------------------------------------
+# -- several engines per GPU ------------------------------------------------------
 
 
 def stack(shape: str, engines: int, port: int, name: str = "", **settings: str) -> Side:
@@ -242,8 +190,6 @@ def beneath(top: Side) -> Side:
 GROUPS = {"0.6b": [stack("0.6b", n, 8390 + 10 * n) for n in (1, 2, 3)],
           "4b": [stack("4b", n, 8420 + 10 * n) for n in (1, 2)],
           "4b-fp8": [stack("4b", n, 8440 + 10 * n, **FP8) for n in (1, 2)]}
-B32K = stack("0.6b", 2, 8470, "x2, budget 32768", EMBEDSERVE_ENGINE__BATCH_TOKEN_BUDGET="32768",
-             EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_ENGINE_CALL="32768")
 CASES = [*(case(name, seconds=10, warmup=2) for name in list(LOADS)[:5]), case("one in flight", mix="seed")]
 EVERY_STACK = [s for g in GROUPS.values() for s in g]
 
@@ -257,57 +203,11 @@ def group_step(group: str, seconds: float) -> Step:
         crosscheck=() if group.endswith("fp8") else CASES[:1]), seconds)
 
 
-def latency_step(group: str) -> Step:
-    one, two = GROUPS[group][:2]
-    return Step(f"detail-latency-{group}", ("engines-per-gpu-detail",), partial(
-        step_compare, sides=[beneath(one), one, two], cases=[case("one in flight", 3, mix="seed", seconds=8)],
-        seed=60, section="Engines per GPU: one request in flight"), 75)
-
-
-SMALL = {"x2": stack("0.6b", 2, 8500), "x2, inline 2048": stack("0.6b", 2, 8510, "x2, inline 2048",
-                                                                   EMBEDSERVE_GATEWAY__INLINE_TOKENIZE_CHARS="2048"),
-         "x2, uvloop": stack("0.6b", 2, 8520, "x2, uvloop", EMBEDSERVE_GATEWAY__EVENT_LOOP="uvloop"),
-         "x3": stack("0.6b", 3, 8530), "fp8 x1": stack("0.6b", 1, 8540, "fp8 x1", **FP8),
-         "fp8 x2": stack("0.6b", 2, 8550, "fp8 x2", **FP8)}
-MATRIX = [beneath(SMALL["x2"]), SMALL["x2"], SMALL["fp8 x1"], SMALL["fp8 x2"]]
-SETTINGS = [SMALL[k] for k in ("x2", "x2, inline 2048", "x2, uvloop", "x3")]
-SETTINGS_CASES = [c for c in CASES if c.name in ("short", "seed mix", "one in flight")]
-
-
-def step_small_start(host: Host, budget_end: float) -> dict[str, Any]:
-    uvloop = importlib.util.find_spec("uvloop") is not None
-    return step_start(host, budget_end, list(SMALL.values())) | {
-        "notes": [f"uvloop {'is' if uvloop else 'is NOT'} installed (without it `x2, uvloop` runs asyncio)."]}
-
-
-OVERLAP, DETAIL, SMALL_STEPS = (lifecycle("overlap", "engines-per-gpu", EVERY_STACK),
-                                lifecycle("detail", "engines-per-gpu-detail", [*EVERY_STACK, B32K]),
-                                lifecycle("small", "small-model", list(SMALL.values())))
+OVERLAP = lifecycle("overlap", "engines-per-gpu", EVERY_STACK)
 MANY_STACK_STEPS = [
     OVERLAP[0], profile("overlap-profile-0.6b", "engines-per-gpu", GROUPS["0.6b"][0], "profiles/0.6b"),
     group_step("0.6b", 390), profile("overlap-profile-4b", "engines-per-gpu", GROUPS["4b"][0], "profiles/4b"),
-    group_step("4b", 300), group_step("4b-fp8", 120), OVERLAP[1],
-    # per-stack memory, profiles, latency in three rounds, a larger batch budget
-    DETAIL[0],
-    *(profile(f"detail-profile-{g}", "engines-per-gpu-detail", GROUPS[g][0], f"profiles-detail/{g}")
-      for g in ("0.6b", "4b")), latency_step("0.6b"), latency_step("4b"),
-    Step("detail-knobs", ("engines-per-gpu-detail",), partial(
-        step_compare, sides=[GROUPS["0.6b"][1], B32K], seed=70,
-        cases=[Case(c.name, c.load, rounds=2) for c in CASES[:3]],
-        section="The 0.6B with two engines: batch budget 16,384 vs 32,768"), 140), DETAIL[1],
-    # the 0.6B: the gateway's settings side by side, and FP8; every stack starts at once
-    Step("small-start", ("small-model",), step_small_start, 150, holds=SMALL_STEPS[0].holds),
-    profile("small-profile", "small-model", SMALL["x2"], "profiles/small-model", 45),
-    *(Step(f"small-matrix-{part}", ("small-model",), partial(
-        step_compare, sides=MATRIX, cases=cases, seed=80,
-        section="The 0.6B: raw SGLang, the default stack and FP8"), 250)
-      for part, cases in ((1, CASES[:3]), (2, CASES[3:]))),
-    *(Step(f"small-gateway-{turn + 1}", ("small-model",), partial(
-        step_compare, sides=SETTINGS, cases=SETTINGS_CASES, seed=90 + turn, turn=2 * turn,
-        section="The 0.6B: the gateway's settings side by side"), 240) for turn in (0, 1)),
-    Step("small-crosscheck", ("small-model",), partial(
-        step_compare, sides=[SMALL["x2"], SMALL["fp8 x1"]], cases=CASES[1:2], crosscheck=CASES[1:2], seed=95,
-        section="The 0.6B: the seed mix by two clients, back to back"), 65), SMALL_STEPS[1]]
+    group_step("4b", 300), group_step("4b-fp8", 120), OVERLAP[1]]
 
 
 # -- vllm: vLLM 0.26.0's pooling runner beside embedserve, same GPU, checkpoint and texts (README) -------
@@ -380,6 +280,9 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
             Step(f"vllm-quality-{shape}", ("vllm",), partial(
                 step_quality, pairs=partial(variant_pairs, shape)), 120),
             profile(f"vllm-profile-{shape}", "vllm", vllm_default(shape), f"profiles-vllm/{shape}", 45),
+            Step(f"vllm-kernels-{shape}", ("vllm",), partial(
+                kernel_profile.step_kernels, sides=sides, load=Load("seed", 64), requests=800, seed=770),
+                 150),
             Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
                                                              crosscheck=VLLM_CASES[:1]), 380)]

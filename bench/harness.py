@@ -43,7 +43,6 @@ class Host:
     models: dict[str, str] = field(default_factory=dict)  # shape -> checkpoint folder
     out: Path | None = None  # where results go (and the packed FlashInfer JIT cache)
     drill_rate: str | None = None
-    attention_backends: tuple[str, ...] = ("fa3", "triton")
     quality_corpus: str | None = None
     vllm_site: str = "/tmp/site-vllm"
     vllm_cmd: tuple[str, ...] = ()  # replaces `python3 -m vllm.entrypoints.cli.main` (a stub)
@@ -129,6 +128,11 @@ class Side:
 
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
+
+
+def trace_dir(host: Host, side: Side) -> Path:
+    """Where a side's torch profiler writes (bench/kernel_profile.py)."""
+    return host.work.root / "traces" / side.key
 
 
 def base_env(host: Host, side: Side) -> dict[str, str]:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,10 +98,11 @@ def run(encode: Encode, batch: int, words: int, seconds: float, seed: int) -> di
             "seconds": round(sum(lat), 1), "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
 
 
-def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None) -> None:
+def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None, traces: str = "") -> None:
     """Answer until killed, one call of the model at a time (like one engine); ``max_len``: a
-    longer input gets a 400, as vLLM answers it."""
-    queried, lock = [0], threading.Lock()
+    longer input gets a 400, as vLLM answers it; ``traces``: between ``/start_profile`` and
+    ``/stop_profile`` each forward pass is a "kernel" of a trace written there, as vLLM writes its own."""
+    queried, lock, recording = [0], threading.Lock(), list[list[dict[str, Any]]]()
 
     class Handler(BaseHTTPRequestHandler):
         def answer(self, doc: Any, status: int = 200, text: bool = False) -> None:
@@ -121,12 +123,25 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None)
 
         def do_POST(self) -> None:
             cmd = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path in ("/start_profile", "/stop_profile") and traces:
+                with lock:
+                    if self.path == "/start_profile":
+                        recording[:] = [[]]
+                    elif recording:
+                        Path(traces).mkdir(parents=True, exist_ok=True)
+                        Path(traces, f"worker.{time.time_ns()}.pt.trace.json").write_text(
+                            json.dumps({"traceEvents": recording.pop()}))
+                return self.answer("", text=True)
             if self.path == "/run":
                 with lock:
                     return self.answer(run(encode, cmd["batch"], cmd["words"], cmd["seconds"], cmd["seed"]))
             texts = cmd["input"] if isinstance(cmd["input"], list) else [cmd["input"]]
             with lock:
+                t0 = time.time()
                 vectors, tokens = encode(texts)
+                for events in recording:
+                    events.append({"ph": "X", "cat": "kernel", "name": "forward", "ts": t0 * 1e6,
+                                   "dur": (time.time() - t0) * 1e6})
             if max_len and max(tokens) > max_len:
                 return self.answer({"error": {"message": "too long", "type": "BadRequestError"}}, 400)
             queried[0] += sum(tokens)
@@ -145,13 +160,15 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None)
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         ap = argparse.ArgumentParser()
-        for arg in ("command", "model", "--served-model-name", "--port", "--max-model-len"):
+        for arg in ("command", "model", "--served-model-name", "--port", "--max-model-len",
+                    "--profiler-config"):
             ap.add_argument(arg)
         a = ap.parse_known_args()[0]
+        traces = json.loads(a.profiler_config or "{}").get("torch_profiler_dir", "")
         print("INFO [cuda.py] Using FAKE_CPU attention backend out of potential backends: ['FAKE_CPU'].\n"
               "INFO [core.py] Initializing a V1 LLM engine (fake) with config: "
               "compilation_config={'cudagraph_mode': <CUDAGraphMode.NONE: 0>}", flush=True)
-        serve(load("transformers", a.model), int(a.port), a.served_model_name, int(a.max_model_len))
+        serve(load("transformers", a.model), int(a.port), a.served_model_name, int(a.max_model_len), traces)
     else:
         model = load(sys.argv[1], sys.argv[2])
         model(["warm up"] * 4)

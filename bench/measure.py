@@ -141,12 +141,15 @@ def crosscheck_lengths(mix: str) -> str:
     raise ValueError(f"bench/crosscheck.py cannot send the mix {mix!r}")
 
 
-def run_crosscheck(t: Target, load: Load, seed: int) -> dict[str, Any]:
+def run_crosscheck(t: Target, load: Load, seed: int, requests: int | None = None) -> dict[str, Any]:
     """bench/crosscheck.py with the same lengths (clamped to the cap, as loadtest's
-    --max-tokens does), inputs per request and in-flight count; the target's prefix-cache
-    counters read before and after (crosscheck.py reads none)."""
+    --max-tokens does), inputs per request and in-flight count, for the load's time or exactly
+    ``requests`` requests; the target's prefix-cache counters read before and after (crosscheck.py
+    reads none)."""
+    span = ["--requests", str(requests)] if requests else ["--seconds", f"{load.seconds:g}", "--warmup",
+                                                           f"{load.warmup:g}"]
     argv = [sys.executable, str(HERE / "crosscheck.py"), t.url, "--model", t.model, "--concurrency",
-            str(load.conc), "--seconds", f"{load.seconds:g}", "--warmup", f"{load.warmup:g}",
+            str(load.conc), *span,
             "--seed", str(seed + 1000), "--batch", load.inputs.split("-")[-1], "--cap", str(t.cap),
             "--ids" if t.ids else "--text", crosscheck_lengths(load.mix), "--tokenizer", t.model_dir]
     argv += ["--input-type", load.input_type] if load.input_type else []

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import harness
 from harness import Host, Kind, Side
 from procs import child_env, log_tail
 
@@ -73,8 +74,12 @@ def kv_pool_bytes(model_dir: str, tokens: int) -> int:
 
 def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` with vLLM's defaults but two (bench/README.md says why): the KV pool, by
-    default as many tokens as embedserve's engine, and chunked prefill, off (vllm-project/vllm#47971).
+    default as many tokens as embedserve's engine, and chunked prefill, off (vllm-project/vllm#47971);
+    its torch profiler is enabled, idle until ``/start_profile`` (bench/kernel_profile.py).
     ``side.args`` adds flags (``vllm tuned``)."""
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(harness.trace_dir(host, side)),
+                "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False,
+                "ignore_frontend": True}
     base = list(host.vllm_cmd) or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     model = host.model(side.shape)
     kv_tokens = host.vllm_kv_tokens or max(BATCH_BUDGET, 2 * host.cap)
@@ -82,7 +87,8 @@ def vllm_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
             "--host", "127.0.0.1", "--port", str(side.port), "--max-model-len", str(host.cap),
             "--dtype", "float32" if host.cpu else "bfloat16",
             "--kv-cache-memory-bytes", str(kv_pool_bytes(model, kv_tokens)),
-            "--gpu-memory-utilization", "0.1", "--no-enable-chunked-prefill", *side.args]
+            "--gpu-memory-utilization", "0.1", "--no-enable-chunked-prefill",
+            "--profiler-config", json.dumps(profiler, separators=(",", ":")), *side.args]
     return argv, site_env(host.vllm_site) | {"VLLM_NO_USAGE_STATS": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
 

@@ -1,6 +1,7 @@
-"""Where an engine's time goes under load (``profile_under_load``): SGLang's torch profile of its
-scheduler (GPU kernels by kind, the gaps between them) and py-spy over every process on the
-request's path (the gateway, SGLang's HTTP + tokenizer manager, scheduler and detokenizer)."""
+"""Where the time goes: a torch trace's GPU kernels by class and the idle gaps between them
+(``summarise_trace``, for bench/kernel_profile.py), and py-spy over every process on the request's
+path under load (``pyspy_under_load``: the gateway, SGLang's HTTP + tokenizer manager, scheduler and
+detokenizer)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,23 @@ import psutil
 
 from embedserve.runtime.ports import listener_pids
 
-GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|wgmma|scaled_mm", re.I)
-ATTENTION = re.compile(r"flash|fmha|attention|batchprefill|prefill|mha_", re.I)
+#: Kernel classes, the first that matches a kernel's full name: attention before GEMMs (FlashInfer's
+#: and FA3's prefill kernels are CUTLASS templates), and by namespace, not "flash" (FlashInfer's
+#: norms, RoPE and activations live in ``flashinfer::``); norms before copies (inductor names a
+#: fused RMSNorm ``triton_red_fused__to_copy_add_mean_mul_pow_rsqrt``).
+KERNEL_CLASSES = tuple((kind, re.compile(pattern, re.I)) for kind, pattern in (
+    ("attention", r"flash::|flash_fwd|flash_?attn|fmha|attention|prefillwith|batchprefill|mha_"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|wgmma|scaled_mm"),
+    ("norm", r"norm|rsqrt"), ("rope", r"rope|rotary"), ("activation", r"silu|gelu|act_and_mul|swiglu"),
+    ("copy", r"copy|memcpy|memset|cat|gather|scatter|index|fill|store_?kv|kvcache")))
 GAP_BUCKETS_US = ((10, "under 10 us"), (100, "10-100 us"), (1000, "0.1-1 ms"), (float("inf"), "over 1 ms"))
 
 
 def kernel_kind(name: str) -> str:
-    """Attention first: FlashInfer's prefill kernels are CUTLASS templates, so their names
-    match the GEMM pattern too."""
-    return "attention" if ATTENTION.search(name) else "gemm" if GEMM.search(name) else "other"
+    return next((kind for kind, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
 
 
-def summarise_trace(events: list[dict[str, Any]], steps: int | None = None) -> dict[str, Any]:
+def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     """GPU time by kernel kind, and the idle gaps between kernels, from a Chrome trace's events
     (what torch.profiler writes). Times in ms."""
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -41,9 +47,12 @@ def summarise_trace(events: list[dict[str, Any]], steps: int | None = None) -> d
         return {"kernels": 0}
     by_kind: dict[str, float] = collections.defaultdict(float)
     top: dict[str, float] = collections.defaultdict(float)
+    kind_top: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     for _, dur, name, cat in gpu:
-        by_kind[kernel_kind(name) if cat.lower() == "kernel" else "memcpy/memset"] += dur
+        kind = kernel_kind(name) if cat.lower() == "kernel" else "copy"
+        by_kind[kind] += dur
         top[name[:90]] += dur
+        kind_top[kind][name[:200]] += dur  # an elementwise kernel's functor comes late in its name
     busy = 0.0
     gaps: dict[str, float] = collections.defaultdict(float)
     gap_count: collections.Counter[str] = collections.Counter()
@@ -58,17 +67,15 @@ def summarise_trace(events: list[dict[str, Any]], steps: int | None = None) -> d
         end = max(end, ts + dur)
     span = end - gpu[0][0]
     ms = 1e-3
-    out: dict[str, Any] = {
+    return {
         "kernels": len(gpu), "span_ms": round(span * ms, 3), "gpu_busy_ms": round(busy * ms, 3),
         "gpu_busy_pct": round(100 * busy / span, 1) if span else None,
         "kernel_ms_by_kind": {k: round(v * ms, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "idle_ms_by_gap": {label: round(gaps[label] * ms, 3) for _, label in GAP_BUCKETS_US},
         "gaps_by_size": {label: gap_count[label] for _, label in GAP_BUCKETS_US},
-        "top_kernels_ms": {k: round(v * ms, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]}}
-    if steps:
-        out["steps"] = steps
-        out["per_step_ms"] = {"span": round(span * ms / steps, 3), "gpu_busy": round(busy * ms / steps, 3)}
-    return out
+        "top_kernels_ms": {k: round(v * ms, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+        "top_kernels_by_kind_ms": {kind: {k: round(v * ms, 3) for k, v in sorted(
+            names.items(), key=lambda kv: -kv[1])[:3]} for kind, names in kind_top.items()}}
 
 
 def load_trace(path: Path) -> list[dict[str, Any]]:
@@ -146,13 +153,11 @@ def pyspy(pid: int, seconds: float, out: Path, rate_hz: int = 200) -> subprocess
                              "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, engine_port: int,
-                       runs: Path, pyspy_s: float = 8.0, steps: int = 40) -> dict[str, Any]:
-    """Starts ``load`` against ``target`` (a gateway) and, once warmed up, py-spy over the
-    path's processes for ``pyspy_s``, then the engine's torch profile for ``steps`` batches;
-    summarises both. ``load`` must last for both (about 24 s)."""
+def pyspy_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, engine_port: int,
+                     runs: Path, seconds: float = 8.0) -> dict[str, Any]:
+    """Starts ``load`` against ``target`` (a gateway) and, once warmed up, py-spy over the path's
+    processes for ``seconds``. The GPU's side of it: bench/kernel_profile.py."""
     from measure import measure
-    from procs import http_post_json
 
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {}
@@ -164,32 +169,10 @@ def profile_under_load(target: Any, load: Any, out: Path, *, gateway_port: int, 
     if engine := listener_pid(engine_port):
         pids.update(sglang_processes(engine))
     files = {name: out / f"{name.replace(' ', '-')}.txt" for name, pid in pids.items() if pid}
-    spies = {name: (pyspy(pids[name] or 0, pyspy_s, path), path) for name, path in files.items()}
-    for proc, _ in spies.values():  # py-spy first: the torch profile's export (gzip in the
-        if proc:                    # scheduler) would otherwise fill its samples
-            proc.wait(timeout=pyspy_s + 60)
-    trace_dir = out / "torch"
-    # GPU activity only: recording every CPU op slowed the engine sixfold, which stretches
-    # the gaps between kernels that the profile is meant to show
-    body = {"output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"]}
-    try:
-        http_post_json(f"http://127.0.0.1:{engine_port}/start_profile", body, timeout=60)
-    except ValueError:
-        pass  # SGLang answers in plain text
-    except Exception as exc:  # recorded, the rest goes on
-        result["torch_error"] = repr(exc)[:300]
+    spies = {name: (pyspy(pids[name] or 0, seconds, path), path) for name, path in files.items()}
     loader.join(timeout=load.seconds + 300)
     result["pids"] = pids
-    result["pyspy"] = {name: summarise_pyspy(path.read_text(), 200, pyspy_s) if path.exists() else
+    result["pyspy"] = {name: summarise_pyspy(path.read_text(), 200, seconds) if path.exists() else
                        {"missing": "py-spy not installed" if proc is None else "no output"}
                        for name, (proc, path) in spies.items()}
-    deadline = time.time() + 60
-    traces: list[Path] = []
-    while time.time() < deadline and not traces and "torch_error" not in result:  # none coming
-        traces = sorted(trace_dir.glob("*.json*")) if trace_dir.exists() else []
-        time.sleep(1)
-    if traces:
-        time.sleep(2)  # the file may still be being written
-        result["torch_trace"] = {"file": traces[0].name, "mb": round(traces[0].stat().st_size / 2**20, 1),
-                                 **summarise_trace(load_trace(traces[0]), steps)}
     return result

@@ -266,10 +266,10 @@ def step_quality(host: Host, budget_end: float, pairs: Callable[[Host], list[tup
 
 
 def step_profile(host: Host, budget_end: float, side: Side, folder: str) -> dict[str, Any]:
-    """Where the time goes on one `up` stack under the seed mix at 64 in flight: py-spy over its
-    gateway and first engine's processes, then that engine's torch profile."""
+    """Where the CPU time goes on one `up` stack under the seed mix at 64 in flight: py-spy over its
+    gateway and first engine's processes (the GPU's: bench/kernel_profile.py)."""
     if not harness.running(host, side):
         return {"skipped": f"{side.key} is not running"}
-    return profile_engine.profile_under_load(
-        target(host, side), Load("seed", 64, seconds=24, warmup=2), host.work.root / folder,
+    return profile_engine.pyspy_under_load(
+        target(host, side), Load("seed", 64, seconds=14, warmup=2), host.work.root / folder,
         gateway_port=side.port, engine_port=side.engine_ports()[0], runs=host.work.root / "runs")

@@ -35,9 +35,8 @@ from runner import Step
 
 from embedserve.loadtest.textbuild import load_tokenizer
 
-GPU_SCENARIOS = ("raw-vs-gateway", "kv-pool", "radix", "peers", "soak-capacity", "scale", "drill", "fp8",
-                 "attention", "engines-per-gpu", "engines-per-gpu-detail", "small-model", "vllm",
-                 "rerank-gpu")
+GPU_SCENARIOS = ("raw-vs-gateway", "peers", "soak-capacity", "scale", "drill", "fp8", "engines-per-gpu",
+                 "vllm", "rerank-gpu")
 SCENARIOS = GPU_SCENARIOS + cpu_scenarios.SCENARIOS + probes.SCENARIOS
 
 
@@ -69,10 +68,8 @@ def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
 
 
 def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPES) -> list[Step]:
-    both = {"raw-vs-gateway", "fp8", "engines-per-gpu", "engines-per-gpu-detail"}
+    both = {"raw-vs-gateway", "fp8", "engines-per-gpu"}
     shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
-    if "small-model" in selected:
-        shapes = ("0.6b",) if set(selected) == {"small-model"} else tuple(dict.fromkeys((*shapes, "0.6b")))
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     vllm = gs.vllm_steps(vllm_shapes)  # rerank-gpu is measured once the first vLLM servers are ready
@@ -156,11 +153,10 @@ def parser() -> argparse.ArgumentParser:
     add("--time-scale", type=float, help="multiply every run's duration (default 1; cpu 0.1)")
     add("--rounds", type=int, help="rounds of every case (default: each case's own)")
     add("--model", action="append", default=[], metavar="NAME=DIR",
-        help="use this checkpoint instead of building one (4b=/models/q4b); gateway-loop: a tokenizer")
+        help="use this checkpoint instead of building one (4b=/models/q4b)")
     add("--fi-cache", default="/tmp/fi-cache", help="FlashInfer JIT cache folder")
     add("--infinity-site", default="/tmp/site-infinity", help="Infinity's own package folder")
     add("--drill-leak", metavar="RATE", help="the drill's leak per engine (default 4GiB/min; 20MiB/s on cpu)")
-    add("--attention-backends", default="fa3,triton", help="the attention scenario's backends (fa3, triton)")
     add("--quality-corpus", metavar="FILE", help="the quality gate's corpus (embedserve quality-corpus; "
                                                  "default: built from python3-doc when the host has it)")
     add("--vllm-site", default="/tmp/site-vllm", help="vLLM's own package folder")
@@ -171,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
     add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
                                                  f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
-        help="an embedserve side with these settings (engine-calls, quality-cpu: `baseline` is the baseline)")
+        help="an embedserve side with these settings (quality-cpu: `baseline` is the baseline; vllm)")
     return ap
 
 
@@ -200,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 time_scale=a.time_scale or (0.1 if dry else 1.0), rounds=a.rounds,
                 fi_cache=a.fi_cache, infinity_site=a.infinity_site, out=a.out, drill_rate=a.drill_leak,
                 models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
-                attention_backends=tuple(a.attention_backends.split(",")), quality_corpus=a.quality_corpus,
+                quality_corpus=a.quality_corpus,
                 vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
                 vllm_kv_tokens=a.vllm_kv_tokens, variants=variants, vllm_sides=tuple(vllm_sides))
     every = plan(selected, tuple(shapes))

@@ -16,6 +16,7 @@ from typing import Any
 import crosscheck
 import gpu_scenarios as gs
 import harness
+import kernel_profile
 import measure
 import peers
 import pytest
@@ -135,6 +136,8 @@ def test_vllm_gets_the_same_kv_pool_and_the_tuned_side_the_batch_budget(tmp_path
     argv, _ = peers.vllm_command(stub, Side("vllm", peers.VLLM, 1, "4b"))
     assert argv[:3] == ["python3", "stub.py", "serve"]
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(4 * 16_384 * 2 * 36 * 8 * 128 * 2)
+    profiler = json.loads(argv[argv.index("--profiler-config") + 1])  # idle until /start_profile
+    assert profiler["torch_profiler_dir"] == str(tmp_path / "w" / "traces" / "vllm-4b")
 
 
 def test_vllm_start_up_facts_come_from_its_log(tmp_path: Path) -> None:
@@ -171,7 +174,7 @@ def test_the_plan_holds_what_each_scenario_needs() -> None:
     vllm = [s.name for s in suite.plan(("vllm",), ("0.6b",))]
     assert vllm[:3] == ["models", "vllm-start", "vllm-ready-0.6b"] and "vllm-client-0.6b" in vllm
     assert not any("4b" in n for n in vllm) and "engines" not in vllm
-    assert suite.plan(("small-model",))[0].run.keywords["shapes"] == ("0.6b",)  # type: ignore[attr-defined]
+    assert suite.plan(("engines-per-gpu",))[0].run.keywords["shapes"] == ("4b", "0.6b")  # type: ignore[attr-defined]
     assert [s.name for s in suite.plan(("drill",))] == ["models", "drill", "finish"]
     assert suite.plan(("cpu-peers",))[0].name == "cpu-peers-export"  # no checkpoints built
     every = [s.name for s in suite.plan(suite.SCENARIOS)]
@@ -227,9 +230,10 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     models = {s: str(checkpoint(tmp_path / s)) for s in ("4b", "0.6b")}
     host = Host(WorkDir(tmp_path / "w"), device="cuda", models=models,
                 variants=(("x2", {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}),), out=tmp_path / "out",
-                attention_backends=("triton",), vllm_cmd=("python3", "bench/inprocess.py"))
-    skip = {"models", "drill", "up-2", "scale-load-2", "attention"}  # need checkpoints, two GPUs, SGLang
-    steps = [s for s in suite.plan(suite.GPU_SCENARIOS) if s.name not in skip and "profile" not in s.name]
+                vllm_cmd=("python3", "bench/inprocess.py"))
+    skip = {"models", "drill", "up-2", "scale-load-2"}  # need checkpoints, two GPUs
+    steps = [s for s in suite.plan(suite.GPU_SCENARIOS)  # profiles: test_the_same_requests_are_profiled...
+             if s.name not in skip and "profile" not in s.name and "kernels" not in s.name]
     assert suite.run(host, steps, tmp_path / "out", None, []) == 0
     st = host.work.state["steps"]
     assert [r["side"] for r in st["vllm-load-0.6b-1"]["rows"][:4]] == ["embedserve", "embedserve x2", "vllm",
@@ -247,9 +251,9 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     assert [r["side"] for r in st["overlap-0.6b"]["crosscheck_rows"]] == ["x2"]
     md = (tmp_path / "out" / "results.md").read_text()
     assert "- peers-infinity-1: infinity: Infinity not importable" in md  # no Infinity here: said, not failed
-    for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "KV pool", "Radix", "Soak capacity",
-                  "Scale-out", "FP8 vs bf16", "Engines per GPU: 0.6b", "The 0.6B: the gateway's",
-                  "Cross-check", "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b", "The client alone"):
+    for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "Soak capacity", "Scale-out",
+                  "FP8 vs bf16", "Engines per GPU: 0.6b", "Cross-check",
+                  "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b", "The client alone"):
         assert title in md, title
     written = json.loads((tmp_path / "out" / "results.json").read_text())["steps"]
     assert written.keys() == {s.name for s in steps}
@@ -290,12 +294,23 @@ def kernel(ts: float, dur: float, name: str, cat: str = "kernel") -> dict[str, o
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
 
-def test_kernels_are_sorted_into_gemm_attention_and_the_rest() -> None:
-    gemm = ["nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "sm90_xmma_gemm_bf16bf16_bf16f32"]
-    cutlass = "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>"
-    attention = ["BatchPrefillWithRaggedKVCacheKernel", "flash_fwd_kernel", cutlass]
-    kinds = [kernel_kind(n) for n in [*gemm, *attention, "RMSNormKernel"]]
-    assert kinds == ["gemm", "gemm", "attention", "attention", "attention", "other"]
+def test_kernels_are_sorted_into_classes_by_what_they_compute() -> None:
+    classes = {  # names as SGLang's (FA3, FlashInfer, sgl-kernel) and vLLM's (inductor) traces give them
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
+        "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>":
+            "attention",
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<": "attention",
+        "BatchPrefillWithRaggedKVCacheKernel": "attention", "flash_fwd_kernel": "attention",
+        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>": "norm",
+        "void (anonymous namespace)::fused_qknorm_warp<128l, true, __nv_bfloat16>": "norm",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norm",
+        "void (anonymous namespace)::fused_rope_kernel<true, 128l": "rope",
+        "void (anonymous namespace)::act_and_mul_kernel<__nv_bfloat16": "activation",
+        "triton_poi_fused_mul_silu_slice_1": "activation",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda": "copy",
+        "void (anonymous namespace)::store_kvcache<2048l": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>": "other"}
+    assert {name: kernel_kind(name) for name in classes} == classes
 
 
 def test_busy_time_and_gaps_from_a_trace() -> None:
@@ -305,12 +320,12 @@ def test_busy_time_and_gaps_from_a_trace() -> None:
               kernel(250, 50, "gemm_b"),  # 50 us gap
               kernel(2300, 100, "copy", cat="gpu_memcpy"),  # 2,000 us gap
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]  # not GPU time
-    s = summarise_trace(events, steps=2)
+    s = summarise_trace(events)
     assert (s["kernels"], s["span_ms"], s["gpu_busy_ms"]) == (5, pytest.approx(2.4), pytest.approx(0.345))
-    assert s["kernel_ms_by_kind"] == {"gemm": 0.15, "attention": 0.1, "memcpy/memset": 0.1, "other": 0.045}
+    assert s["kernel_ms_by_kind"] == {"gemm": 0.15, "attention": 0.1, "copy": 0.1, "norm": 0.045}
+    assert s["top_kernels_by_kind_ms"]["gemm"] == {"gemm_a": 0.1, "gemm_b": 0.05}
     assert s["gaps_by_size"] == {"under 10 us": 1, "10-100 us": 1, "0.1-1 ms": 0, "over 1 ms": 1}
     assert s["idle_ms_by_gap"]["over 1 ms"] == pytest.approx(2.0)
-    assert s["per_step_ms"]["span"] == pytest.approx(1.2)
 
 
 def test_an_empty_trace_says_so() -> None:
@@ -339,3 +354,43 @@ def test_listener_pid_finds_this_process(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         assert listener_pid(s.getsockname()[1]) == os.getpid()
+
+
+def test_the_same_requests_are_profiled_on_each_side_per_thousand_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine of a stack and vLLM's front end profiled; traces summed per 1,000 answered tokens."""
+    host = Host(WorkDir(tmp_path / "w"), models={"4b": str(checkpoint(tmp_path / "m"))})
+    ours, vllm = Side("embedserve", harness.UP, 8650, "4b"), Side("vllm tuned", peers.VLLM, 8721, "4b")
+    monkeypatch.setattr(harness.Side, "engine_ports", lambda side: [30650, 30651] if side is ours else [])
+    monkeypatch.setattr(harness, "running", lambda host, side: True)
+    sent: list[tuple[str, int | None, int]] = []
+
+    def crosscheck(t: measure.Target, load: measure.Load, seed: int, requests: int | None = None) -> Any:
+        sent.append((t.url, requests, t.cap))  # room left under the cap for special tokens
+        return {"tokens": 4000 if requests == 800 else 1, "requests": requests, "errors": 0}
+
+    folders: dict[str, Path] = {}
+
+    def post(url: str, body: dict[str, Any]) -> None:
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        folder = folders.setdefault(port, Path(body.get("output_dir") or harness.trace_dir(host, vllm)))
+        if url.endswith("/stop_profile"):  # the engine writes its trace: 1 ms of GEMM, 1 ms idle, 0.5 ms norm
+            folder.mkdir(parents=True, exist_ok=True)
+            gemm = "nvjet_a" if port != "8721" else "sm90_xmma_gemm"
+            events = [kernel(0, 1000, gemm), kernel(2000, 500, "FusedAddRMSNormKernel")]
+            (folder / f"{port}.trace.json").write_text(json.dumps({"traceEvents": events}))
+
+    for name, value in (("run_crosscheck", crosscheck), ("post", post), ("POLL_S", 0.01)):
+        monkeypatch.setattr(kernel_profile, name, value)
+    out = kernel_profile.step_kernels(host, 0.0, [ours, vllm], measure.Load("seed", 64), 800, 7)
+    assert [r for r in sent if r[1] == 800] == [("http://127.0.0.1:8650/v1/embeddings", 800, 8176),
+                                                 ("http://127.0.0.1:8721/v1/embeddings", 800, 8176)]
+    assert sorted(folders) == ["30650", "30651", "8721"]  # each engine, and vLLM's own folder
+    ours_1k = out["kernel_profiles"]["embedserve"]["per_1k_tokens"]  # two engines' traces summed
+    assert (ours_1k["gemm"], ours_1k["norm"], ours_1k["idle"], ours_1k["kernels"]) == (0.5, 0.25, 0.5, 0.75)
+    rows, top = out["tables"].values()
+    gemm = next(r for r in rows if r["kernel class"] == "gemm")
+    assert gemm == {"kernel class": "gemm", "embedserve": 0.5, "vllm tuned": 0.25,
+                    "embedserve minus vllm tuned": 0.25}
+    assert {"side": "vllm tuned", "class": "gemm", "kernel": "sm90_xmma_gemm",
+            "ms per 1,000 tokens": 0.25} in top
