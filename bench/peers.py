@@ -27,9 +27,9 @@ TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
     "graphs": ({}, TC_PIECEWISE), "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
-    "nokv": ({"EMBEDSERVE_ENGINE__KV_CACHE": "none"}, []),  # SGLang's no-KV embedding prefill
-    "overlap": ({"EMBEDSERVE_ENGINE__OVERLAP_SCHEDULE": "true"}, []),  # SGLang's overlap scheduler
-}
+    **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
+        ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"),
+        ("pooled", "POOLED_LAST_LAYER", "true"))}}
 
 
 def variant(spec: str) -> tuple[str, dict[str, str]]:

@@ -325,3 +325,26 @@ def test_no_kv_cache_only_where_sglang_allows_it(
     assert any(why in note for note in spec.notes)
     auto = build_launch(make(model_dir, kv_cache="auto", attention_backend="fa3")).argv
     assert "--prefill-only-disable-kv-cache" in auto
+
+
+def test_the_pooled_last_layer_is_for_qwen3_embedding_models_without_compiled_prefill_graphs(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    spec = build_launch(make(model_dir, pooled_last_layer=True))
+    assert spec.argv == build_launch(make(model_dir)).argv  # the plugin does it: SGLang's flags as they are
+    with pytest.raises(LaunchConfigError, match="does not go with SGLang's tc_piecewise"):
+        build_launch(make(model_dir, pooled_last_layer=True,
+                          extra_args=["--cuda-graph-backend-prefill", "tc_piecewise"]))
+    reranker = tmp_path / "rr"
+    reranker.mkdir()
+    (reranker / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+         "max_position_embeddings": 4096}))
+    with pytest.raises(LaunchConfigError, match=r"needs a Qwen3 embedding model .* is a reranker"):
+        build_launch(make(reranker, pooled_last_layer=True))
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64,
+                                                  "max_position_embeddings": 512}))
+    with pytest.raises(LaunchConfigError, match="is not a Qwen3 model"):
+        build_launch(make(bert, pooled_last_layer=True))

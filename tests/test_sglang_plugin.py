@@ -228,7 +228,7 @@ def _fake_sglang(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, Any]]:
     registered: list[tuple[str, Any, Any]] = []
 
     class HookType:
-        AFTER = "after"
+        AFTER, AROUND = "after", "around"
 
     class HookRegistry:
         @classmethod
@@ -258,6 +258,22 @@ def test_register_hooks_only_for_embedserve_engines(monkeypatch: pytest.MonkeyPa
         (sglang_plugin.IDLE_HOOK_TARGET, sglang_plugin.after_idle),
     ]
     assert all(ht == "after" for _, _, ht in registered)
+
+
+def test_the_pooled_last_layer_adds_its_model_hooks_with_room_for_twice_the_batch(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from embedserve.engines import pooled_layer
+
+    monkeypatch.chdir(tmp_path)
+    registered = _fake_sglang(monkeypatch)
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__POOLED_LAST_LAYER", "true")
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__OVERLAP_SCHEDULE", "true")  # two batches in the engine
+    sglang_plugin.register()
+    model_hooks = [(t, h, k) for t, h, k in registered if ".models." in t]
+    assert [t for t, _, _ in model_hooks] == [f"{c}.{m}" for c in pooled_layer.MODEL_CLASSES
+                                              for m in ("__init__", "forward")]
+    assert model_hooks[0][1].keywords == {"slots": 2 * 128 * 2} and model_hooks[1][2] == "around"
 
 
 def test_hook_targets_exist_in_sglang_0_5_17() -> None:

@@ -191,6 +191,17 @@ def model_mode(info: ModelInfo) -> list[str]:
     return ["--is-embedding"]
 
 
+def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
+    """``engine.pooled_last_layer`` needs what its hooks assume (embedserve/engines/pooled_layer.py)."""
+    if not (info.is_qwen3 and info.embeds):
+        what = "not a Qwen3 model" if not info.is_qwen3 else "a reranker"
+        raise LaunchConfigError(f"engine.pooled_last_layer needs a Qwen3 embedding model (last-token "
+                                f"pooling), but {info.path} is {what}: turn it off")
+    if any("tc_piecewise" in arg for arg in extra_args):
+        raise LaunchConfigError("engine.pooled_last_layer does not go with SGLang's tc_piecewise prefill "
+                                "graphs (engine.extra_args), which compile the forward it hooks: drop one")
+
+
 def build_launch(
     settings: Settings,
     *,
@@ -227,6 +238,8 @@ def build_launch(
             notes,
         )
     kv_cache = resolve_kv_cache(eng.kv_cache, backend, eng.prefix_cache, notes)
+    if eng.pooled_last_layer:
+        check_pooled_last_layer(info, list(eng.extra_args))
 
     argv = [
         python or sys.executable, "-m", "sglang.launch_server",

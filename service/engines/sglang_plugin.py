@@ -281,3 +281,18 @@ def register() -> None:
 
     HookRegistry.register(BATCH_HOOK_TARGET, after_batch, HookType.AFTER)
     HookRegistry.register(IDLE_HOOK_TARGET, after_idle, HookType.AFTER)
+    if slots := pooled_row_slots():
+        from embedserve.engines import pooled_layer
+
+        pooled_layer.register(HookRegistry, HookType, slots)
+
+
+def pooled_row_slots() -> int:
+    """The pooled last layer's row slots where ``engine.pooled_last_layer`` is on (the launcher has
+    checked that the model is a Qwen3 embedding one), else 0: twice the sequences SGLang may batch."""
+    from embedserve.config import load_settings
+    from embedserve.engines.sglang import batches_in_engine
+
+    settings = load_settings()
+    eng = settings.engine
+    return 2 * eng.max_running_requests * batches_in_engine(settings) if eng.pooled_last_layer else 0
