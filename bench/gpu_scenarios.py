@@ -1,5 +1,5 @@
 """The GPU suite's scenarios as data: sides, cases and the runner's steps (bench/README.md says
-what each measures). Ports: raw engines 30000-30411, gateways and stacks 7997-8791, `up`'s
+what each measures). Ports: raw engines 30000-30405, gateways and stacks 7997-8791, `up`'s
 engines on its port + 22000."""
 
 from __future__ import annotations
@@ -224,9 +224,13 @@ def vllm_default(shape: str, **env: str) -> Side:
     return Side("embedserve", UP, port, shape, UNCAPPED | env, tag=f"embedserve-{shape}")
 
 
+VLLM_SIDES = {"vllm": (), "vllm tuned": VLLM_TUNED_ARGS,  # --vllm-sides picks; fp8 beside the variant fp8
+              "vllm tuned fp8": (*VLLM_TUNED_ARGS, "--quantization", "fp8")}
+
+
 def vllm_sides(shape: str) -> Any:
     """Every side of a shape, embedserve's first: its defaults, one stack per variant
-    (``--embedserve-variants``), vLLM with its defaults and tuned."""
+    (``--embedserve-variants``), then vLLM's chosen sides."""
     port = {"0.6b": 8700, "4b": 8720}[shape]
 
     def sides(host: Host) -> list[Side]:
@@ -235,9 +239,8 @@ def vllm_sides(shape: str) -> Any:
         return [default, *(Side(f"embedserve {name}", UP, default.port + 10 * (k + 1), shape,
                                 default.env | env, tag=harness.slug(f"embedserve-{name}-{shape}"))
                            for k, (name, env) in enumerate(host.variants)),
-                *[s for s in (Side("vllm", VLLM, port, shape, tag=f"vllm-{shape}"),
-                              Side("vllm tuned", VLLM, port + 1, shape, args=VLLM_TUNED_ARGS,
-                                   tag=f"vllm-tuned-{shape}")) if s.name in host.vllm_sides]]
+                *[Side(name, VLLM, port + k, shape, args=args, tag=harness.slug(f"{name}-{shape}"))
+                  for k, (name, args) in enumerate(VLLM_SIDES.items()) if name in host.vllm_sides]]
     return sides
 
 

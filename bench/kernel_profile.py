@@ -93,13 +93,13 @@ def profile_side(host: Host, side: Side, load: Load, seed: int, requests: int) -
 
 
 def tables(results: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """GPU ms per 1,000 tokens by class, a column per side and the first side's excess over the last
-    (vLLM in the vllm scenario: positive where it is ahead); each side's top three kernels a class."""
+    """GPU ms per 1,000 tokens by class, a column per side and the first side's excess over `vllm tuned`
+    (else the last side; positive where that one is ahead); each side's top three kernels a class."""
     done = {name: r for name, r in results.items() if r.get("per_1k_tokens")}
     per_1k = {name: r["per_1k_tokens"] for name, r in done.items()}
     if not per_1k:
         return {}
-    first, last = next(iter(per_1k)), list(per_1k)[-1]
+    first, last = next(iter(per_1k)), "vllm tuned" if "vllm tuned" in per_1k else list(per_1k)[-1]
     rows = []
     for kind in [*CLASSES, "kernels", "idle"]:
         row = {"kernel class": kind, **{name: figures[kind] for name, figures in per_1k.items()}}

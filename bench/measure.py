@@ -142,10 +142,9 @@ def crosscheck_lengths(mix: str) -> str:
 
 
 def run_crosscheck(t: Target, load: Load, seed: int, requests: int | None = None) -> dict[str, Any]:
-    """bench/crosscheck.py with the same lengths (clamped to the cap, as loadtest's
-    --max-tokens does), inputs per request and in-flight count, for the load's time or exactly
-    ``requests`` requests; the target's prefix-cache counters read before and after (crosscheck.py
-    reads none)."""
+    """bench/crosscheck.py with the same lengths (clamped to the cap, as loadtest's --max-tokens does),
+    inputs per request and in-flight count, for the load's time or exactly ``requests`` requests; the
+    target's prefix-cache counters read before and after (crosscheck.py reads none)."""
     span = ["--requests", str(requests)] if requests else ["--seconds", f"{load.seconds:g}", "--warmup",
                                                            f"{load.warmup:g}"]
     argv = [sys.executable, str(HERE / "crosscheck.py"), t.url, "--model", t.model, "--concurrency",

@@ -29,7 +29,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "graphs": ({}, TC_PIECEWISE), "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
         ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"),
-        ("pooled", "POOLED_LAST_LAYER", "true"))}}
+        ("pooled", "POOLED_LAST_LAYER", "true"), ("fp8", "QUANTIZATION", "fp8"))}}
 
 
 def variant(spec: str) -> tuple[str, dict[str, str]]:

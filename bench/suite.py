@@ -163,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
     add("--vllm-cmd", help="replaces `python3 -m vllm.entrypoints.cli.main` ('python3 bench/inprocess.py')")
     add("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     add("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's engine's)")
-    add("--vllm-sides", default="vllm,vllm tuned", help="the vllm scenario's vLLM sides (vllm, vllm tuned)")
+    add("--vllm-sides", default="vllm,vllm tuned", help=f"vLLM's sides (vllm): {', '.join(gs.VLLM_SIDES)}")
     add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
                                                  f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if set(shapes := a.vllm_shapes.split(",")) - set(gs.VLLM_SHAPES):
         ap.error(f"--vllm-shapes takes {', '.join(gs.VLLM_SHAPES)}")
-    if set(vllm_sides := [v.strip() for v in a.vllm_sides.split(",") if v.strip()]) - {"vllm", "vllm tuned"}:
-        ap.error("--vllm-sides takes vllm and vllm tuned, comma-separated")
+    if set(vllm_sides := [v.strip() for v in a.vllm_sides.split(",") if v.strip()]) - set(gs.VLLM_SIDES):
+        ap.error(f"--vllm-sides takes {', '.join(gs.VLLM_SIDES)}, comma-separated")
     only_cpu = not set(selected) & set(GPU_SCENARIOS)  # CPU scenarios: real figures, the host's CPU
     dry = a.device == "cpu" and not only_cpu
     default_work = "/tmp/embedserve-bench" + (f"-{selected[0]}" if only_cpu else "-cpu" if dry else "")

@@ -363,13 +363,11 @@ def test_the_same_requests_are_profiled_on_each_side_per_thousand_tokens(
     ours, vllm = Side("embedserve", harness.UP, 8650, "4b"), Side("vllm tuned", peers.VLLM, 8721, "4b")
     monkeypatch.setattr(harness.Side, "engine_ports", lambda side: [30650, 30651] if side is ours else [])
     monkeypatch.setattr(harness, "running", lambda host, side: True)
-    sent: list[tuple[str, int | None, int]] = []
+    sent, folders = list[tuple[str, int | None, int]](), dict[str, Path]()
 
     def crosscheck(t: measure.Target, load: measure.Load, seed: int, requests: int | None = None) -> Any:
         sent.append((t.url, requests, t.cap))  # room left under the cap for special tokens
         return {"tokens": 4000 if requests == 800 else 1, "requests": requests, "errors": 0}
-
-    folders: dict[str, Path] = {}
 
     def post(url: str, body: dict[str, Any]) -> None:
         port = url.rsplit(":", 1)[1].split("/")[0]
