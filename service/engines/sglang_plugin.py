@@ -37,11 +37,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from embedserve.contracts.stats import EngineStats, write_stats
 from embedserve.engines.cache_policy import AllocatorSnapshot, CachePolicy
 from embedserve.engines.drill import LEAK_ENV, Leak
+
+if TYPE_CHECKING:
+    from embedserve.config import Settings
 
 log = logging.getLogger("embedserve.sglang_plugin")
 
@@ -262,37 +265,38 @@ def after_idle(_result: Any, *_args: Any, **_kwargs: Any) -> None:
     _guarded("on_idle")
 
 
-def plugin_enabled() -> bool:
+def enabled_settings() -> Settings | None:
+    """This engine's settings where embedserve launched it, else None (no hooks)."""
     try:
         from embedserve.config import load_settings
 
-        return load_settings().engine.kind == "sglang"
+        settings = load_settings()
     except Exception:
         log.exception("embedserve plugin: settings unreadable; plugin off")
-        return False
+        return None
+    return settings if settings.engine.kind == "sglang" else None
 
 
 def register() -> None:
     """Entry point (group ``sglang.srt.plugins``): register the hooks; SGLang applies them."""
-    if not plugin_enabled():
+    settings = enabled_settings()
+    if settings is None:
         log.info("embedserve plugin: not an embedserve-launched engine; no hooks")
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(BATCH_HOOK_TARGET, after_batch, HookType.AFTER)
     HookRegistry.register(IDLE_HOOK_TARGET, after_idle, HookType.AFTER)
-    if slots := pooled_row_slots():
+    if slots := pooled_row_slots(settings):
         from embedserve.engines import pooled_layer
 
         pooled_layer.register(HookRegistry, HookType, slots)
 
 
-def pooled_row_slots() -> int:
+def pooled_row_slots(settings: Settings) -> int:
     """The pooled last layer's row slots where ``engine.pooled_last_layer`` is on (the launcher has
     checked that the model is a Qwen3 embedding one), else 0: twice the sequences SGLang may batch."""
-    from embedserve.config import load_settings
     from embedserve.engines.sglang import batches_in_engine
 
-    settings = load_settings()
     eng = settings.engine
     return 2 * eng.max_running_requests * batches_in_engine(settings) if eng.pooled_last_layer else 0
