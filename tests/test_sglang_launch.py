@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from embedserve.config import CHILD_SETTINGS_ENV, Settings, load_settings
+from embedserve.contracts.launch import LaunchSpec
 from embedserve.engines import sglang as sglang_launch
 from embedserve.engines.sglang import (
     LaunchConfigError,
@@ -307,7 +308,7 @@ def test_no_kv_cache_is_one_forward_per_request_with_sglangs_flag(model_dir: Pat
     assert [f for f in flags_of(argv) if f not in SGLANG_FLAGS] == []
     assert arg(argv, "--max-prefill-tokens") == "16384"  # the batch budget still bounds a batch
     assert arg(argv, "--cuda-graph-max-bs-prefill") == "16384"  # graphs sized by it, not by -1
-    paged = build_launch(make(model_dir), gpu_capability=(9, 0), fa3=True).argv
+    paged = build_launch(make(model_dir, kv_cache="paged"), gpu_capability=(9, 0), fa3=True).argv
     assert "--prefill-only-disable-kv-cache" not in paged and arg(paged, "--chunked-prefill-size") == "16384"
 
 
@@ -323,7 +324,7 @@ def test_no_kv_cache_only_where_sglang_allows_it(
     spec = build_launch(make(model_dir, kv_cache="auto", **engine))
     assert "--prefill-only-disable-kv-cache" not in spec.argv
     assert any(why in note for note in spec.notes)
-    auto = build_launch(make(model_dir, kv_cache="auto", attention_backend="fa3")).argv
+    auto = build_launch(make(model_dir, kv_cache="auto", attention_backend="fa3"), gpu_capability=(9, 0)).argv
     assert "--prefill-only-disable-kv-cache" in auto
 
 
@@ -348,3 +349,114 @@ def test_the_pooled_last_layer_is_for_qwen3_embedding_models_without_compiled_pr
                                                   "max_position_embeddings": 512}))
     with pytest.raises(LaunchConfigError, match="is not a Qwen3 model"):
         build_launch(make(bert, pooled_last_layer=True))
+
+
+# -- the embedding-only forward as the default: each auto value resolved, with its reason -----------
+
+#: what the embedding-only forward's three settings set explicitly (bench variant nokv+overlap+pooled)
+EMBEDDING_ONLY = {"kv_cache": "none", "overlap_schedule": True, "pooled_last_layer": True}
+#: the former defaults (bench variant paged)
+PAGED = {"kv_cache": "paged", "overlap_schedule": False, "pooled_last_layer": False}
+
+
+def launched_engine(spec: LaunchSpec) -> dict[str, object]:
+    """The engine settings the plugin reads in the scheduler process."""
+    return dict(json.loads(spec.env[CHILD_SETTINGS_ENV])["engine"])
+
+
+def test_the_embedding_only_forward_is_the_default_for_a_qwen3_embedding_model_on_hopper(
+    model_dir: Path,
+) -> None:
+    from embedserve.engines.sglang_plugin import pooled_row_slots
+
+    spec = build_launch(make(model_dir), gpu_capability=(9, 0), fa3=True)
+    explicit = build_launch(make(model_dir, **EMBEDDING_ONLY), gpu_capability=(9, 0), fa3=True)
+    assert spec.argv == explicit.argv
+    assert "--prefill-only-disable-kv-cache" in spec.argv and "--disable-overlap-schedule" not in spec.argv
+    assert arg(spec.argv, "--max-running-requests") == "256"  # two batches in the engine
+    assert arg(spec.argv, "--attention-backend") == "fa3"
+    engine = launched_engine(spec)
+    assert {k: engine[k] for k in EMBEDDING_ONLY} == EMBEDDING_ONLY
+    assert engine["attention_backend"] == "fa3"
+    # the plugin, reading the launch's settings, hooks the last layer with room for both batches
+    assert pooled_row_slots(Settings.model_validate_json(spec.env[CHILD_SETTINGS_ENV])) == 512
+    said = {n.split(":", 1)[0]: n for n in spec.notes}
+    assert said.keys() >= {"attention_backend auto", "kv_cache auto", "overlap_schedule auto",
+                           "pooled_last_layer auto"}
+    assert "auto: none (no KV pool), because the GPU has compute capability 9.0" in said["kv_cache auto"]
+    assert "auto: on" in said["overlap_schedule auto"] and "auto: on" in said["pooled_last_layer auto"]
+    assert not [n for n in explicit.notes if n.startswith(("kv_cache", "overlap", "pooled"))]
+
+
+def qwen3_reranker(tmp_path: Path) -> Path:
+    d = tmp_path / "rr"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+         "max_position_embeddings": 4096}))
+    return d
+
+
+def cross_encoder(tmp_path: Path) -> Path:
+    d = tmp_path / "ce"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(
+        {"model_type": "xlm-roberta", "architectures": ["XLMRobertaForSequenceClassification"],
+         "hidden_size": 64, "max_position_embeddings": 514, "type_vocab_size": 1,
+         "position_embedding_type": "absolute", "num_labels": 1}))
+    return d
+
+
+@pytest.mark.parametrize(("case", "engine", "capability", "why"), [
+    ("prefix cache on", {"prefix_cache": True}, (9, 0), "engine.prefix_cache is on"),
+    ("FlashInfer asked for", {"attention_backend": "flashinfer"}, (9, 0),
+     "attention backend 'flashinfer' is not fa3 or fa4"),
+    ("Ampere", {}, (8, 0), "attention backend 'flashinfer' is not fa3 or fa4"),
+    ("FA3 asked for off Hopper", {"attention_backend": "fa3"}, (8, 9),
+     "the GPU has compute capability 8.9, not 9.x (measured on Hopper only)"),
+    ("Blackwell with FA4", {"attention_backend": "fa4"}, (10, 0),
+     "the GPU has compute capability 10.0, not 9.x"),
+    ("no GPU", {"attention_backend": "fa3"}, None, "no GPU was found (NVML), not 9.x"),
+    ("FP8", {"quantization": "fp8"}, (9, 0), "engine.quantization is fp8"),
+    ("Qwen3-Reranker", {"model": "reranker"}, (9, 0), "rr is not a Qwen3 embedding model"),
+    ("cross-encoder", {"model": "cross-encoder"}, (9, 0), "ce is not a Qwen3 embedding model"),
+])
+def test_the_paged_forward_stays_where_the_embedding_only_one_was_not_measured_or_cannot_run(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
+    engine: dict[str, object], capability: tuple[int, int] | None, why: str,
+) -> None:
+    monkeypatch.setattr(sglang_launch, "gpu_compute_capability", lambda: capability)
+    folder = {"reranker": qwen3_reranker, "cross-encoder": cross_encoder}.get(str(engine.pop("model", "")))
+    path = folder(tmp_path) if folder else model_dir
+    spec = build_launch(make(path, **engine), fa3=True)
+    assert spec.argv == build_launch(make(path, **engine, **PAGED), fa3=True).argv, case
+    assert "--disable-overlap-schedule" in spec.argv and "--prefill-only-disable-kv-cache" not in spec.argv
+    assert {k: launched_engine(spec)[k] for k in PAGED} == PAGED
+    assert f"kv_cache auto: paged, because {why}" in "\n".join(spec.notes)
+    assert any(n.startswith("overlap_schedule auto: off, because kv_cache is paged") for n in spec.notes)
+    assert any(n.startswith("pooled_last_layer auto: off, because") for n in spec.notes)
+
+
+def test_the_pooled_last_layer_stays_off_by_itself_beside_compiled_prefill_graphs(model_dir: Path) -> None:
+    tc = ["--cuda-graph-backend-prefill", "tc_piecewise"]
+    spec = build_launch(make(model_dir, extra_args=tc), gpu_capability=(9, 0), fa3=True)
+    assert "--prefill-only-disable-kv-cache" in spec.argv and "--disable-overlap-schedule" not in spec.argv
+    assert launched_engine(spec)["pooled_last_layer"] is False
+    assert "pooled_last_layer auto: off, because engine.extra_args asks for tc_piecewise prefill graphs" \
+        in spec.notes
+    with pytest.raises(LaunchConfigError, match="does not go with SGLang's tc_piecewise"):
+        build_launch(make(model_dir, extra_args=tc, pooled_last_layer=True), gpu_capability=(9, 0), fa3=True)
+
+
+def test_the_dry_run_says_each_auto_value_and_why(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sglang_launch, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(sglang_launch, "fa3_installed", lambda: True)
+    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(model_dir))
+    assert main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for line in ("# note: attention_backend auto: fa3, because the GPU has compute capability 9.0",
+                 "# note: kv_cache auto: none (no KV pool)", "# note: overlap_schedule auto: on",
+                 "# note: pooled_last_layer auto: on"):
+        assert line in out

@@ -58,18 +58,20 @@ class EngineSettings(BaseModel):
         None, description="SGLang --max-total-tokens; default: the batch budget (two with "
         "overlap_schedule), at least 2 x max seq"
     )
-    overlap_schedule: bool = Field(
-        False,
+    overlap_schedule: bool | Literal["auto"] = Field(
+        "auto",
         description="SGLang's overlap scheduler: the next batch is built and the last one's vectors "
         "are sent while the GPU runs the current one, instead of the GPU waiting for both. "
         "The engine then holds two batches at once, so the KV pool's default and "
-        "--max-running-requests are doubled (with kv_cache=none the pool holds no memory)",
+        "--max-running-requests are doubled (with kv_cache=none the pool holds no memory). "
+        "auto: on where kv_cache resolves to none (docs/SGLANG.md), else off",
     )
-    pooled_last_layer: bool = Field(
-        False,
+    pooled_last_layer: bool | Literal["auto"] = Field(
+        "auto",
         description="Qwen3 embedding models on SGLang: the last decoder layer's output projection, "
         "norm and MLP computed for each sequence's pooled (last) row only, its attention for every "
-        "row: 2.3% of the 4B's linear-layer work saved. Off until measured against the default on a GPU",
+        "row: 2.3% of the 4B's linear-layer work saved. auto: on where kv_cache resolves to none "
+        "(docs/SGLANG.md), else off",
     )
     mem_fraction_static: float = Field(0.85, gt=0, lt=1)
     gpu_memory_budget_gb: float | None = Field(
@@ -96,13 +98,14 @@ class EngineSettings(BaseModel):
         "their tokens came from the cache): turn it on for query-heavy traffic",
     )
     kv_cache: Literal["auto", "paged", "none"] = Field(
-        "paged",
+        "auto",
         description="paged: SGLang's paged KV cache (every layer writes its K/V to a pool of "
         "kv_pool_tokens). none: SGLang's embedding-only prefill (--prefill-only-disable-kv-cache, "
         "--chunked-prefill-size -1): attention reads the batch's own K/V, nothing is written and "
         "no pool is allocated; needs the fa3 or fa4 attention backend and prefix_cache off "
-        "(on one H200 the 4B engine held 9.7 GB instead of 13.9: docs/PERFORMANCE.md). "
-        "auto: none where it can, else paged",
+        "(on one H200 the 4B engine held 11.4 GB instead of 13.9: docs/PERFORMANCE.md). "
+        "auto: none for an unquantised Qwen3 embedding model on a Hopper GPU (compute capability 9.x) "
+        "with the fa3 or fa4 backend and prefix_cache off, where it was measured; else paged",
     )
     dtype: str = "auto"
     flashinfer_cache_dir: str | None = Field(

@@ -299,4 +299,4 @@ def pooled_row_slots(settings: Settings) -> int:
     from embedserve.engines.sglang import batches_in_engine
 
     eng = settings.engine
-    return 2 * eng.max_running_requests * batches_in_engine(settings) if eng.pooled_last_layer else 0
+    return 2 * eng.max_running_requests * batches_in_engine(settings) if eng.pooled_last_layer is True else 0
