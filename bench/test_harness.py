@@ -166,6 +166,38 @@ def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None
             peers.variant(bad)
 
 
+def test_the_paged_variant_launches_the_former_defaults_on_hopper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the embedding-only forward is the default, ``paged`` is the comparison's other side."""
+    from embedserve.config import load_settings
+    from embedserve.engines.sglang import build_launch
+
+    model = tmp_path / "4b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "max_position_embeddings": 32768, "hidden_size": 2560}))
+    for k in [k for k in os.environ if k.startswith("EMBEDSERVE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(model))
+
+    def launched(name: str | None) -> tuple[list[str], dict[str, Any]]:
+        with monkeypatch.context() as m:
+            for k, v in (peers.variant(name)[1] if name else {}).items():
+                m.setenv(k, v)
+            spec = build_launch(load_settings(), gpu_capability=(9, 0), fa3=True)
+        return spec.argv, json.loads(spec.env["EMBEDSERVE_SETTINGS_JSON"])["engine"]
+
+    defaults, default_engine = launched(None)
+    assert launched("nokv+overlap+pooled") == (defaults, default_engine)
+    argv, engine = launched("paged")
+    assert "--prefill-only-disable-kv-cache" in defaults and "--prefill-only-disable-kv-cache" not in argv
+    assert "--disable-overlap-schedule" in argv and "--disable-overlap-schedule" not in defaults
+    assert (engine["kv_cache"], engine["overlap_schedule"], engine["pooled_last_layer"]) == ("paged", False, False)
+    assert default_engine["pooled_last_layer"] is True
+
+
 def test_the_plan_holds_what_each_scenario_needs() -> None:
     names = [s.name for s in suite.plan(("peers",))]
     assert names == ["models", "engines", "peers-infinity-1", "peers-infinity-2", "stop-engines", "finish"]
