@@ -151,7 +151,12 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
             out["vectors"] = step_vectors(host, budget_end, live)
         if warm:
             alternate(host, live, Case("warm-up", warm), seed + 90, {**every, "section": "warm-up"})
+        kept = finished_cases(host)
+        out["rows"], out["stalled"] = kept["rows"], kept["stalled"]
+        live = [s for s in live if s.name not in out["stalled"]]
         for i, case in enumerate(cases):
+            if i < kept["done"]:  # measured before this command was cut off
+                continue
             rows = alternate(host, live, case, seed + 10 * i, every, turn=turn + i, loads=loads)
             out["rows"] += rows
             for bad in [s for s in live if s.name in stalled(rows)] if stall else []:
@@ -159,6 +164,8 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
                 host.work.stop(bad.key, 30)
                 host.work.state.setdefault("failed_sides", []).append(bad.key)
             live = [s for s in live if s.name not in out["stalled"]]
+            kept["done"] = i + 1
+            host.work.save()
         crossed = [s for s in live if not checked or s.name in checked]
         out["crosscheck_rows"] = [r for case in crosscheck for r in alternate(
             host, crossed, dataclasses.replace(case, rounds=1), seed + 70, every, client="crosscheck")]
@@ -166,6 +173,15 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
     finally:
         step_stop(host, budget_end, stop)
     return out
+
+
+def finished_cases(host: Host) -> dict[str, Any]:
+    """The running step's finished cases (their count, rows and stalled sides), in the work dir's state
+    and saved after each case: a command cut off by its time limit goes on at the case it was in, not
+    at the step's start. suite.py names the running step and forgets them once it is done."""
+    fresh: dict[str, Any] = {"done": 0, "rows": [], "stalled": {}}
+    step = host.work.state.get("running_step")
+    return host.work.state.setdefault("cases", {}).setdefault(step, fresh) if step else fresh
 
 
 def stalled(rows: list[dict[str, Any]]) -> list[str]:

@@ -101,6 +101,7 @@ def run(host: Host, steps: list[Step], out: Path, budget_s: float | None, redo: 
     work.state["meta"] = describe(host, gpu_run, command)
     for name in redo:
         work.state["steps"].pop(name, None)
+        work.state.setdefault("cases", {}).pop(name, None)
     t_end = time.time() + budget_s if budget_s else float("inf")
     for step in steps:
         done = work.state["steps"].get(step.name, {})
@@ -114,9 +115,11 @@ def run(host: Host, steps: list[Step], out: Path, budget_s: float | None, redo: 
             return 3
         work.note(f"step {step.name}")
         t0 = time.time()
+        work.state["running_step"] = step.name  # a load step saves each finished case (runner.py)
         try:
             data = step.run(host, t_end)
             work.state["steps"][step.name] = {"ok": True, "seconds": round(time.time() - t0, 1), **data}
+            work.state.setdefault("cases", {}).pop(step.name, None)
             if step.name == "models":  # the engine's command line needs the checkpoint
                 work.state["meta"] = describe(host, gpu_run, command)
             work.note(f"step {step.name} done in {time.time() - t0:.0f} s")
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     work = WorkDir(a.work or Path(default_work))
     if a.fresh:
         work.stop_all()
-        work.state.update(steps={}, failed_sides=[])
+        work.state.update(steps={}, failed_sides=[], cases={})
     host = Host(work, device="cpu" if only_cpu else a.device, cap=a.cap or (512 if dry else 8192),
                 time_scale=a.time_scale or (0.1 if dry else 1.0), rounds=a.rounds,
                 fi_cache=a.fi_cache, infinity_site=a.infinity_site, out=a.out, drill_rate=a.drill_leak,

@@ -114,6 +114,46 @@ def test_the_crosscheck_client_is_given_the_same_length_mix_clamped_to_the_cap()
     assert set(long) == {8192} and 0.07 < len(long) / len(lengths) < 0.13 and min(lengths) >= 8
 
 
+def test_a_fixed_number_of_requests_sends_every_server_the_same_inputs_and_counts_refusals() -> None:
+    """Answers that come back in another order must not change what is sent; a server's refusals
+    (its limit under the longest inputs) are counted apart."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def serve_and_send(delay_seed: int) -> tuple[list[tuple[int, ...]], dict[str, Any]]:
+        seen, delays = [], random.Random(delay_seed)
+
+        async def embed(request: web.Request) -> web.Response:
+            ids = (await request.json())["input"][0]
+            seen.append(tuple(ids))
+            await asyncio.sleep(delays.random() / 200)
+            if len(ids) > 400:  # a server whose limit is under the longest inputs
+                return web.json_response({"error": "too long"}, status=400)
+            return web.json_response({"data": [{"embedding": [1.0]}], "usage": {"prompt_tokens": len(ids)}})
+
+        app = web.Application()
+        app.router.add_post("/v1/embeddings", embed)
+        runner_ = web.AppRunner(app)
+        await runner_.setup()
+        site = web.TCPSite(runner_, "127.0.0.1", 0)
+        await site.start()
+        port = runner_.addresses[0][1]
+        a = argparse.Namespace(url=f"http://127.0.0.1:{port}/v1/embeddings", model="m", ids="8-512",
+                               text=None, cap=None, tokenizer=None, batch=1, concurrency=8, seconds=0,
+                               warmup=0, requests=60, input_type=None, seed=5)
+        try:
+            return seen, await crosscheck.main(a)
+        finally:
+            await runner_.cleanup()
+
+    (first, one), (second, two) = asyncio.run(serve_and_send(1)), asyncio.run(serve_and_send(2))
+    assert first == second  # answered in another order: the same inputs, sent in the same order
+    long = sum(len(ids) > 400 for ids in first)
+    assert one["refused"] == two["refused"] == one["errors"] == long > 0 and one["requests"] == 60 - long
+    assert one["tokens"] == two["tokens"] == sum(len(ids) for ids in first if len(ids) <= 400)
+
+
 def checkpoint(folder: Path) -> Path:
     """A folder with the 4B's config.json (the KV pool's size follows from it)."""
     folder.mkdir(parents=True)
@@ -194,7 +234,8 @@ def test_the_paged_variant_launches_the_former_defaults_on_hopper(
     argv, engine = launched("paged")
     assert "--prefill-only-disable-kv-cache" in defaults and "--prefill-only-disable-kv-cache" not in argv
     assert "--disable-overlap-schedule" in argv and "--disable-overlap-schedule" not in defaults
-    assert (engine["kv_cache"], engine["overlap_schedule"], engine["pooled_last_layer"]) == ("paged", False, False)
+    former = [engine[k] for k in ("kv_cache", "overlap_schedule", "pooled_last_layer")]
+    assert former == ["paged", False, False]
     assert default_engine["pooled_last_layer"] is True
 
 
@@ -311,6 +352,35 @@ def test_a_side_that_answers_nothing_is_stopped_and_not_measured_again(
     assert host.work.state["failed_sides"] == ["vllm-0.6b"]
 
 
+def test_a_load_step_cut_off_goes_on_at_the_case_it_was_in(
+        tmp_path: Path, stand_ins: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    real, cut = runner.measure, {"at": "seed mix"}
+
+    def killed_in_a_case(name: str, t: measure.Target, load: measure.Load, runs: Path,
+                         **kw: Any) -> dict[str, Any]:
+        if cut and kw["tags"]["case"] == cut["at"]:
+            cut.clear()
+            raise KeyboardInterrupt  # the command's time limit: the process ends mid-case
+        return real(name, t, load, runs, **kw)
+
+    monkeypatch.setattr(runner, "measure", killed_in_a_case)
+    models = {"0.6b": str(checkpoint(tmp_path / "m"))}
+    steps = [s for s in suite.plan(("vllm",), ("0.6b",))
+             if s.name in ("vllm-start", "vllm-ready-0.6b", "vllm-load-0.6b-1")]
+    cases = [c.name for c in gs.VLLM_CASES[:4]]
+    with pytest.raises(KeyboardInterrupt):
+        suite.run(Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",)), steps,
+                  tmp_path / "out", None, [])
+    assert len(stand_ins) == 3 + 2 * 3  # the warm-up and two cases on three sides, then cut off
+    stand_ins.clear()
+    host = Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",))  # the next command
+    assert suite.run(host, steps, tmp_path / "out", None, []) == 0
+    load = host.work.state["steps"]["vllm-load-0.6b-1"]
+    assert [r["case"] for r in load["rows"]] == [c for c in cases for _ in range(3)]  # each case once
+    assert len(stand_ins) == 3 + 2 * 3  # the warm-up again, then only the two cases left
+    assert "vllm-load-0.6b-1" not in host.work.state["cases"]  # forgotten once the step is done
+
+
 def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_path: Path,
                                                                             stand_ins: list[Any]) -> None:
     import cpu_scenarios as cs
@@ -413,8 +483,9 @@ def test_the_same_requests_are_profiled_on_each_side_per_thousand_tokens(
     for name, value in (("run_crosscheck", crosscheck), ("post", post), ("POLL_S", 0.01)):
         monkeypatch.setattr(kernel_profile, name, value)
     out = kernel_profile.step_kernels(host, 0.0, [ours, vllm], measure.Load("seed", 64), 800, 7)
-    assert [r for r in sent if r[1] == 800] == [("http://127.0.0.1:8650/v1/embeddings", 800, 8176),
-                                                 ("http://127.0.0.1:8721/v1/embeddings", 800, 8176)]
+    # inputs at most half the cap: well under every side's limit
+    assert [r for r in sent if r[1] == 800] == [("http://127.0.0.1:8650/v1/embeddings", 800, 4096),
+                                                 ("http://127.0.0.1:8721/v1/embeddings", 800, 4096)]
     assert sorted(folders) == ["30650", "30651", "8721"]  # each engine, and vLLM's own folder
     ours_1k = out["kernel_profiles"]["embedserve"]["per_1k_tokens"]  # two engines' traces summed
     assert (ours_1k["gemm"], ours_1k["norm"], ours_1k["idle"], ours_1k["kernels"]) == (0.5, 0.25, 0.5, 0.75)
@@ -424,3 +495,17 @@ def test_the_same_requests_are_profiled_on_each_side_per_thousand_tokens(
                     "embedserve minus vllm tuned": 0.25}
     assert {"side": "vllm tuned", "class": "gemm", "kernel": "sm90_xmma_gemm",
             "ms per 1,000 tokens": 0.25} in top
+    work = [r for r in rows if r["kernel class"] in ("tokens answered", "requests refused")]
+    assert [(r["embedserve"], r["vllm tuned"]) for r in work] == [(4000, 4000), (0, 0)]
+    assert "NOT equal work" not in next(iter(out["tables"]))
+
+
+def test_the_kernel_table_says_when_a_side_refused_requests() -> None:
+    classes = [*kernel_profile.CLASSES, "kernels", "idle"]
+    profile = {"per_1k_tokens": dict.fromkeys(classes, 1.0), "summaries": []}
+    results = {"embedserve": {**profile, "tokens": 359_518, "refused": 0},
+               "vllm tuned": {**profile, "tokens": 244_830, "refused": 14}}
+    title, rows = next(iter(kernel_profile.tables(results).items()))
+    assert title.endswith("(embedserve 359,518, vllm tuned 244,830 tokens; NOT equal work: embedserve "
+                          "refused 0, vllm tuned refused 14)")
+    assert {"kernel class": "requests refused", "embedserve": 0, "vllm tuned": 14} in rows
