@@ -59,25 +59,22 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     a.vocab = 100_000  # token ids below the model's vocabulary size
     if a.tokenizer and (config := Path(a.tokenizer) / "config.json").exists():
         a.vocab = min(a.vocab, json.loads(config.read_text()).get("vocab_size", a.vocab))
-    tokens, lat, errors, refused = 0, [], 0, 0
+    tokens, lat, errors = 0, [], 0
     left = a.requests or -1  # with --requests, that many requests and every answer counts
     start = time.perf_counter() + (0 if a.requests else a.warmup)  # answers between start and stop count
     stop = math.inf if a.requests else start + a.seconds
     extra = {"input_type": a.input_type} if a.input_type else {}  # the gateway adds the instruction
 
     async def worker(s: aiohttp.ClientSession) -> None:
-        nonlocal tokens, errors, refused, left
+        nonlocal tokens, errors, left
         while time.perf_counter() < stop and left != 0:
             left -= 1
-            # one request's inputs drawn at once, in the order requests are sent: with one seed every
-            # server gets the same requests, whatever order its answers come in
             inputs = [make_input(a, rng, words) for _ in range(a.batch)]
             body = {"model": a.model, "input": inputs, **extra}
             t = time.perf_counter()
             try:
                 async with s.post(a.url, json=body) as r:
                     data = await r.json(content_type=None) if r.status == 200 else None
-                    refused += 400 <= r.status < 500  # the server turned the input down (too long)
             except (TimeoutError, aiohttp.ClientError):
                 data = None
             if not start <= (done := time.perf_counter()) <= stop:
@@ -94,7 +91,6 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         await asyncio.gather(*(worker(s) for _ in range(a.concurrency)))
     n, secs = len(lat), time.perf_counter() - start if a.requests else a.seconds
     return {"tok_s": round(tokens / secs), "req_s": round(n / secs, 2), "requests": n, "errors": errors,
-            "refused": refused,
             "tokens": tokens, "seconds": round(secs, 1),
             "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
 

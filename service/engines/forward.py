@@ -1,0 +1,146 @@
+"""Which forward SGLang runs, and why: every ``auto`` of the engine's forward resolved from the GPU,
+sgl-kernel and the model (docs/SGLANG.md, "The embedding-only forward"). On Hopper, for an
+unquantised Qwen3 embedding model with the prefix cache off, that is no KV pool
+(``kv_cache=none``), the overlap scheduler and the pooled last layer; elsewhere the paged path."""
+
+from __future__ import annotations
+
+from embedserve.config import Settings
+from embedserve.model_info import ModelInfo
+
+
+class LaunchConfigError(ValueError):
+    """The settings cannot make a working SGLang launch."""
+
+
+def compiles_prefill(extra_args: list[str]) -> bool:
+    """Whether SGLang's tc_piecewise prefill graphs are asked for: they compile the forward the
+    pooled last layer hooks."""
+    return any("tc_piecewise" in arg for arg in extra_args)
+
+
+def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
+    """``engine.pooled_last_layer`` needs what its hooks assume (embedserve/engines/pooled_layer.py)."""
+    if not (info.is_qwen3 and info.embeds):
+        what = "not a Qwen3 model" if not info.is_qwen3 else "a reranker"
+        raise LaunchConfigError(f"engine.pooled_last_layer needs a Qwen3 embedding model (last-token "
+                                f"pooling), but {info.path} is {what}: turn it off")
+    if compiles_prefill(extra_args):
+        raise LaunchConfigError("engine.pooled_last_layer does not go with SGLang's tc_piecewise prefill "
+                                "graphs (engine.extra_args), which compile the forward it hooks: drop one")
+
+
+def describe_gpu(capability: tuple[int, int] | None) -> str:
+    return "no GPU was found (NVML)" if capability is None else \
+        f"the GPU has compute capability {capability[0]}.{capability[1]}"
+
+
+def auto_attention_backend(capability: tuple[int, int] | None, fa3: bool, notes: list[str]) -> str:
+    """FA3 on Hopper (compute capability 9.x) when its kernels are installed, else FlashInfer.
+    On an H200 both run the same FA3 arithmetic for an embedding batch (FlashInfer picks its
+    own sm90 kernels), and SGLang's fa3 backend was 0-3% faster; other GPUs were not
+    measured, so they keep FlashInfer."""
+    if capability is not None and capability[0] == 9:
+        if fa3:
+            notes.append(f"attention_backend auto: fa3, because {describe_gpu(capability)} and "
+                         "sgl-kernel has its FA3 kernels")
+            return "fa3"
+        notes.append("attention_backend auto: Hopper GPU but sgl-kernel has no FA3 kernels "
+                     "(flash_ops.abi3.so): using flashinfer")
+        return "flashinfer"
+    notes.append(f"attention_backend auto: flashinfer, because {describe_gpu(capability)}, not 9.x"
+                 if capability else f"attention_backend auto: flashinfer, because {describe_gpu(capability)}")
+    return "flashinfer"
+
+
+#: SGLang's prefill backends that attend over a batch's raw K/V (its fa_skip_kv_cache path)
+RAW_KV_BACKENDS = ("fa3", "fa4")
+
+
+def embedding_only_blocker(
+    settings: Settings, info: ModelInfo, backend: str, capability: tuple[int, int] | None
+) -> str | None:
+    """Why the embedding-only forward (no KV pool, overlap scheduler, pooled last layer) is not the
+    default here, or None where it is: where SGLang 0.5.17 allows no KV pool (an FA prefill backend,
+    no radix cache) and where it was measured (Qwen3 embedding models in bf16 on Hopper)."""
+    eng = settings.engine
+    if backend not in RAW_KV_BACKENDS:
+        return f"attention backend {backend!r} is not fa3 or fa4"
+    if eng.prefix_cache:
+        return "engine.prefix_cache is on"
+    if capability is None or capability[0] != 9:
+        return f"{describe_gpu(capability)}, not 9.x (measured on Hopper only)"
+    if not (info.is_qwen3 and info.embeds):
+        return f"{info.path.name} is not a Qwen3 embedding model (measured on those only)"
+    if eng.quantization != "none":
+        return (f"engine.quantization is {eng.quantization} (its vectors were not compared with the "
+                "embedding-only forward's yet)")
+    return None
+
+
+def resolve_kv_cache(settings: Settings, info: ModelInfo, backend: str,
+                     capability: tuple[int, int] | None, notes: list[str]) -> str:
+    """``engine.kv_cache`` as launched: ``paged`` or ``none``; ``none`` only where SGLang 0.5.17
+    allows it (server_args.py: an FA prefill backend, no radix cache)."""
+    eng = settings.engine
+    if eng.kv_cache == "none" and (backend not in RAW_KV_BACKENDS or eng.prefix_cache):
+        why_not = embedding_only_blocker(settings, info, backend, capability)
+        raise LaunchConfigError(f"engine.kv_cache=none needs the fa3 or fa4 attention backend and "
+                                f"engine.prefix_cache off, but {why_not}")
+    if eng.kv_cache != "auto":
+        return eng.kv_cache
+    if why_not := embedding_only_blocker(settings, info, backend, capability):
+        notes.append(f"kv_cache auto: paged, because {why_not}")
+        return "paged"
+    notes.append(f"kv_cache auto: none (no KV pool), because {describe_gpu(capability)}, the attention "
+                 f"backend is {backend}, engine.prefix_cache is off and {info.path.name} is a Qwen3 "
+                 "embedding model, unquantised")
+    return "none"
+
+
+def resolve_overlap_schedule(asked: bool | str, kv_cache: str, notes: list[str]) -> bool:
+    """``auto``: on with no KV pool (two batches in the engine cost no KV memory); off with the
+    paged pool, where it measured 0.95-1.02x the defaults and doubled the pool (docs/PERFORMANCE.md)."""
+    if asked != "auto":
+        return bool(asked)
+    if kv_cache == "none":
+        notes.append("overlap_schedule auto: on, because kv_cache is none (the next batch is built "
+                     "while the GPU runs the current one, at no KV memory)")
+        return True
+    notes.append("overlap_schedule auto: off, because kv_cache is paged (it would double the KV pool)")
+    return False
+
+
+def resolve_pooled_last_layer(asked: bool | str, kv_cache: str, info: ModelInfo,
+                              extra_args: list[str], notes: list[str]) -> bool:
+    """``auto``: on with the embedding-only forward (kv_cache none on a Qwen3 embedding model),
+    where nothing asks for the compiled prefill graphs it cannot go with; ``True`` is checked."""
+    if asked is True:
+        check_pooled_last_layer(info, extra_args)
+    if asked != "auto":
+        return bool(asked)
+    why_not = (f"{info.path.name} is not a Qwen3 embedding model" if not (info.is_qwen3 and info.embeds)
+               else "engine.extra_args asks for tc_piecewise prefill graphs" if compiles_prefill(extra_args)
+               else "kv_cache is paged" if kv_cache != "none" else None)
+    notes.append(f"pooled_last_layer auto: off, because {why_not}" if why_not else
+                 "pooled_last_layer auto: on, because kv_cache is none on a Qwen3 embedding model")
+    return why_not is None
+
+
+def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
+                   capability: tuple[int, int] | None, fa3: bool) -> Settings:
+    """The settings with every ``auto`` of the forward resolved from the GPU's compute capability
+    (None: no GPU), whether sgl-kernel has its FA3 kernels and the model, each with its reason in
+    ``notes``: attention backend, kv_cache, overlap_schedule, pooled_last_layer."""
+    eng = settings.engine
+    backend = eng.attention_backend
+    if backend == "auto":
+        backend = auto_attention_backend(capability, fa3, notes)
+    kv_cache = resolve_kv_cache(settings, info, backend, capability, notes)
+    return settings.with_engine(
+        attention_backend=backend,
+        kv_cache=kv_cache,
+        overlap_schedule=resolve_overlap_schedule(eng.overlap_schedule, kv_cache, notes),
+        pooled_last_layer=resolve_pooled_last_layer(
+            eng.pooled_last_layer, kv_cache, info, list(eng.extra_args), notes),
+    )
