@@ -260,12 +260,6 @@ def variant_pairs(shape: str, host: Host) -> list[tuple[str, Side, Side]]:
     return [(f"{side.name}-{shape}", default, side) for side in others if side.kind is UP]
 
 
-def client_sides(host: Host) -> list[Side]:
-    default = vllm_default("0.6b")
-    return [Side(name, UP, default.port, "0.6b", tag=default.key)
-            for name in ("client one build thread", "client build processes")]
-
-
 def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
     """Every shape's servers started together (their start-ups overlap), then per shape: readiness,
     vectors, the variants' quality gate, a profile, two load parts, its servers stopped."""
@@ -289,11 +283,5 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
             Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
                                                              crosscheck=VLLM_CASES[:1]), 380)]
-        if shape == "0.6b":  # what the client alone caps: inputs built on one thread, or by processes
-            steps.append(Step("vllm-client-0.6b", ("vllm",), partial(
-                step_compare, sides=client_sides, cases=[Case("seed mix", VLLM_CASES[2].load, rounds=2)],
-                seed=720, loads={"client one build thread": Load("seed", 64, seconds=15, build_workers=0)},
-                section="The client alone: `embedserve loadtest` building inputs on one thread against its "
-                        "build processes, 0.6b"), 130))
         steps.append(Step(f"vllm-stop-{shape}", ("vllm",), partial(step_stop, sides=sides), 20))
     return steps

@@ -88,8 +88,7 @@ def profile_side(host: Host, side: Side, load: Load, seed: int, requests: int) -
                 post(url + "/stop_profile", {})
     traces = new_traces(folder, before, len(servers))
     summaries = [summarise_trace(load_trace(p)) for p in traces]
-    out = {k: row.get(k) for k in ("tokens", "requests", "errors", "refused", "tok_s",
-                                   "prefix_cache_hit_rate")}
+    out = {k: row.get(k) for k in ("tokens", "requests", "errors", "tok_s", "prefix_cache_hit_rate")}
     out |= {"traces": [str(p.relative_to(folder)) for p in traces], "summaries": summaries}
     if row.get("tokens") and any(s.get("kernels") for s in summaries):
         out["per_1k_tokens"] = per_thousand(summaries, row["tokens"])
@@ -111,7 +110,7 @@ def tables(results: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]
             row[f"{first} minus {last}"] = round(per_1k[first][kind] - per_1k[last][kind], 3)
         rows.append(row)
     # the work each side did: equal where every side answered every request (same requests, same texts)
-    for label, key in (("tokens answered", "tokens"), ("requests refused", "refused")):
+    for label, key in (("tokens answered", "tokens"), ("requests not answered", "errors")):
         rows.append({"kernel class": label, **{name: done[name].get(key) or 0 for name in per_1k}})
     top = []
     for name, r in done.items():
@@ -123,9 +122,9 @@ def tables(results: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]
                  "ms per 1,000 tokens": round(ms * 1000 / r["tokens"], 3)}
                 for kind in CLASSES for kernel, ms in merged[kind].most_common(3)]
     tokens = ", ".join(f"{name} {r['tokens']:,}" for name, r in done.items())
-    refused = {name: r.get("refused") or 0 for name, r in done.items()}
+    refused = {name: r.get("errors") or 0 for name, r in done.items()}  # over a side's limit, or failed
     equal = len({r["tokens"] for r in done.values()}) == 1 and not any(refused.values())
-    unequal = "; NOT equal work: " + ", ".join(f"{n} refused {k}" for n, k in refused.items())
+    unequal = "; NOT equal work: " + ", ".join(f"{n} did not answer {k}" for n, k in refused.items())
     title = ("GPU ms per 1,000 tokens by kernel class, the same requests to each side "
              f"({tokens} tokens{'' if equal else unequal})")
     return {title: rows, "The kernels that take most of each class": top}

@@ -1,22 +1,20 @@
 """The harness without a GPU or a server: the report's arithmetic, the command lines each side and
 run get, the run plan, every scenario's steps run end to end against stand-ins for the processes
-and the load generator, and the profiles' arithmetic. `python3 -m pytest bench/test_harness.py`."""
+and the load generator (the profiles': test_profiles.py). `python3 -m pytest bench/test_harness.py`."""
 
 from __future__ import annotations
 
 import argparse
-import gzip
+import contextlib
 import json
 import os
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
 import crosscheck
 import gpu_scenarios as gs
 import harness
-import kernel_profile
 import measure
 import peers
 import pytest
@@ -25,7 +23,8 @@ import runner
 import suite
 from harness import Host, Side
 from procs import WorkDir
-from profile_engine import kernel_kind, listener_pid, load_trace, summarise_pyspy, summarise_trace
+
+from embedserve.config.engine import EngineSettings
 
 
 def row(case: str, side: str, tok: int, p50: float = 10.0, section: str = "s", **kw: Any) -> dict[str, Any]:
@@ -114,46 +113,6 @@ def test_the_crosscheck_client_is_given_the_same_length_mix_clamped_to_the_cap()
     assert set(long) == {8192} and 0.07 < len(long) / len(lengths) < 0.13 and min(lengths) >= 8
 
 
-def test_a_fixed_number_of_requests_sends_every_server_the_same_inputs_and_counts_refusals() -> None:
-    """Answers that come back in another order must not change what is sent; a server's refusals
-    (its limit under the longest inputs) are counted apart."""
-    import asyncio
-
-    from aiohttp import web
-
-    async def serve_and_send(delay_seed: int) -> tuple[list[tuple[int, ...]], dict[str, Any]]:
-        seen, delays = [], random.Random(delay_seed)
-
-        async def embed(request: web.Request) -> web.Response:
-            ids = (await request.json())["input"][0]
-            seen.append(tuple(ids))
-            await asyncio.sleep(delays.random() / 200)
-            if len(ids) > 400:  # a server whose limit is under the longest inputs
-                return web.json_response({"error": "too long"}, status=400)
-            return web.json_response({"data": [{"embedding": [1.0]}], "usage": {"prompt_tokens": len(ids)}})
-
-        app = web.Application()
-        app.router.add_post("/v1/embeddings", embed)
-        runner_ = web.AppRunner(app)
-        await runner_.setup()
-        site = web.TCPSite(runner_, "127.0.0.1", 0)
-        await site.start()
-        port = runner_.addresses[0][1]
-        a = argparse.Namespace(url=f"http://127.0.0.1:{port}/v1/embeddings", model="m", ids="8-512",
-                               text=None, cap=None, tokenizer=None, batch=1, concurrency=8, seconds=0,
-                               warmup=0, requests=60, input_type=None, seed=5)
-        try:
-            return seen, await crosscheck.main(a)
-        finally:
-            await runner_.cleanup()
-
-    (first, one), (second, two) = asyncio.run(serve_and_send(1)), asyncio.run(serve_and_send(2))
-    assert first == second  # answered in another order: the same inputs, sent in the same order
-    long = sum(len(ids) > 400 for ids in first)
-    assert one["refused"] == two["refused"] == one["errors"] == long > 0 and one["requests"] == 60 - long
-    assert one["tokens"] == two["tokens"] == sum(len(ids) for ids in first if len(ids) <= 400)
-
-
 def checkpoint(folder: Path) -> Path:
     """A folder with the 4B's config.json (the KV pool's size follows from it)."""
     folder.mkdir(parents=True)
@@ -199,44 +158,14 @@ def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None
     own = {"EMBEDSERVE_A": "2", "EMBEDSERVE_B": "x"}
     assert peers.variant("calls2=EMBEDSERVE_A=2,EMBEDSERVE_B=x") == ("calls2", own)
     assert peers.variant("nokv")[1] == {"EMBEDSERVE_ENGINE__KV_CACHE": "none"}
+    former = EngineSettings(**{k.removeprefix("EMBEDSERVE_ENGINE__").lower(): v  # the former defaults
+                               for k, v in peers.variant("paged")[1].items()})
+    assert (former.kv_cache, former.overlap_schedule, former.pooled_last_layer) == ("paged", False, False)
     tuned_only = Host(WorkDir(tmp_path), vllm_sides=("vllm tuned",))
     assert [s.name for s in gs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
     for bad in ("x2+turbo", "n=PATH=/x"):
         with pytest.raises(ValueError):
             peers.variant(bad)
-
-
-def test_the_paged_variant_launches_the_former_defaults_on_hopper(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where the embedding-only forward is the default, ``paged`` is the comparison's other side."""
-    from embedserve.config import load_settings
-    from embedserve.engines.sglang import build_launch
-
-    model = tmp_path / "4b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3", "max_position_embeddings": 32768, "hidden_size": 2560}))
-    for k in [k for k in os.environ if k.startswith("EMBEDSERVE_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(model))
-
-    def launched(name: str | None) -> tuple[list[str], dict[str, Any]]:
-        with monkeypatch.context() as m:
-            for k, v in (peers.variant(name)[1] if name else {}).items():
-                m.setenv(k, v)
-            spec = build_launch(load_settings(), gpu_capability=(9, 0), fa3=True)
-        return spec.argv, json.loads(spec.env["EMBEDSERVE_SETTINGS_JSON"])["engine"]
-
-    defaults, default_engine = launched(None)
-    assert launched("nokv+overlap+pooled") == (defaults, default_engine)
-    argv, engine = launched("paged")
-    assert "--prefill-only-disable-kv-cache" in defaults and "--prefill-only-disable-kv-cache" not in argv
-    assert "--disable-overlap-schedule" in argv and "--disable-overlap-schedule" not in defaults
-    former = [engine[k] for k in ("kv_cache", "overlap_schedule", "pooled_last_layer")]
-    assert former == ["paged", False, False]
-    assert default_engine["pooled_last_layer"] is True
 
 
 def test_the_plan_holds_what_each_scenario_needs() -> None:
@@ -245,7 +174,7 @@ def test_the_plan_holds_what_each_scenario_needs() -> None:
     both = [s.name for s in suite.plan(("raw-vs-gateway", "scale"))]
     assert both.index("down-2") < both.index("engines") and "raw-vs-gateway-0.6b-3" in both
     vllm = [s.name for s in suite.plan(("vllm",), ("0.6b",))]
-    assert vllm[:3] == ["models", "vllm-start", "vllm-ready-0.6b"] and "vllm-client-0.6b" in vllm
+    assert vllm[:3] == ["models", "vllm-start", "vllm-ready-0.6b"]
     assert not any("4b" in n for n in vllm) and "engines" not in vllm
     assert suite.plan(("engines-per-gpu",))[0].run.keywords["shapes"] == ("4b", "0.6b")  # type: ignore[attr-defined]
     assert [s.name for s in suite.plan(("drill",))] == ["models", "drill", "finish"]
@@ -326,7 +255,7 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     assert "- peers-infinity-1: infinity: Infinity not importable" in md  # no Infinity here: said, not failed
     for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "Soak capacity", "Scale-out",
                   "FP8 vs bf16", "Engines per GPU: 0.6b", "Cross-check",
-                  "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b", "The client alone"):
+                  "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b"):
         assert title in md, title
     written = json.loads((tmp_path / "out" / "results.json").read_text())["steps"]
     assert written.keys() == {s.name for s in steps}
@@ -354,30 +283,25 @@ def test_a_side_that_answers_nothing_is_stopped_and_not_measured_again(
 
 def test_a_load_step_cut_off_goes_on_at_the_case_it_was_in(
         tmp_path: Path, stand_ins: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    real, cut = runner.measure, {"at": "seed mix"}
+    real, cut = runner.measure, ["seed mix"]
 
-    def killed_in_a_case(name: str, t: measure.Target, load: measure.Load, runs: Path,
-                         **kw: Any) -> dict[str, Any]:
-        if cut and kw["tags"]["case"] == cut["at"]:
+    def killed_in_a_case(*args: Any, **kw: Any) -> dict[str, Any]:
+        if kw["tags"]["case"] in cut:  # the command's time limit: the process ends mid-case
             cut.clear()
-            raise KeyboardInterrupt  # the command's time limit: the process ends mid-case
-        return real(name, t, load, runs, **kw)
+            raise KeyboardInterrupt
+        return real(*args, **kw)
 
     monkeypatch.setattr(runner, "measure", killed_in_a_case)
+    steps = [s for s in suite.plan(("vllm",), ("0.6b",)) if s.name in ("vllm-start", "vllm-load-0.6b-1")]
     models = {"0.6b": str(checkpoint(tmp_path / "m"))}
-    steps = [s for s in suite.plan(("vllm",), ("0.6b",))
-             if s.name in ("vllm-start", "vllm-ready-0.6b", "vllm-load-0.6b-1")]
-    cases = [c.name for c in gs.VLLM_CASES[:4]]
-    with pytest.raises(KeyboardInterrupt):
-        suite.run(Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",)), steps,
-                  tmp_path / "out", None, [])
-    assert len(stand_ins) == 3 + 2 * 3  # the warm-up and two cases on three sides, then cut off
-    stand_ins.clear()
-    host = Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",))  # the next command
-    assert suite.run(host, steps, tmp_path / "out", None, []) == 0
-    load = host.work.state["steps"]["vllm-load-0.6b-1"]
-    assert [r["case"] for r in load["rows"]] == [c for c in cases for _ in range(3)]  # each case once
-    assert len(stand_ins) == 3 + 2 * 3  # the warm-up again, then only the two cases left
+    for command in (1, 2):  # the same command twice: a new process reads the work dir's state
+        host = Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",))
+        with pytest.raises(KeyboardInterrupt) if command == 1 else contextlib.nullcontext():
+            suite.run(host, steps, tmp_path / "out", None, [])
+        assert len(stand_ins) == 3 + 2 * 3  # the warm-up and two cases on three sides each time
+        stand_ins.clear()
+    rows = host.work.state["steps"]["vllm-load-0.6b-1"]["rows"]
+    assert [r["case"] for r in rows] == [c.name for c in gs.VLLM_CASES[:4] for _ in range(3)]
     assert "vllm-load-0.6b-1" not in host.work.state["cases"]  # forgotten once the step is done
 
 
@@ -390,122 +314,3 @@ def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_
     runner.step_start(host, 0.0, [st_torch])
     rows = runner.alternate(host, [st_torch], cs.PEER_LOADS[0], 5, {"section": "p"})
     assert [r["side"] for r in rows] == ["ST torch in process, batch 1", "ST torch in process, batch 16"]
-
-
-def kernel(ts: float, dur: float, name: str, cat: str = "kernel") -> dict[str, object]:
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-
-
-def test_kernels_are_sorted_into_classes_by_what_they_compute() -> None:
-    classes = {  # names as SGLang's (FA3, FlashInfer, sgl-kernel) and vLLM's (inductor) traces give them
-        "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
-        "void flashinfer::PrefillWithKVCacheKernel<flashinfer::CollectiveMainloop<cutlass::bfloat16_t>>":
-            "attention",
-        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<": "attention",
-        "BatchPrefillWithRaggedKVCacheKernel": "attention", "flash_fwd_kernel": "attention",
-        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>": "norm",
-        "void (anonymous namespace)::fused_qknorm_warp<128l, true, __nv_bfloat16>": "norm",
-        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norm",
-        "void (anonymous namespace)::fused_rope_kernel<true, 128l": "rope",
-        "void (anonymous namespace)::act_and_mul_kernel<__nv_bfloat16": "activation",
-        "triton_poi_fused_mul_silu_slice_1": "activation",
-        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda": "copy",
-        "void (anonymous namespace)::store_kvcache<2048l": "copy",
-        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>": "other"}
-    assert {name: kernel_kind(name) for name in classes} == classes
-
-
-def test_busy_time_and_gaps_from_a_trace() -> None:
-    events = [kernel(0, 100, "gemm_a"),  # 0-100
-              kernel(50, 100, "flash_fwd"),  # overlaps: busy to 150
-              kernel(155, 45, "rmsnorm"),  # 5 us gap
-              kernel(250, 50, "gemm_b"),  # 50 us gap
-              kernel(2300, 100, "copy", cat="gpu_memcpy"),  # 2,000 us gap
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]  # not GPU time
-    s = summarise_trace(events)
-    assert (s["kernels"], s["span_ms"], s["gpu_busy_ms"]) == (5, pytest.approx(2.4), pytest.approx(0.345))
-    assert s["kernel_ms_by_kind"] == {"gemm": 0.15, "attention": 0.1, "copy": 0.1, "norm": 0.045}
-    assert s["top_kernels_by_kind_ms"]["gemm"] == {"gemm_a": 0.1, "gemm_b": 0.05}
-    assert s["gaps_by_size"] == {"under 10 us": 1, "10-100 us": 1, "0.1-1 ms": 0, "over 1 ms": 1}
-    assert s["idle_ms_by_gap"]["over 1 ms"] == pytest.approx(2.0)
-
-
-def test_an_empty_trace_says_so() -> None:
-    assert summarise_trace([{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]) == {"kernels": 0}
-
-
-def test_gzipped_trace_files_load(tmp_path: Path) -> None:
-    path = tmp_path / "t.trace.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": [kernel(0, 10, "gemm")]}, f)
-    assert load_trace(path)[0]["name"] == "gemm"
-
-
-def test_pyspy_shares_per_thread_and_the_busiest_threads_functions() -> None:
-    raw = "\n".join(["thread (0x1);run (a/loop.py:10);forward (m/model.py:5) 60",
-                     "thread (0x1);run (a/loop.py:10);recv (z/zmq.py:3) 40",
-                     "thread (0x2);tokenize (t/tok.py:1) 20", "not a stack line"])
-    s = summarise_pyspy(raw, rate_hz=100, seconds=1)
-    assert s["threads_cpu_pct"] == {"thread (0x1)": 100.0, "thread (0x2)": 20.0}
-    assert s["busiest_thread"] == "thread (0x1)" and s["inclusive_pct"]["run (loop.py)"] == 100.0
-    assert s["own_pct"] == {"forward (model.py)": 60.0, "recv (zmq.py)": 40.0}
-
-
-def test_listener_pid_finds_this_process(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        assert listener_pid(s.getsockname()[1]) == os.getpid()
-
-
-def test_the_same_requests_are_profiled_on_each_side_per_thousand_tokens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each engine of a stack and vLLM's front end profiled; traces summed per 1,000 answered tokens."""
-    host = Host(WorkDir(tmp_path / "w"), models={"4b": str(checkpoint(tmp_path / "m"))})
-    ours, vllm = Side("embedserve", harness.UP, 8650, "4b"), Side("vllm tuned", peers.VLLM, 8721, "4b")
-    monkeypatch.setattr(harness.Side, "engine_ports", lambda side: [30650, 30651] if side is ours else [])
-    monkeypatch.setattr(harness, "running", lambda host, side: True)
-    sent, folders = list[tuple[str, int | None, int]](), dict[str, Path]()
-
-    def crosscheck(t: measure.Target, load: measure.Load, seed: int, requests: int | None = None) -> Any:
-        sent.append((t.url, requests, t.cap))  # room left under the cap for special tokens
-        return {"tokens": 4000 if requests == 800 else 1, "requests": requests, "errors": 0}
-
-    def post(url: str, body: dict[str, Any]) -> None:
-        port = url.rsplit(":", 1)[1].split("/")[0]
-        folder = folders.setdefault(port, Path(body.get("output_dir") or harness.trace_dir(host, vllm)))
-        if url.endswith("/stop_profile"):  # the engine writes its trace: 1 ms of GEMM, 1 ms idle, 0.5 ms norm
-            folder.mkdir(parents=True, exist_ok=True)
-            gemm = "nvjet_a" if port != "8721" else "sm90_xmma_gemm"
-            events = [kernel(0, 1000, gemm), kernel(2000, 500, "FusedAddRMSNormKernel")]
-            (folder / f"{port}.trace.json").write_text(json.dumps({"traceEvents": events}))
-
-    for name, value in (("run_crosscheck", crosscheck), ("post", post), ("POLL_S", 0.01)):
-        monkeypatch.setattr(kernel_profile, name, value)
-    out = kernel_profile.step_kernels(host, 0.0, [ours, vllm], measure.Load("seed", 64), 800, 7)
-    # inputs at most half the cap: well under every side's limit
-    assert [r for r in sent if r[1] == 800] == [("http://127.0.0.1:8650/v1/embeddings", 800, 4096),
-                                                 ("http://127.0.0.1:8721/v1/embeddings", 800, 4096)]
-    assert sorted(folders) == ["30650", "30651", "8721"]  # each engine, and vLLM's own folder
-    ours_1k = out["kernel_profiles"]["embedserve"]["per_1k_tokens"]  # two engines' traces summed
-    assert (ours_1k["gemm"], ours_1k["norm"], ours_1k["idle"], ours_1k["kernels"]) == (0.5, 0.25, 0.5, 0.75)
-    rows, top = out["tables"].values()
-    gemm = next(r for r in rows if r["kernel class"] == "gemm")
-    assert gemm == {"kernel class": "gemm", "embedserve": 0.5, "vllm tuned": 0.25,
-                    "embedserve minus vllm tuned": 0.25}
-    assert {"side": "vllm tuned", "class": "gemm", "kernel": "sm90_xmma_gemm",
-            "ms per 1,000 tokens": 0.25} in top
-    work = [r for r in rows if r["kernel class"] in ("tokens answered", "requests refused")]
-    assert [(r["embedserve"], r["vllm tuned"]) for r in work] == [(4000, 4000), (0, 0)]
-    assert "NOT equal work" not in next(iter(out["tables"]))
-
-
-def test_the_kernel_table_says_when_a_side_refused_requests() -> None:
-    classes = [*kernel_profile.CLASSES, "kernels", "idle"]
-    profile = {"per_1k_tokens": dict.fromkeys(classes, 1.0), "summaries": []}
-    results = {"embedserve": {**profile, "tokens": 359_518, "refused": 0},
-               "vllm tuned": {**profile, "tokens": 244_830, "refused": 14}}
-    title, rows = next(iter(kernel_profile.tables(results).items()))
-    assert title.endswith("(embedserve 359,518, vllm tuned 244,830 tokens; NOT equal work: embedserve "
-                          "refused 0, vllm tuned refused 14)")
-    assert {"kernel class": "requests refused", "embedserve": 0, "vllm tuned": 14} in rows
