@@ -73,9 +73,6 @@ class GatewayMetrics:
         self.queue_inputs = Gauge(
             "embedserve_queue_inputs", "Inputs waiting for an engine call", registry=registry
         )
-        self.engine_ready = Gauge(
-            "embedserve_engine_ready", "1 if the engine is ready", ["engine"], registry=registry
-        )
         self.engine_replacements = Counter(
             "embedserve_engine_replacements",
             "Engines `up` replaced before they ran out of memory",
@@ -114,9 +111,11 @@ class GatewayMetrics:
 
 
 class EngineCacheCollector(Collector):
-    """The engines' prefix-cache counters, read by the pools' health loops: how many prompt
-    tokens each engine embedded and how many of those its radix cache served; and which model
-    each engine serves (``embedserve_engine_model{engine, model} 1``, to join on)."""
+    """The series of each engine the pools hold at scrape time, so an engine that was replaced
+    or removed leaves no series behind: whether it is ready (``embedserve_engine_ready``), which
+    model it serves (``embedserve_engine_model{engine, model} 1``, to join on), and its
+    prefix-cache counters, read by the pools' health loops (how many prompt tokens it embedded
+    and how many of those its radix cache served)."""
 
     def __init__(self, pools: list[EnginePool]) -> None:
         self.pools = pools
@@ -135,6 +134,10 @@ class EngineCacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._models()
+        ready = GaugeMetricFamily("embedserve_engine_ready", "1 if the engine is ready", labels=["engine"])
+        for engine in (e for pool in self.pools for e in pool.engines):
+            ready.add_metric([engine.url], 1 if engine.ready else 0)
+        yield ready
         prompt = CounterMetricFamily(
             "embedserve_engine_prompt_tokens", "Prompt tokens the engine embedded", labels=["engine"]
         )
