@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from embedserve.config import GatewayLimits
 from embedserve.engines.pool import EnginePool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -151,3 +152,32 @@ class EngineCacheCollector(Collector):
                 prompt.add_metric([engine.url], engine.cache_counters[0])
                 cached.add_metric([engine.url], engine.cache_counters[1])
         yield from (prompt, cached)
+
+
+class LimitsCollector(Collector):
+    """Each served model's limits as the gateway resolved them (their defaults follow the kind of
+    the model's engines, which an external engine tells), so a dashboard shows what a pod runs
+    with: ``embedserve_gateway_limit{model, limit}`` and ``embedserve_engine_kind{model, kind} 1``."""
+
+    def __init__(self, limits: dict[str, GatewayLimits]) -> None:
+        self.limits = limits
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        kinds = GaugeMetricFamily(
+            "embedserve_engine_kind", "The kind of a model's engines, whose defaults the gateway takes",
+            labels=["model", "kind"],
+        )
+        limits = GaugeMetricFamily(
+            "embedserve_gateway_limit",
+            "The gateway's limits per model: engine_calls_per_engine, max_tokens_per_engine_call, "
+            "max_tokens_in_flight, inline_tokenize_chars",
+            labels=["model", "limit"],
+        )
+        for model, lim in self.limits.items():
+            kinds.add_metric([model, lim.engine_kind], 1)
+            for name, value in lim.model_dump(exclude={"engine_kind"}).items():
+                limits.add_metric([model, name], value)
+        yield from (kinds, limits)
