@@ -25,7 +25,7 @@ from embedserve.engines.pool import EnginePool
 from embedserve.gateway.engine_call import ServingGate
 from embedserve.gateway.errors import install_error_handlers
 from embedserve.gateway.load import LoadCollector
-from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics
+from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics, LimitsCollector
 from embedserve.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -121,6 +121,7 @@ def create_app(
 
     registry.register(EngineCacheCollector(pools))
     registry.register(LoadCollector({r.name: r.load for r in runtimes}))
+    registry.register(LimitsCollector({r.name: r.limits for r in runtimes}))
     health = create_health(
         settings, registry, lambda: engine_view(pools, gate, supervisor), process_pids
     )

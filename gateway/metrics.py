@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from embedserve.config import GatewayLimits
 from embedserve.engines.pool import EnginePool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -73,9 +74,6 @@ class GatewayMetrics:
         self.queue_inputs = Gauge(
             "embedserve_queue_inputs", "Inputs waiting for an engine call", registry=registry
         )
-        self.engine_ready = Gauge(
-            "embedserve_engine_ready", "1 if the engine is ready", ["engine"], registry=registry
-        )
         self.engine_replacements = Counter(
             "embedserve_engine_replacements",
             "Engines `up` replaced before they ran out of memory",
@@ -114,9 +112,11 @@ class GatewayMetrics:
 
 
 class EngineCacheCollector(Collector):
-    """The engines' prefix-cache counters, read by the pools' health loops: how many prompt
-    tokens each engine embedded and how many of those its radix cache served; and which model
-    each engine serves (``embedserve_engine_model{engine, model} 1``, to join on)."""
+    """The series of each engine the pools hold at scrape time, so an engine that was replaced
+    or removed leaves no series behind: whether it is ready (``embedserve_engine_ready``), which
+    model it serves (``embedserve_engine_model{engine, model} 1``, to join on), and its
+    prefix-cache counters, read by the pools' health loops (how many prompt tokens it embedded
+    and how many of those its radix cache served)."""
 
     def __init__(self, pools: list[EnginePool]) -> None:
         self.pools = pools
@@ -135,6 +135,10 @@ class EngineCacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._models()
+        ready = GaugeMetricFamily("embedserve_engine_ready", "1 if the engine is ready", labels=["engine"])
+        for engine in (e for pool in self.pools for e in pool.engines):
+            ready.add_metric([engine.url], 1 if engine.ready else 0)
+        yield ready
         prompt = CounterMetricFamily(
             "embedserve_engine_prompt_tokens", "Prompt tokens the engine embedded", labels=["engine"]
         )
@@ -148,3 +152,32 @@ class EngineCacheCollector(Collector):
                 prompt.add_metric([engine.url], engine.cache_counters[0])
                 cached.add_metric([engine.url], engine.cache_counters[1])
         yield from (prompt, cached)
+
+
+class LimitsCollector(Collector):
+    """Each served model's limits as the gateway resolved them (their defaults follow the kind of
+    the model's engines, which an external engine tells), so a dashboard shows what a pod runs
+    with: ``embedserve_gateway_limit{model, limit}`` and ``embedserve_engine_kind{model, kind} 1``."""
+
+    def __init__(self, limits: dict[str, GatewayLimits]) -> None:
+        self.limits = limits
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        kinds = GaugeMetricFamily(
+            "embedserve_engine_kind", "The kind of a model's engines, whose defaults the gateway takes",
+            labels=["model", "kind"],
+        )
+        limits = GaugeMetricFamily(
+            "embedserve_gateway_limit",
+            "The gateway's limits per model: engine_calls_per_engine, max_tokens_per_engine_call, "
+            "max_tokens_in_flight, inline_tokenize_chars",
+            labels=["model", "limit"],
+        )
+        for model, lim in self.limits.items():
+            kinds.add_metric([model, lim.engine_kind], 1)
+            for name, value in lim.model_dump(exclude={"engine_kind"}).items():
+                limits.add_metric([model, name], value)
+        yield from (kinds, limits)

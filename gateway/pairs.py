@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from embedserve.gateway.tokenize import UnknownTokens, unknown_tokens
+
 #: Qwen3-Reranker's prompt, from its model card.
 QWEN3_RERANK_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
@@ -33,6 +35,7 @@ QWEN3_RERANK_TASK = "Given a web search query, retrieve relevant passages that a
 class PairIds:
     ids: list[int]
     original_tokens: int
+    unknown: UnknownTokens | None = None  # among the query's and the document's kept tokens
 
 
 def load_tokenizer(model_dir: Path, plain_specials: bool) -> Tokenizer:
@@ -78,6 +81,8 @@ class CrossEncoderPairs:
         self._tok = load_tokenizer(model_dir, plain_specials=True)
         self.max_seq_len = max_seq_len
         self.prefix, self.middle, self.suffix = self._pair_frame()
+        unk = getattr(self._tok.model, "unk_token", None)
+        self.unknown_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
 
     def _pair_frame(self) -> tuple[list[int], list[int], list[int]]:
         a = self._tok.encode("a", add_special_tokens=False).ids
@@ -105,14 +110,18 @@ class CrossEncoderPairs:
         budget = max(limit - self.frame, 2)
         q_ids = [e.ids for e in self._tok.encode_batch_fast(queries, add_special_tokens=False)]
         out = []
-        for enc, qi in zip(
-            self._tok.encode_batch_fast(documents, add_special_tokens=False), query_of, strict=True
+        for text, enc, qi in zip(
+            documents, self._tok.encode_batch_fast(documents, add_special_tokens=False), query_of, strict=True
         ):
             q, d = q_ids[qi], enc.ids
             original = len(q) + len(d) + self.frame
             d = d[:document_cap] if document_cap else d
             nq, nd = longest_first(len(q), len(d), budget)
-            out.append(PairIds(self.prefix + q[:nq] + self.middle + d[:nd] + self.suffix, original))
+            unknown = UnknownTokens.of(
+                unknown_tokens(self._tok, self.unknown_id, queries[qi], q[:nq]),
+                unknown_tokens(self._tok, self.unknown_id, text, d[:nd]),
+            )
+            out.append(PairIds(self.prefix + q[:nq] + self.middle + d[:nd] + self.suffix, original, unknown))
         return out
 
 

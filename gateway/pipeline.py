@@ -14,6 +14,7 @@ from embedserve.contracts.wire import encode_base64
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
+from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.gateway.vectors import shape_vectors
@@ -25,6 +26,10 @@ TOKEN_IDS_REFUSED = (
     "check_embedding_ctx_length=False; send the texts instead. Clients that tokenise with this "
     "model's own tokenizer can send ids once the server sets EMBEDSERVE_GATEWAY__ACCEPT_TOKEN_IDS=true."
 )
+
+
+#: how errors name an embeddings request's field and items
+INPUTS = Naming("input", lambda i: f"input[{i}]")
 
 
 @dataclass
@@ -66,6 +71,7 @@ class EmbeddingPipeline:
         self.caller = caller
         self.gate = gate
         self.metrics = metrics
+        self.step = RequestStep(metrics)
         self.executor = executor
         self.inline_tokenize_chars = inline_tokenize_chars
 
@@ -109,15 +115,7 @@ class EmbeddingPipeline:
     def _check_texts(self, texts: list[str]) -> None:
         self._check_count(len(texts))
         for i, text in enumerate(texts):
-            if not text.strip():
-                raise APIError(400, f"input[{i}] is empty", param="input", code="empty_input")
-            if len(text) > self.settings.max_string_chars:
-                raise APIError(
-                    400,
-                    f"input[{i}] has {len(text)} characters; the limit is {self.settings.max_string_chars}",
-                    param="input",
-                    code="input_too_long",
-                )
+            check_text(text, f"input[{i}]", "input", self.settings.max_string_chars)
 
     def _check_ids(self, batch: list[list[int]]) -> None:
         self._check_count(len(batch))
@@ -198,82 +196,20 @@ class EmbeddingPipeline:
                 )
             self._check_ids(id_batch)
             inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
-        tokenize_s = time.perf_counter() - t0
-        self._check_truncation(req, inputs)
-        total = sum(len(x.ids) for x in inputs)
-        if total > self.settings.max_tokens_per_request:
-            raise APIError(
-                400,
-                f"the request has {total} tokens; the limit is {self.settings.max_tokens_per_request}",
-                param="input",
-                code="max_tokens_per_request",
-            )
-        vectors, times = await self.caller.run([x.ids for x in inputs])
-        vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
-        return self._respond(req, inputs, vectors, total, tokenize_s, times)
-
-    def _check_truncation(self, req: EmbeddingRequest, inputs: list[TokenizedInput]) -> None:
-        cut = [i for i, x in enumerate(inputs) if x.truncated]
-        if cut and not req.truncate:
-            i = cut[0]
-            raise APIError(
-                400,
-                f"input[{i}] has {inputs[i].original_tokens} tokens; the "
-                f"limit is {self.tokenizer.max_seq_len} (send truncate=true to cut it)",
-                param="input",
-                code="context_length_exceeded",
-            )
-
-    def _respond(
-        self,
-        req: EmbeddingRequest,
-        inputs: list[TokenizedInput],
-        vectors: Any,
-        total: int,
-        tokenize_s: float,
-        times: Any,
-    ) -> EmbeddingResult:
+        tokenized = Tokenized([x.ids for x in inputs], [x.item() for x in inputs], time.perf_counter() - t0)
+        limits = Limits(req.truncate, self.tokenizer.max_seq_len, self.settings.max_tokens_per_request)
+        done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings")
+        vectors = shape_vectors(done.rows, req.dimensions, self.settings.normalize)
         payload: list[Any] = encode_base64(vectors) if req.encoding_format == "base64" else list(vectors)
-        truncated = [
-            {"index": i, "original_tokens": x.original_tokens, "kept_tokens": len(x.ids)}
-            for i, x in enumerate(inputs)
-            if x.truncated
-        ]
-        unknown = [
-            {"index": i, "unknown_tokens": x.unknown.tokens, "unknown_chars": x.unknown.chars}
-            for i, x in enumerate(inputs)
-            if x.unknown
-        ]
-        m = self.metrics
-        m.stage_seconds.labels("tokenize").observe(tokenize_s)
-        m.stage_seconds.labels("queue").observe(times.queue_s)
-        m.stage_seconds.labels("engine").observe(times.engine_s)
-        m.tokens.inc(total)
-        m.model_tokens.labels(self.info.name).inc(total)
-        m.model_requests.labels(self.info.name, "embeddings").inc()
-        m.inputs.inc(len(inputs))
-        m.request_tokens.observe(total)
-        if truncated:
-            m.inputs_truncated.inc(len(truncated))
-            m.tokens_truncated.inc(sum(t["original_tokens"] - t["kept_tokens"] for t in truncated))
-        if unknown:
-            m.inputs_unknown.inc(len(unknown))
-            m.unknown_chars.inc(sum(u["unknown_chars"] for u in unknown))
         body = {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
             "model": req.model,
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-            "truncated_inputs": truncated,
-            "unknown_token_inputs": unknown,
+            "usage": {"prompt_tokens": done.tokens, "total_tokens": done.tokens},
+            "truncated_inputs": done.truncated,
+            "unknown_token_inputs": done.unknown,
         }
-        headers = {
-            "x-embedserve-tokenize-ms": f"{tokenize_s * 1000:.2f}",
-            "x-embedserve-queue-ms": f"{times.queue_s * 1000:.2f}",
-            "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
-            "x-embedserve-truncated-inputs": str(len(truncated)),
-            "x-embedserve-unknown-token-inputs": str(len(unknown)),
-        }
+        headers = dict(done.headers)
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers)

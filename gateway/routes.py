@@ -146,8 +146,5 @@ def add_routes(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        for r in runtimes:
-            for e in r.pool.engines:
-                metrics.engine_ready.labels(e.url).set(1 if e.ready else 0)
         metrics.queue_inputs.set(sum(r.coalescer.queued_inputs for r in runtimes))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from embedserve.contracts.wire import Matrix
 from embedserve.gateway.pairs import CrossEncoderPairs, PairIds, YesNoPrompts
-from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.gateway.tokenize import ItemTokens, ModelTokenizer, UnknownTokens
 from embedserve.model_info import ModelInfo
 
 Scores = npt.NDArray[np.float64]
@@ -42,24 +42,12 @@ class PairJob:
     max_document_tokens: int | None = None  # Cohere v2's max_tokens_per_doc
 
 
-@dataclass(frozen=True)
-class PairTokens:
-    """One pair's tokens before and after truncation."""
-
-    original: int
-    kept: int
-
-    @property
-    def truncated(self) -> bool:
-        return self.original > self.kept
-
-
 @dataclass
 class PreparedPairs:
     """What to send the engine and how to read its answer."""
 
     inputs: list[list[int]]
-    pairs: list[PairTokens]
+    pairs: list[ItemTokens]  # one per pair: its tokens before and after truncation, and unknown ones
     combine: Callable[[Matrix], Scores]  # the engine's rows (one per input) -> raw score per pair
 
 
@@ -98,7 +86,11 @@ class CosineScorer:
         doc_cap = min(c for c in (job.max_pair_tokens, own, self.tokenizer.max_seq_len) if c)
         documents = self.tokenizer.encode_texts(job.documents, doc_cap)
         pairs = [
-            PairTokens(queries[q].original_tokens + d.original_tokens, len(queries[q].ids) + len(d.ids))
+            ItemTokens(
+                queries[q].original_tokens + d.original_tokens,
+                len(queries[q].ids) + len(d.ids),
+                UnknownTokens.of(queries[q].unknown, d.unknown),
+            )
             for q, d in zip(job.query_of, documents, strict=True)
         ]
         n_queries = len(queries)
@@ -142,7 +134,7 @@ class PairScorer:
 
     def prepare(self, job: PairJob) -> PreparedPairs:
         encoded = self._encode(job)
-        pairs = [PairTokens(p.original_tokens, len(p.ids)) for p in encoded]
+        pairs = [ItemTokens(p.original_tokens, len(p.ids), p.unknown) for p in encoded]
 
         def combine(rows: Matrix) -> Scores:
             logits: Scores = rows[:, 0].astype(np.float64)

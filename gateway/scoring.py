@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -23,7 +22,8 @@ from embedserve.config.served import RerankLimits
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.scorers import PairJob, PairTokens, PreparedPairs, Scorer, Scores, sigmoid
+from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text
+from embedserve.gateway.scorers import PairJob, Scorer, Scores, sigmoid
 from embedserve.model_info import ModelInfo
 
 
@@ -57,17 +57,13 @@ class ScoreResult:
     model: str
     scores: Scores  # one per pair, in the request's order: after the activation unless raw
     raw: Scores
-    pairs: list[PairTokens]
+    cut: list[dict[str, int]]  # the pairs cut to the cap, as /v1/embeddings lists its inputs
     tokens: int
     headers: dict[str, str]
 
     def truncated(self) -> list[dict[str, int]]:
         """As /v1/embeddings reports it, by pair (document) index."""
-        return [
-            {"index": i, "original_tokens": p.original, "kept_tokens": p.kept}
-            for i, p in enumerate(self.pairs)
-            if p.truncated
-        ]
+        return self.cut
 
     def activated(self, raw: bool) -> Scores:
         return self.raw if raw else self.scores
@@ -90,6 +86,7 @@ class ScorePipeline:
         self.models = models
         self.gate = gate
         self.metrics = metrics
+        self.step = RequestStep(metrics)
         self.executor = executor
 
     # -- validation ------------------------------------------------------------------
@@ -109,39 +106,7 @@ class ScorePipeline:
         for field, texts, indexed in ((query_field, job.queries, many), (docs_field, job.documents, True)):
             for i, text in enumerate(texts):
                 where = f"{field}[{i}]" if indexed else f"'{field}'"
-                if not text.strip():
-                    raise APIError(400, f"{where} is empty", param=field, code="empty_input")
-                if len(text) > self.settings.max_string_chars:
-                    raise APIError(
-                        400,
-                        f"{where} has {len(text)} characters; the limit is {self.settings.max_string_chars}",
-                        param=field,
-                        code="input_too_long",
-                    )
-
-    def _check_tokens(self, req: ScoreRequest, model: ScoredModel, prepared: PreparedPairs) -> int:
-        docs_field = req.fields[1]
-        if not req.truncate:
-            cut = next((i for i, p in enumerate(prepared.pairs) if p.truncated), None)
-            if cut is not None:
-                raise APIError(
-                    400,
-                    f"the pair of the query and {docs_field}[{cut}] has {prepared.pairs[cut].original} "
-                    "tokens; "
-                    f"the limit is {model.max_seq_len} (send truncate=true to cut it)",
-                    param=docs_field,
-                    code="context_length_exceeded",
-                )
-        total = sum(map(len, prepared.inputs))
-        if total > self.limits.max_tokens_per_request:
-            raise APIError(
-                400,
-                f"the pairs of the request ('{docs_field}' with their queries) have {total} tokens; "
-                f"the limit is {self.limits.max_tokens_per_request}",
-                param=docs_field,
-                code="max_tokens_per_request",
-            )
-        return total
+                check_text(text, where, field, self.settings.max_string_chars)
 
     # -- the pipeline ------------------------------------------------------------------
     async def run(self, req: ScoreRequest) -> ScoreResult:
@@ -151,36 +116,22 @@ class ScorePipeline:
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self.executor, model.scorer.prepare, req.job)
-        tokenize_s = time.perf_counter() - t0
-        total = self._check_tokens(req, model, prepared)
-        rows, times = await model.caller.run(prepared.inputs, param=req.fields[1])
-        raw = prepared.combine(rows)
+        tokenized = Tokenized(prepared.inputs, prepared.pairs, time.perf_counter() - t0)
+        limits = Limits(req.truncate, model.max_seq_len, self.limits.max_tokens_per_request)
+        done = await self.step.run(model.caller, tokenized, limits, _naming(req), model.info.name, req.route)
+        raw = prepared.combine(done.rows)
         if not np.isfinite(raw).all():  # a model's answer, not the client's input: never a 200
             raise APIError(503, "the engine returned a score that is not a number", code="engine_unavailable")
         scores = sigmoid(raw) if model.scorer.score_kind == "logit" else raw
-        self._count(prepared, total, tokenize_s, times)
-        self.metrics.model_tokens.labels(model.info.name).inc(total)
-        self.metrics.model_requests.labels(model.info.name, req.route).inc()
-        cut = sum(p.truncated for p in prepared.pairs)
-        headers = {
-            "x-embedserve-tokenize-ms": f"{tokenize_s * 1000:.2f}",
-            "x-embedserve-queue-ms": f"{times.queue_s * 1000:.2f}",
-            "x-embedserve-engine-ms": f"{times.engine_s * 1000:.2f}",
-            "x-embedserve-truncated-inputs": str(cut),
-            "x-embedserve-score": model.scorer.score_kind,
-        }
-        return ScoreResult(model.info.name, scores, raw, prepared.pairs, total, headers)
+        headers = {**done.headers, "x-embedserve-score": model.scorer.score_kind}
+        return ScoreResult(model.info.name, scores, raw, done.truncated, done.tokens, headers)
 
-    def _count(self, prepared: PreparedPairs, total: int, tokenize_s: float, times: Any) -> None:
-        """The engine-work metrics embeddings count too: tokens, inputs, truncation, stages."""
-        m = self.metrics
-        m.stage_seconds.labels("tokenize").observe(tokenize_s)
-        m.stage_seconds.labels("queue").observe(times.queue_s)
-        m.stage_seconds.labels("engine").observe(times.engine_s)
-        m.tokens.inc(total)
-        m.inputs.inc(len(prepared.inputs))
-        m.request_tokens.observe(total)
-        cut = [p for p in prepared.pairs if p.truncated]
-        if cut:
-            m.inputs_truncated.inc(len(cut))
-            m.tokens_truncated.inc(sum(p.original - p.kept for p in cut))
+
+def _naming(req: ScoreRequest) -> Naming:
+    """How errors name a score request's documents field, its pairs and the whole."""
+    docs = req.fields[1]
+    return Naming(
+        docs,
+        lambda i: f"the pair of the query and {docs}[{i}]",
+        f"the pairs of the request ('{docs}' with their queries) have",
+    )

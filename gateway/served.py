@@ -12,6 +12,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from embedserve.catalog import CatalogEntry
+from embedserve.config import GatewayLimits
 from embedserve.engines.client import EngineClient
 from embedserve.engines.pool import EnginePool
 from embedserve.engines.protocols import protocol_for
@@ -36,6 +37,7 @@ class ModelRuntime:
     entry: CatalogEntry
     info: ModelInfo
     engine_kind: str
+    limits: GatewayLimits
     pool: EnginePool
     coalescer: Coalescer
     admission: TokenAdmission
@@ -64,6 +66,7 @@ def build_runtime(
     settings = entry.settings
     gw, eng = settings.gateway, settings.engine
     entry.check_kind(info)
+    limits = entry.limits(engine_kind)
     pool = EnginePool(
         settings.engine_urls(),
         info.name,
@@ -73,26 +76,26 @@ def build_runtime(
         unreachable_after_failures=eng.unreachable_after_failures,
         client=engine_client,
         base64_vectors=eng.base64_vectors,
-        capacity_call_tokens=settings.engine_call_tokens(engine_kind) // 4,
+        capacity_call_tokens=limits.max_tokens_per_engine_call // 4,
         gpus=settings.engine_gpus() if engine_kind == "sglang" else None,
         protocol=protocol_for(info),
     )
     coalescer = Coalescer(
         pool.embed,
-        token_budget=settings.engine_call_tokens(engine_kind),
+        token_budget=limits.max_tokens_per_engine_call,
         max_wait_s=gw.batch_max_wait_ms / 1000,
-        max_concurrent_calls=settings.engine_calls(engine_kind) * len(pool.engines),
+        max_concurrent_calls=limits.engine_calls_per_engine * len(pool.engines),
         max_inputs_per_call=gw.max_inputs_per_engine_call,
     )
-    admission = TokenAdmission(entry.tokens_in_flight_limit(engine_kind))
+    admission = TokenAdmission(limits.max_tokens_in_flight)
     load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
     caller = EngineCaller(coalescer, admission, metrics, load, gw.request_timeout_s)
     tokenizer = ModelTokenizer(info.path, info.max_seq_len)
     pipeline = EmbeddingPipeline(
-        gw, info, tokenizer, caller, gate, metrics, executor, settings.inline_tokenize_limit(engine_kind)
+        gw, info, tokenizer, caller, gate, metrics, executor, limits.inline_tokenize_chars
     )
     scored = ScoredModel(info, scorer_for(info, tokenizer), caller)
-    return ModelRuntime(entry, info, engine_kind, pool, coalescer, admission, load, pipeline, scored)
+    return ModelRuntime(entry, info, engine_kind, limits, pool, coalescer, admission, load, pipeline, scored)
 
 
 def _names(runtimes: list[ModelRuntime]) -> str:

@@ -32,6 +32,26 @@ class UnknownTokens:
     tokens: int
     chars: int
 
+    @staticmethod
+    def of(*parts: UnknownTokens | None) -> UnknownTokens | None:
+        """The parts together (a pair's query and document), None when none has any."""
+        found = [p for p in parts if p]
+        return UnknownTokens(sum(p.tokens for p in found), sum(p.chars for p in found)) if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class ItemTokens:
+    """What a request reports for one of its items (an input embedded, a pair scored): its
+    tokens before and after truncation, and the unknown tokens among those kept."""
+
+    original_tokens: int
+    kept_tokens: int
+    unknown: UnknownTokens | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.original_tokens > self.kept_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class TokenizedInput:
@@ -42,6 +62,23 @@ class TokenizedInput:
     @property
     def truncated(self) -> bool:
         return self.original_tokens > len(self.ids)
+
+    def item(self) -> ItemTokens:
+        return ItemTokens(self.original_tokens, len(self.ids), self.unknown)
+
+
+def unknown_tokens(
+    tok: Tokenizer, unknown_id: int | None, text: str, kept: list[int]
+) -> UnknownTokens | None:
+    """The unknown tokens among ``kept`` (the first ids of ``text``, as ``tok`` encodes it without
+    special tokens) and the characters they cover; None when there are none. The fast batch
+    encoding has no offsets, so only a text that holds the unknown id is encoded again."""
+    if unknown_id is None or unknown_id not in kept:
+        return None
+    enc = tok.encode(text, add_special_tokens=False)
+    spans = [end - start for t, (start, end) in zip(enc.ids[: len(kept)], enc.offsets, strict=False)
+             if t == unknown_id]
+    return UnknownTokens(len(spans), sum(spans))
 
 
 def _read_json(path: Path) -> dict[str, object]:
@@ -99,23 +136,14 @@ class ModelTokenizer:
         cap = self.max_seq_len if max_seq_len is None else min(self.max_seq_len, max_seq_len)
         budget = max(cap - len(self.prefix) - len(self.suffix), 1)
         frame = len(self.prefix) + len(self.suffix)
-        unk = self.unknown_id
         out: list[TokenizedInput] = []
         encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         for text, enc in zip(texts, encodings, strict=True):
             ids = enc.ids
             kept = ids[:budget]
-            unknown = self._unknown(text, len(kept)) if unk is not None and unk in kept else None
+            unknown = unknown_tokens(self._tok, self.unknown_id, text, kept)
             out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unknown))
         return out
-
-    def _unknown(self, text: str, kept: int) -> UnknownTokens:
-        """The unknown tokens among the first ``kept`` of ``text`` and the characters they
-        cover (the fast batch encoding has no offsets, so this input is encoded again)."""
-        enc = self._tok.encode(text, add_special_tokens=False)
-        spans = [end - start for t, (start, end) in zip(enc.ids[:kept], enc.offsets, strict=False)
-                 if t == self.unknown_id]
-        return UnknownTokens(len(spans), sum(spans))
 
     def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
         """Client-sent ids are embedded as sent; when over-long, a leading prefix and a

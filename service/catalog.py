@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from embedserve.config import EngineSettings, Settings
+from embedserve.config import EngineSettings, GatewayLimits, Settings
 from embedserve.config.served import ServedModel
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
@@ -31,8 +31,9 @@ class CatalogEntry:
     def name(self) -> str:
         return self.settings.model.served_name
 
-    def tokens_in_flight_limit(self, engine_kind: str) -> int:
-        return self.max_tokens_in_flight or self.settings.tokens_in_flight_limit(engine_kind)
+    def limits(self, engine_kind: str) -> GatewayLimits:
+        """The gateway's limits in front of this model's engines."""
+        return self.settings.gateway_limits(engine_kind, self.max_tokens_in_flight)
 
     def check_kind(self, info: ModelInfo) -> None:
         """The folder is what the entry says it is."""

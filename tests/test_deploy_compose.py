@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.conftest import tool_missing
+from tests.conftest import RunningStack, free_port, metric_samples, tool_missing, wait_until
 
 yaml = pytest.importorskip("yaml")
 
@@ -200,3 +205,52 @@ def test_the_reranker_override_adds_an_engine_on_the_same_gpu_and_routes_to_it()
     (device,) = reranker["deploy"]["resources"]["reservations"]["devices"]
     assert device["device_ids"] == ["0"] and reranker["pid"] == "service:engine-gpu"
     assert reranker["environment"]["EMBEDSERVE_MODEL__PATH"] == models[1]["path"]
+
+
+#: the CPU stack's gateway limits, as `up` derives them in front of its own CPU engine
+CPU_LIMITS = {"engine_kind": "cpu", "engine_calls_per_engine": 1, "max_tokens_per_engine_call": 512,
+              "max_tokens_in_flight": 32_768, "inline_tokenize_chars": 2048}
+
+
+def _limits(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {k: v for k, v in metric_samples(text).items()
+            if k[0] in ("embedserve_gateway_limit", "embedserve_engine_kind")}
+
+
+def test_the_cpu_profiles_gateway_takes_the_cpu_engines_defaults(
+    minilm_stack: RunningStack, tmp_path: Path
+) -> None:
+    """gateway-cpu as compose.yaml sets it (engine kind external, no gateway overrides), in front
+    of a CPU engine (the one `up` started here, for the engine-cpu container): the engine says
+    what it is, so `embedserve config` and /metrics show the CPU stack's limits, as `up` has them."""
+    compose_env = _in_profile("cpu")["gateway-cpu"]["environment"]
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("EMBEDSERVE_")},
+        **{k: re.sub(r"\$\{[^:}]+:-([^}]*)\}", r"\1", str(v)) for k, v in compose_env.items()},
+        "EMBEDSERVE_ENGINE__URLS": json.dumps([minilm_stack.engine_url]),
+        "EMBEDSERVE_ENGINE__STATS_DIR": str(minilm_stack.stats_dir),
+        "EMBEDSERVE_GATEWAY__HOST": "127.0.0.1",
+        "EMBEDSERVE_GATEWAY__PORT": str(port),
+        "EMBEDSERVE_HEALTH__PERSIST_PATH": str(tmp_path / "history.json"),
+    }
+    assert env["EMBEDSERVE_ENGINE__KIND"] == "external"
+    overrides = [k for k in compose_env if k.startswith("EMBEDSERVE_GATEWAY__")]
+    assert overrides == ["EMBEDSERVE_GATEWAY__HOST", "EMBEDSERVE_GATEWAY__PORT"]  # no limits set
+    cli = [sys.executable, "-m", "embedserve.runtime.cli"]
+    shown = subprocess.run([*cli, "config"], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(shown.stdout)["limits"] == {"all-MiniLM-L6-v2": CPU_LIMITS}
+    log = (tmp_path / "gateway.log").open("wb")
+    gateway = subprocess.Popen([*cli, "gateway"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: "embedserve is up" in (tmp_path / "gateway.log").read_text(), timeout=60)
+        ours = _limits(httpx.get(url + "/metrics", timeout=10).text)
+        assert ours == _limits(httpx.get(minilm_stack.url + "/metrics", timeout=10).text)
+        labels = frozenset({("model", "all-MiniLM-L6-v2"), ("limit", "max_tokens_in_flight")})
+        assert ours[("embedserve_gateway_limit", labels)] == 32_768
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(30)
+        log.close()

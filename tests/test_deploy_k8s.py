@@ -233,6 +233,8 @@ def test_stats_dir_shared_between_engine_and_gateway():
     gw = _env(c["gateway"])
     assert json.loads(gw["EMBEDSERVE_ENGINE__URLS"]) == ["http://127.0.0.1:30000"]
     assert gw["EMBEDSERVE_ENGINE__KIND"] == "external"
+    # The gateway takes its engine's defaults without waiting for it to answer: it names its kind.
+    assert gw["EMBEDSERVE_ENGINE__EXTERNAL_KIND"] == _env(c["engine"])["EMBEDSERVE_ENGINE__KIND"]
 
 
 def test_settings_in_the_manifests_parse(monkeypatch):

@@ -5,19 +5,24 @@ passed in, and engines are fakes."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from embedserve.config import Settings
-from embedserve.contracts.memory import MemoryReport
+from embedserve.contracts.memory import GpuDevice, MemoryReport, ProcessMemory
 from embedserve.engines import sglang as sglang_launch
 from embedserve.engines.launch import engine_launch
 from embedserve.engines.pool import EnginePool
 from embedserve.engines.sizing import ModelShape, SizingError, engine_memory, plan_engines_per_gpu
+from embedserve.health.sources.nvml import GpuReading
 from embedserve.model_info import ModelInfo
 from embedserve.runtime import replace
 from embedserve.runtime.model_plan import resolve_engines_per_gpu
@@ -248,3 +253,37 @@ def test_replacement_port_comes_after_every_local_engine() -> None:
                                       lambda i, p: None, None, None, None, None)  # type: ignore[arg-type, return-value]
     replacer.count = 1
     assert replacer._spare_port() == 30004
+
+
+def test_the_replacers_readings_run_in_a_thread_not_on_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The /proc walk and NVML block: the replacer reads them off the gateway's loop."""
+    read_on: list[threading.Thread] = []
+
+    def processes(named: dict[str, int]) -> tuple[dict[str, ProcessMemory], dict[str, str]]:
+        read_on.append(threading.current_thread())
+        return {n: ProcessMemory(name=n, pid=p, rss_bytes=1, own_rss_bytes=1, pids=[p])
+                for n, p in named.items()}, {}
+
+    class Nvml:
+        def read(self) -> GpuReading:
+            read_on.append(threading.current_thread())
+            return GpuReading(True, devices=[GpuDevice(index=0, name="gpu", total_bytes=100, used_bytes=50,
+                                                       free_bytes=50, processes={11: 10, 12: 30})])
+
+    monkeypatch.setattr(replace, "read_processes", processes)
+    monkeypatch.setattr(replace, "NvmlSource", Nvml)
+    settings = Settings(engine={"replicas": 1, "engines_per_gpu": 2},
+                        health={"replace_min_age_s": 0, "replace_cooldown_s": 0})
+    supervisors: list[Any] = [SimpleNamespace(name=f"sglang-{i}", pid=11 + i) for i in range(2)]
+    replacer = replace.EngineReplacer(settings, EnginePool([], "m", request_timeout_s=1), supervisors,
+                                      lambda i, p: None, None, None, None, None)  # type: ignore[arg-type, return-value]
+
+    async def check() -> tuple[replace.Due | None, threading.Thread]:
+        found: Any = replacer.check(report_binding("gpu:0"))
+        return (await found) if inspect.isawaitable(found) else found, threading.current_thread()
+
+    d, loop_thread = asyncio.run(check())
+    assert d is not None and d.index == 1  # the engine holding most of GPU 0
+    assert read_on and loop_thread not in read_on

@@ -403,3 +403,15 @@ def test_query_options_on_a_model_without_instructions_change_nothing(
         assert r.json()["data"][0]["embedding"] == plain.json()["data"][0]["embedding"]
     assert engine.calls[-1] == engine.calls[0]  # the same ids reached the engine
     assert "x-embedserve-instruction" not in plain.headers
+
+
+def test_a_replaced_engine_leaves_no_ready_series_behind(client: TestClient) -> None:
+    """Engine gauges come from the engines the pool holds at scrape time: once an engine is
+    replaced, its series is gone instead of keeping its last value."""
+    pool = client.app.state.pool  # type: ignore[attr-defined]
+    assert metric(client.get("/metrics").text, "embedserve_engine_ready", engine="http://fake-engine") == 1
+    pool.add("http://fake-engine-2", ready=False)
+    pool.remove("http://fake-engine")
+    text = client.get("/metrics").text
+    assert metric(text, "embedserve_engine_ready", engine="http://fake-engine-2") == 0
+    assert "http://fake-engine\"" not in text

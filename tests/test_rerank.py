@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from embedserve.gateway.tokenize import ModelTokenizer
-from tests.conftest import MINILM_DIR, metric, wait_until
+from tests.conftest import MINILM_DIR, metric, metric_samples, wait_until
 from tests.fake_engine import FakeEngine, fake_vector
 from tests.test_gateway_unit import assert_error, make_client, wait_ready
 
@@ -191,3 +191,43 @@ def test_engine_failure_is_503_and_warming_up_is_503(client: TestClient, engine:
     client.app.state.gate.close("warming up")  # type: ignore[attr-defined]
     r = client.post("/v1/score", json={"text_1": QUERY, "text_2": DOCS})
     assert assert_error(r, 503)["code"] == "warming_up" and r.headers["retry-after"]
+
+
+#: what the engines did, as /metrics counts it for every route
+ENGINE_WORK = (
+    "embedserve_tokens_total", "embedserve_inputs_total", "embedserve_request_tokens_count",
+    "embedserve_inputs_truncated_total", "embedserve_truncated_tokens_total",
+    "embedserve_inputs_with_unknown_tokens_total", "embedserve_unknown_token_chars_total",
+    "embedserve_stage_seconds_count", "embedserve_model_tokens_total", "embedserve_model_requests_total",
+)
+
+
+def _moved(client: TestClient, path: str, body: dict[str, Any]) -> tuple[set[str], Any]:
+    """The engine-work series one request moved, and its response."""
+    before = metric_samples(client.get("/metrics").text)
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    after = metric_samples(client.get("/metrics").text)
+    moved = {name for (name, labels), v in after.items()
+             if name in ENGINE_WORK and v != before.get((name, labels), 0.0)}
+    return moved, r
+
+
+def test_scores_count_what_embeddings_count(client: TestClient) -> None:
+    """One shared step: a score request over a cut document and one with text the tokenizer
+    cannot spell moves every series an embeddings request over the same texts moves, and
+    reports the same headers."""
+    texts = ["word " * 600, "hello \U0001F600 world"]
+    embedded, e = _moved(client, "/v1/embeddings", {"model": MODEL, "input": [QUERY, *texts]})
+    scored, s = _moved(client, "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": texts})
+    assert embedded == scored == set(ENGINE_WORK)
+    ours = {h for h in e.headers if h.startswith("x-embedserve-")}
+    assert ours == {h for h in s.headers if h.startswith("x-embedserve-")} - {"x-embedserve-score"}
+    assert s.headers["x-embedserve-unknown-token-inputs"] == "1"
+    before = metric_samples(client.get("/metrics").text)
+    client.post("/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": texts[1]})
+    text = client.get("/metrics").text
+    no_labels: frozenset[tuple[str, str]] = frozenset()
+    unknown = before[("embedserve_inputs_with_unknown_tokens_total", no_labels)]
+    assert metric(text, "embedserve_inputs_with_unknown_tokens_total") == unknown + 1
+    assert metric(text, "embedserve_model_requests_total", model=MODEL, route="score") >= 1

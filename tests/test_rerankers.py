@@ -32,6 +32,7 @@ from embedserve.gateway.pairs import (
     load_tokenizer,
     longest_first,
 )
+from embedserve.gateway.tokenize import UnknownTokens
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
 from tests.conftest import CROSS_ENCODER, MINILM_DIR, QWEN3_RERANKER, RunningStack, start_stack, wait_until
@@ -247,6 +248,16 @@ def test_a_special_token_in_the_text_cannot_move_the_pair_frame() -> None:
     pairs = CrossEncoderPairs(MINILM_DIR, 512)
     (pair,) = pairs.encode(["a [SEP] query [CLS]"], ["a [SEP] document"], [0])
     assert pair.ids.count(102) == 2 and pair.ids[0] == 101 and pair.ids[-1] == 102
+
+
+def test_a_cross_encoders_pairs_say_what_their_tokenizer_could_not_spell() -> None:
+    """As /v1/embeddings reports its inputs: the unknown tokens a pair keeps, query and document
+    together, and the characters they stand for."""
+    pairs = CrossEncoderPairs(MINILM_DIR, 512)
+    with_unknown, plain = pairs.encode(["tea \U0001F600"], ["hello \U0001F600 world", "plain"], [0, 0])
+    assert with_unknown.unknown == UnknownTokens(2, 2) and plain.unknown == UnknownTokens(1, 1)
+    (none,) = pairs.encode(["tea"], ["plain"], [0])
+    assert none.unknown is None
 
 
 def test_model_folders_are_told_apart(

@@ -254,6 +254,7 @@ def test_register_hooks_only_for_embedserve_engines(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
     sglang_plugin.register()
     assert [(t, h) for t, h, _ in registered] == [
+        (sglang_plugin.BATCH_HOOK_TARGET, sglang_plugin.after_batch_release),
         (sglang_plugin.BATCH_HOOK_TARGET, sglang_plugin.after_batch),
         (sglang_plugin.IDLE_HOOK_TARGET, sglang_plugin.after_idle),
     ]
@@ -362,15 +363,65 @@ def test_a_full_prefill_only_running_batch_is_released_once_it_holds_finished_re
         assert batch.batch_is_full is (False if released else was_full)
 
 
-def test_the_batch_hook_releases_the_running_batch_and_still_counts_it(
+def _batch_hooks(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The AFTER hooks ``register()`` puts on the batch target, in the order SGLang chains them."""
+    registered = _fake_sglang(monkeypatch)
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
+    sglang_plugin.register()
+    return [h for t, h, _ in registered if t == sglang_plugin.BATCH_HOOK_TARGET]
+
+
+def test_the_batch_hooks_release_the_running_batch_and_still_count_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    monkeypatch.chdir(tmp_path)
     policy = CachePolicy(every_n_batches=0, fragmentation_ratio=None, unused_reserve_bytes=None)
     mon = Monitor(FakeCuda(), policy, str(tmp_path), 1.0)
     monkeypatch.setattr(sglang_plugin, "_monitor", mon)
+    hooks = _batch_hooks(monkeypatch)
+
+    def process(*args: Any) -> None:
+        for hook in hooks:
+            hook(None, *args)
+
     batch = _Batch([_Req(True), _Req(False)])
-    sglang_plugin.after_batch(None, _Scheduler(batch), "batch", "result")
+    process(_Scheduler(batch), "batch", "result")
     assert batch.batch_is_full is False and mon.stats.batches == 1
-    sglang_plugin.after_batch(None, object(), "batch", "result")  # no running batch: no error
-    sglang_plugin.after_batch(None)  # no scheduler at all
+    process(object(), "batch", "result")  # no running batch: no error
+    process()  # no scheduler at all
     assert mon.stats.batches == 3
+
+
+class _BrokenReq:
+    def finished(self) -> bool:
+        raise AttributeError("'Req' object has no attribute 'finished_reason'")
+
+
+def test_a_failed_release_is_raised_and_logged_every_time_whatever_the_statistics_did(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Statistics give up logging after a few errors and never stop the engine; the release is
+    correctness-critical, so each failure is logged and stops the scheduler (SGLang then stops
+    its server, and the engine is restarted), even after the statistics' errors went quiet."""
+    monkeypatch.chdir(tmp_path)
+
+    class Boom(FakeCuda):
+        def memory_stats(self) -> dict[str, Any]:
+            raise RuntimeError("allocator exploded")
+
+    policy = CachePolicy(every_n_batches=1, fragmentation_ratio=None, unused_reserve_bytes=None)
+    monkeypatch.setattr(sglang_plugin, "_monitor", Monitor(Boom(), policy, str(tmp_path), 0.0))
+    monkeypatch.setattr(sglang_plugin, "_errors", 0)
+    hooks = _batch_hooks(monkeypatch)
+    healthy = _Scheduler(_Batch([_Req(False)]))
+    for _ in range(10):  # the statistics fail past their logging budget, quietly
+        for hook in hooks:
+            hook(None, healthy, "batch", "result")
+    assert sglang_plugin._errors == 10
+    broken = _Scheduler(_Batch([_BrokenReq()]))  # type: ignore[list-item]
+    for attempt in (1, 2):
+        caplog.clear()
+        with pytest.raises(AttributeError):
+            for hook in hooks:
+                hook(None, broken, "batch", "result")
+        assert [r.levelname for r in caplog.records if "22518" in r.getMessage()] == ["CRITICAL"], attempt

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from embedserve.config.controller import ControllerSettings
@@ -31,6 +31,7 @@ __all__ = [
     "CacheClearSettings",
     "ControllerSettings",
     "EngineSettings",
+    "GatewayLimits",
     "GatewaySettings",
     "HealthSettings",
     "ModelSettings",
@@ -42,6 +43,17 @@ __all__ = [
 
 #: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
 CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
+
+
+class GatewayLimits(BaseModel):
+    """What the gateway's settings come to in front of one model's engines (their defaults follow
+    the engines' kind): shown by ``embedserve config`` and exported in ``/metrics``."""
+
+    engine_kind: str  # cpu, sglang, or external (engines elsewhere that did not say)
+    engine_calls_per_engine: int
+    max_tokens_per_engine_call: int
+    max_tokens_in_flight: int
+    inline_tokenize_chars: int
 
 
 class Settings(BaseSettings):
@@ -76,25 +88,43 @@ class Settings(BaseSettings):
             )
         return self
 
+    def gateway_kind(self, engine_kind: str) -> str:
+        """The engine kind whose defaults the gateway takes: engines elsewhere (``external``)
+        count as what they said they are (``engine.external_kind``), once known."""
+        if engine_kind == "external" and self.engine.external_kind != "ask":
+            return self.engine.external_kind
+        return engine_kind
+
     def tokens_in_flight_limit(self, engine_kind: str) -> int:
         if self.gateway.max_tokens_in_flight is not None:
             return self.gateway.max_tokens_in_flight
-        return 32_768 if engine_kind == "cpu" else 262_144
+        return 32_768 if self.gateway_kind(engine_kind) == "cpu" else 262_144
 
     def inline_tokenize_limit(self, engine_kind: str) -> int:
         if self.gateway.inline_tokenize_chars is not None:
             return self.gateway.inline_tokenize_chars
-        return 2048 if engine_kind == "cpu" else 0
+        return 2048 if self.gateway_kind(engine_kind) == "cpu" else 0
 
     def engine_calls(self, engine_kind: str) -> int:
         if self.gateway.engine_calls_per_engine is not None:
             return self.gateway.engine_calls_per_engine
-        return 1 if engine_kind == "cpu" else 4
+        return 1 if self.gateway_kind(engine_kind) == "cpu" else 4
 
     def engine_call_tokens(self, engine_kind: str) -> int:
         if self.gateway.max_tokens_per_engine_call is not None:
             return self.gateway.max_tokens_per_engine_call
-        return 512 if engine_kind == "cpu" else self.engine.batch_token_budget
+        return 512 if self.gateway_kind(engine_kind) == "cpu" else self.engine.batch_token_budget
+
+    def gateway_limits(self, engine_kind: str, tokens_in_flight: int | None = None) -> GatewayLimits:
+        """The gateway's limits in front of engines of ``engine_kind``, defaults resolved;
+        ``tokens_in_flight``: a served model's own admission bound."""
+        return GatewayLimits(
+            engine_kind=self.gateway_kind(engine_kind),
+            engine_calls_per_engine=self.engine_calls(engine_kind),
+            max_tokens_per_engine_call=self.engine_call_tokens(engine_kind),
+            max_tokens_in_flight=tokens_in_flight or self.tokens_in_flight_limit(engine_kind),
+            inline_tokenize_chars=self.inline_tokenize_limit(engine_kind),
+        )
 
     def hang_after_s(self) -> float:
         return self.health.hang_after_s or 4 * self.gateway.request_timeout_s

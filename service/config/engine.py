@@ -36,6 +36,14 @@ class EngineSettings(BaseModel):
     urls: list[str] = Field(
         default_factory=list, description="engines to use instead of starting one (external)"
     )
+    external_kind: Literal["ask", "cpu", "sglang"] = Field(
+        "ask",
+        description="what the engines at urls are, which sets the gateway's defaults as for engines "
+        "`up` starts (engine calls, tokens per call, tokens in flight, inline tokenising). ask: "
+        "the gateway asks them (GET /get_model_info) before it serves, waiting up to "
+        "startup_timeout_s; cpu or sglang: it does not ask (a gateway that must listen while its "
+        "engine still starts)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535)
     replicas: int = Field(

@@ -40,6 +40,17 @@ class EngineRequest(BaseModel):
         return [x for x in self.input if isinstance(x, list)]
 
 
+class EngineInfo(BaseModel):
+    """``GET {engine}/get_model_info``, read by a gateway in front of engines it did not start to
+    learn what they are (``engine.external_kind``). The CPU engine says ``engine: "cpu"``;
+    SGLang's own answer has no such field, so an answer without it is SGLang's."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str = ""
+    engine: Literal["cpu", "sglang"] = "sglang"
+
+
 def encode_request(model: str, batch: list[list[int]], base64_vectors: bool = True) -> bytes:
     body: dict[str, object] = {"model": model, "input": batch}
     if base64_vectors:

@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import orjson
 import psutil
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
@@ -157,10 +156,10 @@ def create_engine_app(
     @app.get("/get_model_info")
     async def model_info() -> Response:
         e: CpuEmbedder = state["embedder"]
-        return Response(
-            orjson.dumps({"model_path": e.path, "is_generation": False, "hidden_size": e.dimension}),
-            media_type="application/json",
+        info = wire.EngineInfo.model_validate(
+            {"model_path": str(e.path), "engine": "cpu", "is_generation": False, "hidden_size": e.dimension}
         )
+        return Response(info.model_dump_json(), media_type="application/json")
 
     def _problem(e: CpuEmbedder, batch: list[list[int]]) -> Response | None:
         """What SGLang would refuse in these inputs (the gateway never sends it)."""

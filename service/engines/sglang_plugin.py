@@ -3,7 +3,7 @@
 Entry point ``embedserve = embedserve.engines.sglang_plugin:register`` in group ``sglang.srt.plugins``
 (pyproject.toml). SGLang 0.5.17 calls ``sglang.srt.plugins.load_plugins()`` in the server
 process and again at the top of ``run_scheduler_process`` in every scheduler process; our
-``register()`` adds two AFTER hooks with ``HookRegistry``:
+``register()`` adds AFTER hooks with ``HookRegistry``:
 
 * ``Scheduler.process_batch_result``: runs once per forward batch, after its results
   (embeddings) have been handed on, in both the normal and the overlap event loop. We
@@ -12,21 +12,25 @@ process and again at the top of ``run_scheduler_process`` in every scheduler pro
 * ``Scheduler.on_idle``: the loop's idle branch, so statistics stay fresh when no traffic
   comes.
 
-The batch hook also mends sglang#22518 for the overlap scheduler (``engine.overlap_schedule``):
-there the next batch is built before the last one's results are processed, so the running
-batch still holds the last batch's requests when it fills ``--max-running-requests`` and sets
-``batch_is_full``; SGLang 0.5.17 clears that flag for a prefill-only running batch only once it
-is empty (``managers/scheduler.py:3009``), and an engine that builds no batch meanwhile stops
-taking work. Once a processed batch has finished requests in the running batch, the flag is
-cleared (as upstream's fix does when the running batch shrinks): the next
-``get_new_batch_prefill`` filters them out and counts the free room again.
+A third hook, an AFTER hook of its own on ``Scheduler.process_batch_result``, mends
+sglang#22518 for the overlap scheduler (``engine.overlap_schedule``): there the next batch is
+built before the last one's results are processed, so the running batch still holds the last
+batch's requests when it fills ``--max-running-requests`` and sets ``batch_is_full``; SGLang
+0.5.17 clears that flag for a prefill-only running batch only once it is empty
+(``managers/scheduler.py:3009``), and an engine that builds no batch meanwhile stops taking
+work. Once a processed batch has finished requests in the running batch, the flag is cleared
+(as upstream's fix does when the running batch shrinks): the next ``get_new_batch_prefill``
+filters them out and counts the free room again.
 
 In a leak drill (``embedserve up --drill-leak RATE`` sets ``EMBEDSERVE_DRILL_LEAK_BYTES_PER_S``
-on the engines it starts) both hooks also grow GPU memory at that rate, held as tensors.
+on the engines it starts) the two statistics hooks also grow GPU memory at that rate, held as tensors.
 
 The model's memory lives in the scheduler process, so this is the only place where
-``torch.cuda.memory_stats()`` sees it. Nothing here may break the scheduler: every hook
-body is wrapped, logs its first errors and carries on. Without CUDA it does nothing.
+``torch.cuda.memory_stats()`` sees it. Statistics may never break the scheduler: their hook
+bodies are wrapped, log their first errors and carry on; without CUDA they do nothing. The
+release is the opposite: without it the engine may stop taking work with nothing in its log, so
+a failure there is logged and raised, SGLang's scheduler stops its server on it, and the engine
+is restarted (by ``up``'s supervisor, or Kubernetes) with the traceback in its log.
 The plugin is active only in engines launched by ``embedserve.engines.sglang`` (which sets
 ``EMBEDSERVE_ENGINE__KIND=sglang``), not in an unrelated SGLang that happens to share the
 environment where embedserve is installed.
@@ -226,13 +230,11 @@ def _get_monitor() -> Monitor | None:
     return _monitor
 
 
-def _guarded(method: str, scheduler: Any = None) -> None:
-    """The monitor's ``method`` (and, given the scheduler, its full running batch released),
-    errors logged and swallowed: nothing here may break the scheduler."""
+def _guarded(method: str) -> None:
+    """The monitor's ``method``, errors logged (the first few) and swallowed: statistics never
+    break the scheduler."""
     global _errors
     try:
-        if scheduler is not None:
-            release_full_running_batch(scheduler)
         mon = _get_monitor()
         if mon is not None:
             getattr(mon, method)()
@@ -254,10 +256,25 @@ def release_full_running_batch(scheduler: Any) -> bool:
     return True
 
 
-def after_batch(_result: Any, *args: Any, **_kwargs: Any) -> None:
-    """AFTER hook on ``Scheduler.process_batch_result`` (``args[0]`` is the scheduler);
+def after_batch_release(_result: Any, *args: Any, **_kwargs: Any) -> None:
+    """AFTER hook on ``Scheduler.process_batch_result`` (``args[0]`` is the scheduler): the full
+    running batch released. A failure is logged, every time, and raised (module docstring)."""
+    if not args:
+        return
+    try:
+        release_full_running_batch(args[0])
+    except Exception:
+        log.critical(
+            "embedserve plugin: releasing the full running batch (sglang#22518) failed; stopping "
+            "the scheduler rather than leave an engine that may take no more work", exc_info=True,
+        )
+        raise
+
+
+def after_batch(_result: Any, *_args: Any, **_kwargs: Any) -> None:
+    """AFTER hook on ``Scheduler.process_batch_result``: statistics and cache clearing;
     returns None (result unchanged)."""
-    _guarded("on_batch", args[0] if args else None)
+    _guarded("on_batch")
 
 
 def after_idle(_result: Any, *_args: Any, **_kwargs: Any) -> None:
@@ -285,6 +302,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(BATCH_HOOK_TARGET, after_batch_release, HookType.AFTER)
     HookRegistry.register(BATCH_HOOK_TARGET, after_batch, HookType.AFTER)
     HookRegistry.register(IDLE_HOOK_TARGET, after_idle, HookType.AFTER)
     if slots := pooled_row_slots(settings):

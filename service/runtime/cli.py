@@ -136,8 +136,18 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
             "--drill-leak needs engines that up starts, not --engine-url or engine kind 'external'"
         )
     from embedserve.runtime.event_loop import run_on
+    from embedserve.runtime.identify import identify_engines
+    from embedserve.runtime.supervisor import EngineStartError
 
-    return run_on(settings.gateway.event_loop, run_stack(settings, drill_leak=leak))
+    async def serve() -> int:
+        try:  # engines elsewhere say what they are before the gateway derives its limits
+            told = await identify_engines(settings)
+        except EngineStartError as exc:
+            print(f"embedserve: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return await run_stack(told, drill_leak=leak)
+
+    return run_on(settings.gateway.event_loop, serve())
 
 
 def _up(argv: list[str]) -> int:
@@ -162,10 +172,31 @@ def _config(argv: list[str]) -> int:
         model["folder"] = str(model_folder(settings.model).resolve())
     except ConfigError as exc:
         model["folder"] = f"none: {exc}"
+    shown["limits"] = _limits(settings)
     import json
 
     print(json.dumps(shown, indent=2))
     return 0
+
+
+def _limits(settings: Any) -> dict[str, object]:
+    """Each model's gateway limits as the gateway would resolve them: engines elsewhere are asked
+    once what they are (the gateway itself waits for their answer)."""
+    import asyncio
+
+    from embedserve.catalog import served_models
+    from embedserve.runtime.identify import identify_engines
+    from embedserve.runtime.model_plan import resolve_engine_kind
+    from embedserve.runtime.supervisor import EngineStartError
+
+    shown: dict[str, object] = {}
+    try:
+        settings = asyncio.run(identify_engines(settings, wait_s=0))
+    except EngineStartError as exc:
+        shown["unresolved"] = f"{exc}; until they answer, the defaults below are SGLang's"
+    for entry in served_models(settings):
+        shown[entry.name] = entry.limits(resolve_engine_kind(entry.settings)).model_dump()
+    return shown
 
 
 # Commands run here: name -> (function, one-line help).

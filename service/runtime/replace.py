@@ -85,9 +85,11 @@ class EngineReplacer:
         on_replaced: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         spare_ports: tuple[int, int] | None = None,
+        nvml: NvmlSource | None = None,
     ) -> None:
         """``spare_ports``: (first, step) of the ports replacements listen on; default: the ones
-        after this model's engines (several models: each its own series past all their engines)."""
+        after this model's engines (several models: each its own series past all their engines).
+        ``nvml``: the GPU source, opened once and read from a thread."""
         self.spare_ports = spare_ports or (settings.engine.port + settings.local_engine_count(), 1)
         self.settings = settings
         self.pool = pool
@@ -98,53 +100,53 @@ class EngineReplacer:
         self.open_gate = open_gate
         self.on_replaced = on_replaced
         self.clock = clock
+        self.nvml = nvml or NvmlSource()
         self.started_at = [clock()] * len(supervisors)
         self.last = float("-inf")
         self.count = 0
 
-    def check(self, report: MemoryReport | None) -> Due | None:
+    async def check(self, report: MemoryReport | None) -> Due | None:
+        """Which engine to replace now, if any; the readings (the engines' processes from /proc, NVML
+        when a GPU runs out) run in a thread, never on the gateway's event loop."""
         now = self.clock()
-        rss = [self._rss(s) for s in self.supervisors]
+        gpu = report is not None and (report.binding_resource or "").startswith("gpu:")
+        families, devices = await asyncio.to_thread(self._read, list(self.supervisors), gpu)
+        rss = [f.rss_bytes if f else 0 for f in families]
         ages = [now - t for t in self.started_at]
-        gpu_held = None
-        if report is not None and (report.binding_resource or "").startswith("gpu:"):
-            devices = NvmlSource().read().devices
-            gpu_held = [self._gpu_held(s, devices, self.settings.engine_gpu(i))
-                        for i, s in enumerate(self.supervisors)]
+        gpu_held = (
+            [self._gpu_held(f, devices, self.settings.engine_gpu(i)) for i, f in enumerate(families)]
+            if gpu else None
+        )
         return due(report, self.settings, rss, ages, now - self.last, gpu_held)
 
+    def _read(
+        self, supervisors: list[ProcessSupervisor], gpu: bool
+    ) -> tuple[list[ProcessMemory | None], list[GpuDevice]]:
+        """Blocking: each engine and its children, as health counts them (one walk of /proc for
+        all), and the GPUs when asked for."""
+        found, _ = read_processes({s.name: s.pid or 0 for s in supervisors})
+        devices = self.nvml.read().devices if gpu else []
+        return [found.get(s.name) for s in supervisors], devices
+
     @staticmethod
-    def _family(sup: ProcessSupervisor) -> ProcessMemory | None:
-        """The engine and its children, as health counts them."""
-        found, _ = read_processes({sup.name: sup.pid or 0})
-        return found.get(sup.name)
-
-    @classmethod
-    def _rss(cls, sup: ProcessSupervisor) -> int:
-        proc = cls._family(sup)
-        return proc.rss_bytes if proc else 0
-
-    @classmethod
-    def _gpu_held(cls, sup: ProcessSupervisor, devices: list[GpuDevice], index: int) -> int:
+    def _gpu_held(family: ProcessMemory | None, devices: list[GpuDevice], index: int) -> int:
         """What the engine's processes hold on GPU ``index`` (NVML)."""
-        proc = cls._family(sup)
         device = next((d for d in devices if d.index == index), None)
-        if device is None or proc is None:
+        if device is None or family is None:
             return 0
-        return sum(b for pid, b in device.processes.items() if pid in proc.pids)
+        return sum(b for pid, b in device.processes.items() if pid in family.pids)
 
-    @classmethod
-    def _room(cls, old: ProcessSupervisor, resource: str) -> bool:
-        """Whether a replacement fits beside ``old`` on the resource that runs out: a fresh
-        engine needs at most what the old one holds now (its leak included). Other engines
+    def _room(self, old: ProcessSupervisor, resource: str) -> bool:
+        """Blocking: whether a replacement fits beside ``old`` on the resource that runs out: a
+        fresh engine needs at most what the old one holds now (its leak included). Other engines
         on the same GPU are in the device's used memory already."""
-        if not resource.startswith("gpu:"):
-            proc = cls._family(old)
-            return psutil.virtual_memory().available > 1.5 * (proc.rss_bytes if proc else 0)
+        gpu = resource.startswith("gpu:")
+        (family,), devices = self._read([old], gpu)
+        if not gpu:
+            return psutil.virtual_memory().available > 1.5 * (family.rss_bytes if family else 0)
         index = int(resource.split(":")[1])
-        devices = NvmlSource().read().devices
         device = next((d for d in devices if d.index == index), None)
-        held = cls._gpu_held(old, devices, index)
+        held = self._gpu_held(family, devices, index)
         return device is not None and held > 0 and device.free_bytes > held
 
     def _spare_port(self) -> int:
@@ -157,7 +159,7 @@ class EngineReplacer:
     async def replace(self, d: Due) -> None:
         old = self.supervisors[d.index]
         old_url = old.ready_url.removesuffix("/health")
-        room = self._room(old, d.resource)
+        room = await asyncio.to_thread(self._room, old, d.resource)
         gpu = self.pool.by_url(old_url).gpu
         log.warning("replacing an engine before it runs out of memory",
                     extra={"engine": old.name, "reason": d.reason, "beside": room})
@@ -218,7 +220,7 @@ async def run_replacers(
         await asyncio.sleep(interval_s)
         current = report()
         for r in replacers:
-            d = r.check(current)
+            d = await r.check(current)
             if d is None:
                 continue
             try:
