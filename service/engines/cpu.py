@@ -181,22 +181,26 @@ def create_engine_app(
 
     async def _rows(request: Request, batch: list[list[int]]) -> np.ndarray | Response:
         """The model's rows for ``batch``, or the response that answers instead (a refusal, or
-        499 when the caller left: the work stops at the next micro-batch)."""
+        499 when the caller left). When the caller leaves or this handler is cancelled (the
+        server stopping), the work stops at the next micro-batch."""
         e: CpuEmbedder = state["embedder"]
         problem = _problem(e, batch)
         if problem is not None:
             return problem
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # CallCancelled: retrieved
         watch = asyncio.ensure_future(wait_disconnect(request))
         racers: list[asyncio.Future[Any]] = [job, watch]
-        await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
-        if not job.done():
-            cancelled.set()
-            with contextlib.suppress(CallCancelled):
-                await job
+        try:
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not job.done():
+                cancelled.set()
+        if not job.done():  # the caller left: answer once the thread has stopped
+            await asyncio.wait([job])
             return Response(status_code=499)
-        watch.cancel()
         stats.batches += 1
         matrix: np.ndarray = job.result()
         return matrix
