@@ -19,17 +19,18 @@ def crashes(record: logging.LogRecord) -> bool:
 def test_a_crash_is_logged_with_its_context_and_the_task_restarts(caplog: pytest.LogCaptureFixture) -> None:
     runs: list[int] = []
     told: list[BaseException] = []
+    third = asyncio.Event()
 
     async def flaky() -> None:
         runs.append(1)
         if len(runs) < 3:
             raise RuntimeError(f"crash {len(runs)}")
+        third.set()
         await asyncio.Event().wait()  # the third run stays up
 
     async def go() -> None:
         task = start_task("flaky", flaky, context={"model": "m"}, restart_after_s=0, on_crash=told.append)
-        while len(runs) < 3:
-            await asyncio.sleep(0)
+        await third.wait()
         await stop_tasks(task)
         assert task.done()
 

@@ -29,7 +29,7 @@ def kill_hung(supervisors: Sequence[ProcessSupervisor], pool: EnginePool, now: f
 
 
 async def watch_hung(
-    models: list[Engines], hang_after_s: float, clock: Callable[[], float] = time.monotonic
+    models: Sequence[Engines], hang_after_s: float, clock: Callable[[], float] = time.monotonic
 ) -> None:
     after = 1.5 * hang_after_s
     while True:
