@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings, load_settings
 from embedserve.contracts import score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
@@ -128,11 +129,14 @@ def create_engine_app(
         loop = asyncio.get_running_loop()
         state["embedder"] = embedder or await loop.run_in_executor(executor, CpuEmbedder, settings)
         stats_dir = settings.engine.stats_dir
-        publisher = asyncio.create_task(publish_stats(stats_dir)) if stats_dir else None
+        publisher = None
+        if stats_dir:
+            publisher = start_task("publish-stats", lambda: publish_stats(stats_dir),
+                                   restart_after_s=settings.engine.stats_interval_s)
         leak = None
         if drill_leak_bytes_per_s:
             log.warning("leak drill: growing on purpose", extra={"bytes_per_s": drill_leak_bytes_per_s})
-            leak = asyncio.create_task(Leak(drill_leak_bytes_per_s).run())
+            leak = start_task("leak-drill", Leak(drill_leak_bytes_per_s).run)
         log.info(
             "cpu engine ready",
             extra={"model": state["embedder"].path, "backend": state["embedder"].forward.description},
@@ -140,9 +144,7 @@ def create_engine_app(
         try:
             yield
         finally:
-            for task in (publisher, leak):
-                if task:
-                    task.cancel()
+            await stop_tasks(publisher, leak)
             executor.shutdown(wait=False, cancel_futures=True)
             if stats_dir:
                 stats_path(stats_dir, os.getpid()).unlink(missing_ok=True)
