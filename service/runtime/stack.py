@@ -125,10 +125,10 @@ class Owned:
 
 async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
     """Exit status: 0 after a clean stop of a stack that was up, 130 (SIGINT) or 143 (SIGTERM)
-    when a signal stopped it before it was up, 1 when an engine failed to start or a task the
-    stack cannot serve without crashed (its traceback logged), 2 when a port
-    is taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
-    on purpose (a leak drill)."""
+    when a signal stopped it before it was up, 1 when an engine failed to start or the start-up
+    crashed (its traceback logged), 2 when a port is taken (by another stack, or any other
+    process). However it ends, every engine it started is stopped before it returns.
+    ``drill_leak``: bytes/s the engines grow on purpose (a leak drill)."""
     owned = Owned()
     try:
         return await _run_stack(settings, drill_leak, owned)
