@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from fastapi.testclient import TestClient
 from embedserve.config import Settings
 from embedserve.engines.cpu import CallCancelled, CpuEmbedder, create_engine_app
 from embedserve.engines.cpu_backends import OnnxForward
+from tests.asgi_post import post_and_stay
 
 
 def settings(**engine: object) -> Settings:
@@ -126,26 +126,10 @@ def test_a_cancelled_handler_stops_its_call_between_micro_batches(onnx_embedder:
 
     async def go() -> None:
         app = create_engine_app(settings(stats_dir=None), embedder=onnx_embedder)
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # the caller stays
-            raise AssertionError("unreachable")
-
-        async def send(message: MutableMapping[str, Any]) -> None:
-            pass
-
-        scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/embeddings",
-                 "raw_path": b"/v1/embeddings", "query_string": b"", "headers": [], "scheme": "http",
-                 "root_path": "", "server": ("testserver", 80), "client": ("127.0.0.1", 1)}
         async with app.router.lifespan_context(app):
             onnx_embedder.forward = held_forward  # type: ignore[assignment]
             onnx_embedder.embed = noting_embed  # type: ignore[method-assign, assignment]
-            handler = asyncio.create_task(app(scope, receive, send))
+            handler = asyncio.create_task(post_and_stay(app, "/v1/embeddings", body))
             while not running.is_set():  # noqa: ASYNC110  (a thread's event)
                 await asyncio.sleep(0.01)
             handler.cancel()

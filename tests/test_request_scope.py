@@ -23,6 +23,7 @@ from embedserve.gateway.app import create_app
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.logs import JsonFormatter
 from embedserve.model_info import ModelInfo
+from tests.asgi_post import post_and_stay
 from tests.conftest import metric
 from tests.fake_engine import FakeEngine, HttpxEngineClient
 from tests.test_gateway_unit import MODEL, wait_ready
@@ -127,31 +128,12 @@ def test_a_cancelled_handler_releases_its_admission_and_its_engine_call() -> Non
     app = gateway(engine)
     runtime = app.state.runtimes[0]
     body = orjson.dumps({"model": MODEL, "input": [[5, 6, 7]]})
-    scope = {
-        "type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/embeddings",
-        "raw_path": b"/v1/embeddings", "query_string": b"", "scheme": "http", "root_path": "",
-        "server": ("testserver", 80), "client": ("127.0.0.1", 1),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-    }
 
     async def go() -> tuple[bool, int, int]:
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # the client stays
-            raise AssertionError("unreachable")
-
-        async def send(message: dict[str, Any]) -> None:
-            pass
-
         async with app.router.lifespan_context(app):
             while not runtime.pool.any_ready:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
-            handler = asyncio.create_task(app(scope, receive, send))
+            handler = asyncio.create_task(post_and_stay(app, "/v1/embeddings", body))
             while not engine.calls:  # noqa: ASYNC110  (the fake engine runs on this loop)
                 await asyncio.sleep(0.01)
             held = runtime.admission.in_flight
