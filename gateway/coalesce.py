@@ -11,7 +11,6 @@ whose inputs were all abandoned is cancelled.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.contracts.wire import Matrix
 
 #: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``).
@@ -82,19 +82,30 @@ class Coalescer:
         return self._queued_inputs
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="coalescer")
+        """The one task that sends every call: after a crash (logged) the inputs waiting get its
+        error at once, not their deadline's 504, and it starts again."""
+        self._task = start_task("coalescer", self._run, restart_after_s=0.1, on_crash=self._drop_waiting)
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
+        self._drop_waiting(None)
+
+    def _drop_waiting(self, error: BaseException | None) -> None:
+        """Every waiting input is answered: with ``error``, or cancelled."""
         for queue in self._turns:
             for item in queue:
-                if not item.future.done():
+                if item.future.done():
+                    continue
+                if error is None:
                     item.future.cancel()
+                else:
+                    item.future.set_exception(error)
+        self._turns.clear()
+        self._queued_inputs = self._queued_tokens = 0
 
     async def embed(self, inputs: list[list[int]]) -> tuple[Matrix, StageTimes]:
+        if not inputs:  # nothing to queue: a request always has at least one input in line
+            return np.empty((0, 0), dtype=np.float32), StageTimes()
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         items = [_Item(ids, loop.create_future(), now) for ids in inputs]

@@ -1,7 +1,8 @@
 """One error shape for the whole API: OpenAI's envelope, mapped in one place.
 
 Our own failures raise ``APIError``; FastAPI's and Starlette's own (validation, 404, 405)
-are caught by the handlers installed here so no ``{"detail": ...}`` ever leaks.
+are caught by the handlers installed here so no ``{"detail": ...}`` ever leaks; anything else
+ends in a 500 from ``request_scope.internal_error``.
 """
 
 from __future__ import annotations
@@ -162,10 +163,6 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         return error_response(APIError(status, message, headers=headers))
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
-        return error_response(APIError(500, "Internal error; the request id is in the logs"))
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)

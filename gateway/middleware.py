@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from embedserve.contracts.errors import error_body
 from embedserve.gateway.errors import head_too_large
+from embedserve.gateway.request_scope import AnsweredElsewhere, internal_error
 from embedserve.logs import request_id_var
 
 Scope = MutableMapping[str, Any]
@@ -52,7 +53,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class RequestContextMiddleware:
-    """A request id on every response and log line; one JSON access line per request."""
+    """A request id on every response and log line; one JSON access line per request. A route's
+    handler ends in ``answered`` (request_scope.py); what another route (health, the framework's
+    own) lets escape is answered here the same way, while the request id is still set."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -66,16 +69,22 @@ class RequestContextMiddleware:
         token = request_id_var.set(rid)
         start = time.perf_counter()
         status = 500
+        started = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            response = internal_error(Request(scope), exc)
+            if started:  # too late for an answer: the server closes the connection
+                raise
+            await response(scope, receive, send_with_id)
         finally:
             log.info(
                 "request",
@@ -149,7 +158,7 @@ class BodyLimitMiddleware:
                 await _send_error(send, 413, too_big, "request_too_large")
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(AnsweredElsewhere):
     pass
 
 

@@ -3,10 +3,8 @@ served by ``RouteFastPath`` (gateway/middleware.py), past FastAPI's router."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -15,16 +13,13 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from embedserve.gateway.errors import APIError, error_response, validation_error
+from embedserve.gateway.errors import APIError, validation_error
 from embedserve.gateway.jsonbody import parse_object
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingResult
+from embedserve.gateway.request_scope import ClientGone, Handler, answered, unless_gone
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.served import ModelRuntime
-from embedserve.http_server import wait_disconnect
-
-Handler = Callable[[Request], Awaitable[Response]]
-T = TypeVar("T")
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -34,10 +29,6 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
         media_type="application/json",
         headers=headers,
     )
-
-
-class ClientGone(Exception):
-    """The client left before its answer was ready (mid-upload or while its work ran)."""
 
 
 async def read_object(request: Request, metrics: GatewayMetrics) -> dict[str, Any]:
@@ -55,22 +46,6 @@ async def read_object(request: Request, metrics: GatewayMetrics) -> dict[str, An
     return parse_object(raw)
 
 
-async def unless_gone(request: Request, work: Awaitable[T], metrics: GatewayMetrics) -> T:
-    """``work``'s result, or ``ClientGone`` as soon as the client leaves (the work cancelled,
-    so its queued inputs are dropped and nobody is answered)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_disconnect(request))
-    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    if not task.done():
-        task.cancel()
-        metrics.client_disconnects.inc()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone
-    watch.cancel()
-    return task.result()
-
-
 def embeddings_handler(
     run: Callable[[EmbeddingRequest], Awaitable[EmbeddingResult]], metrics: GatewayMetrics,
     accept_token_ids: bool,
@@ -79,17 +54,6 @@ def embeddings_handler(
     ``run``: the request's model's pipeline; ``accept_token_ids``: as the gateway is set."""
 
     async def embeddings(request: Request) -> Response:
-        with metrics.request_seconds.time():
-            try:
-                response = await _embeddings(request)
-            except APIError as err:
-                response = error_response(err)
-            except ClientGone:
-                response = Response(status_code=499)
-        metrics.requests.labels(str(response.status_code)).inc()
-        return response
-
-    async def _embeddings(request: Request) -> Response:
         obj = await read_object(request, metrics)
         try:
             req = EmbeddingRequest.model_validate(obj)
@@ -98,7 +62,11 @@ def embeddings_handler(
         result = await unless_gone(request, run(req), metrics)
         return json_response(result.body, headers=result.headers)
 
-    return embeddings
+    def observe(status: int, seconds: float) -> None:
+        metrics.request_seconds.observe(seconds)
+        metrics.requests.labels(str(status)).inc()
+
+    return answered(embeddings, observe)
 
 
 def add_routes(

@@ -22,9 +22,10 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from embedserve.gateway.errors import APIError, error_response, validation_error, what
+from embedserve.gateway.errors import APIError, validation_error, what
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.routes import ClientGone, Handler, json_response, read_object, unless_gone
+from embedserve.gateway.request_scope import Handler, answered, unless_gone
+from embedserve.gateway.routes import json_response, read_object
 from embedserve.gateway.score_schemas import RerankBody, ScoreBody, TeiRerankBody
 from embedserve.gateway.scorers import PairJob
 from embedserve.gateway.scoring import ScorePipeline, ScoreRequest, ScoreResult
@@ -176,18 +177,14 @@ def score_handler(pipeline: ScorePipeline, metrics: GatewayMetrics, route: str, 
     """One route: the body, the shape's answer or the error envelope, and the route's metrics."""
 
     async def handle(request: Request) -> Response:
-        with metrics.score_seconds.labels(route).time():
-            try:
-                answer, headers = await shape(pipeline, await read_object(request, metrics), request, metrics)
-                response = json_response(answer, headers=headers)
-            except APIError as err:
-                response = error_response(err)
-            except ClientGone:
-                response = Response(status_code=499)
-        metrics.score_requests.labels(route, str(response.status_code)).inc()
-        return response
+        answer, headers = await shape(pipeline, await read_object(request, metrics), request, metrics)
+        return json_response(answer, headers=headers)
 
-    return handle
+    def observe(status: int, seconds: float) -> None:
+        metrics.score_seconds.labels(route).observe(seconds)
+        metrics.score_requests.labels(route, str(status)).inc()
+
+    return answered(handle, observe)
 
 
 #: path -> (the metrics' route label, the shape)

@@ -7,13 +7,13 @@ one immutable ``MemoryState``; requests only read that reference, so they never 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.config import HealthSettings
 from embedserve.contracts.memory import (
     Advice,
@@ -199,14 +199,12 @@ class MemoryMonitor:
 
     async def start(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="embedserve-health-sampler")
+            self._task = start_task("embedserve-health-sampler", self._run,
+                                    restart_after_s=self.health.sample_interval_s)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(task)
         if self.state is not None:
             await asyncio.to_thread(self._maybe_persist, time.time(), True)
         await asyncio.to_thread(self.nvml.close)

@@ -46,6 +46,8 @@ SERIAL = (
     "tests/test_loadtest_e2e.py::test_open_loop_ids_with_errors_and_429",
     "tests/test_loadtest_e2e.py::test_retry_after_pauses_sending",
     "tests/test_slow_clients.py",
+    "tests/test_stack_failures.py::test_up_stops_when_its_engine_is_killed_mid_warm_up_and_leaves_no_engine",
+    "tests/test_stack_failures.py::test_sigterm_during_a_replacement_leaves_no_engine",
     "tests/test_startup.py",
 )
 

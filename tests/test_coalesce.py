@@ -5,8 +5,11 @@ until the test releases it."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 import numpy as np
+import pytest
 
 from embedserve.contracts.wire import Matrix
 from embedserve.gateway.coalesce import Coalescer
@@ -85,3 +88,51 @@ def test_an_abandoned_request_sends_nothing_and_its_call_is_cancelled() -> None:
     engine, c = asyncio.run(go())
     assert engine.calls == [[[7]] * 4, [[3]]]  # the other eight were never sent
     assert c.stats.dropped_abandoned == 8 and c.stats.cancelled_calls == 1
+
+
+def test_an_empty_batch_is_answered_and_leaves_the_coalescer_serving() -> None:
+    async def go() -> None:
+        engine = SteppedEngine()
+        c = Coalescer(engine.embed, token_budget=4, max_wait_s=0, max_concurrent_calls=1)
+        await c.start()
+        vectors, _ = await asyncio.wait_for(c.embed([]), 1)
+        assert len(vectors) == 0 and c.queued_inputs == 0
+        after = asyncio.create_task(c.embed([[7]]))
+        await settle()
+        engine.release.release()
+        vectors, _ = await asyncio.wait_for(after, 1)  # not its deadline's 504: the task still runs
+        assert vectors[0][0] == 7.0 and engine.calls == [[[7]]]
+        await c.stop()
+
+    asyncio.run(go())
+
+
+def test_a_crash_answers_the_waiting_inputs_at_once_is_logged_and_the_task_restarts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fault injection: the next call's inputs cannot be taken once. What waited gets the crash
+    now (its request answers 500, not its deadline's 504); the task restarts and serves."""
+
+    async def go() -> None:
+        engine = SteppedEngine()
+        c = Coalescer(engine.embed, token_budget=4, max_wait_s=0, max_concurrent_calls=1)
+        take = c._take
+
+        def broken() -> list[Any]:
+            c._take = take  # type: ignore[method-assign]
+            raise RuntimeError("injected")
+
+        c._take = broken  # type: ignore[method-assign]
+        await c.start()
+        with pytest.raises(RuntimeError, match="injected"):
+            await asyncio.wait_for(c.embed([[1], [2]]), 1)
+        assert c.queued_inputs == 0
+        engine.release.release()
+        vectors, _ = await asyncio.wait_for(c.embed([[3]]), 2)  # taken once the task has restarted
+        assert vectors[0][0] == 3.0
+        await c.stop()
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(go())
+    crash = [r for r in caplog.records if r.getMessage() == "background task crashed"]
+    assert len(crash) == 1 and crash[0].exc_info and getattr(crash[0], "task", None) == "coalescer"

@@ -4,15 +4,19 @@ vocabulary are a 400, not a crash."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
 from embedserve.config import Settings
 from embedserve.engines.cpu import CallCancelled, CpuEmbedder, create_engine_app
 from embedserve.engines.cpu_backends import OnnxForward
+from tests.asgi_post import post_and_stay
 
 
 def settings(**engine: object) -> Settings:
@@ -97,3 +101,46 @@ def test_ids_outside_the_vocabulary_are_a_400(backend: str) -> None:
         assert r.status_code == 400 and "outside the vocabulary" in r.json()["message"]
         assert c.post("/v1/embeddings", json={"input": [[101, 102]]}).status_code == 200
         assert c.get("/get_model_info").json()["hidden_size"] == 384
+
+
+def test_a_cancelled_handler_stops_its_call_between_micro_batches(onnx_embedder: CpuEmbedder) -> None:
+    """The engine's handler cancelled (the server stopping) while the first micro-batch runs:
+    the cancellation propagates and the call stops before the second."""
+    batch = [[101, 2000 + i, 102] for i in range(200)]  # 64-token budget: many micro-batches
+    body = orjson.dumps({"input": batch})
+    seen: list[int] = []
+    running, proceed, finished = threading.Event(), threading.Event(), threading.Event()
+    forward, embed = onnx_embedder.forward, onnx_embedder.embed
+
+    def held_forward(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        seen.append(1)
+        running.set()
+        proceed.wait(10)
+        return forward(ids, mask)
+
+    def noting_embed(*args: Any) -> np.ndarray:
+        try:
+            return embed(*args)
+        finally:
+            finished.set()
+
+    async def go() -> None:
+        app = create_engine_app(settings(stats_dir=None), embedder=onnx_embedder)
+        async with app.router.lifespan_context(app):
+            onnx_embedder.forward = held_forward  # type: ignore[assignment]
+            onnx_embedder.embed = noting_embed  # type: ignore[method-assign, assignment]
+            handler = asyncio.create_task(post_and_stay(app, "/v1/embeddings", body))
+            while not running.is_set():  # noqa: ASYNC110  (a thread's event)
+                await asyncio.sleep(0.01)
+            handler.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await handler
+            proceed.set()
+            while not finished.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(go())
+    finally:
+        onnx_embedder.forward, onnx_embedder.embed = forward, embed  # type: ignore[method-assign]
+    assert seen == [1]  # one micro-batch of the ten the call holds

@@ -4,6 +4,7 @@ tokens (then the fewest outstanding calls), not round-robin."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import orjson
@@ -124,3 +125,46 @@ def test_a_starting_engine_leaves_no_error_and_a_later_failure_is_dated() -> Non
     (status,) = pool.statuses()
     assert status.ready and "unreachable" in status.last_error
     assert status.last_error_at is not None and before <= status.last_error_at <= time.time()
+
+
+class BrokenCountersClient(GatedClient):
+    """Health answers 200 but reading the engine's counters hits a bug, ``fails`` times."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__()
+        self.fails = fails
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        if url.endswith("/metrics") and self.fails:
+            self.fails -= 1
+            raise KeyError("injected")
+        return 200, b""
+
+
+def test_a_failing_health_check_is_logged_with_its_engine_and_the_loop_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def run() -> None:
+        pool = EnginePool([A, B], "m", request_timeout_s=10, client=BrokenCountersClient(fails=1),
+                          health_interval_s=0.01)
+        await pool.start()
+        for _ in range(200):
+            if all(e.ready for e in pool.engines):
+                break
+            await asyncio.sleep(0.01)
+        await pool.stop()
+        assert all(e.ready for e in pool.engines)  # the other engine's check counted, then both
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(run())
+    failed = [r for r in caplog.records if r.getMessage() == "engine health check failed"]
+    assert len(failed) == 1 and failed[0].exc_info
+    assert getattr(failed[0], "engine", None) in (A, B) and getattr(failed[0], "model", None) == "m"
+
+
+def test_an_engine_that_left_the_pool_is_no_error() -> None:
+    pool = _pool([A], GatedClient())
+    pool.remove(A)
+    assert pool.by_url(A) is None
+    pool.forget_stuck(A)  # the watchdog's step for an engine being replaced
+    pool.remove(A)

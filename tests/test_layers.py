@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", ("embedserve.contracts",)),
     ("config", ("embedserve.config", "embedserve.catalog",
                 "embedserve.settings_errors", "embedserve.model_info", "embedserve.logs", "embedserve.nvml",
-                "embedserve.http_server")),
+                "embedserve.http_server", "embedserve.background")),
     ("core", ("embedserve.gateway.tokenize", "embedserve.gateway.admission", "embedserve.gateway.coalesce",
               "embedserve.gateway.vectors", "embedserve.gateway.scorers", "embedserve.gateway.pairs")),
     ("engines", ("embedserve.engines",)),

@@ -4,6 +4,7 @@ fails loudly (no restart loop) when the engine dies before it ever served."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from pathlib import Path
 
@@ -109,3 +110,39 @@ def test_crash_before_ready_fails_loudly() -> None:
 
     sup = asyncio.run(run())
     assert sup.restarts == 0 and sup.last_exit == 7
+
+
+def test_a_restart_that_cannot_spawn_is_logged_and_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault injection: the first restart's spawn fails (as with no file descriptors left). The
+    watch does not end silently, leaving the engine dead: the crash is logged and it restarts."""
+
+    async def run() -> list[float]:
+        port = free_port()
+        sleep = RecordedSleep(3)
+        sup = ProcessSupervisor(
+            "fake",
+            LaunchSpec([sys.executable, "-c", ENGINE, str(port), str(tmp_path / "started-once")]),
+            f"http://127.0.0.1:{port}/health",
+            startup_timeout_s=30, backoff_s=0.05, backoff_max_s=0.05, sleep=sleep,
+        )
+        await sup.start()
+        await sup.wait_ready()
+        spawn = sup._spawn
+
+        async def fails_once() -> None:
+            sup._spawn = spawn  # type: ignore[method-assign]
+            raise OSError(24, "injected: too many open files")
+
+        sup._spawn = fails_once  # type: ignore[method-assign]
+        await asyncio.wait_for(sleep.done.wait(), 30)
+        await sup.stop(2)
+        return sleep.delays
+
+    with caplog.at_level(logging.ERROR):
+        delays = asyncio.run(run())
+    assert len(delays) >= 3
+    (crash,) = [r for r in caplog.records if r.getMessage() == "background task crashed"]
+    assert getattr(crash, "engine", None) == "fake"
+    assert crash.exc_info and "injected" in str(crash.exc_info[1])

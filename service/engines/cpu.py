@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings, load_settings
 from embedserve.contracts import score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
@@ -127,11 +128,14 @@ def create_engine_app(
         loop = asyncio.get_running_loop()
         state["embedder"] = embedder or await loop.run_in_executor(executor, CpuEmbedder, settings)
         stats_dir = settings.engine.stats_dir
-        publisher = asyncio.create_task(publish_stats(stats_dir)) if stats_dir else None
+        publisher = None
+        if stats_dir:
+            publisher = start_task("publish-stats", lambda: publish_stats(stats_dir),
+                                   restart_after_s=settings.engine.stats_interval_s)
         leak = None
         if drill_leak_bytes_per_s:
             log.warning("leak drill: growing on purpose", extra={"bytes_per_s": drill_leak_bytes_per_s})
-            leak = asyncio.create_task(Leak(drill_leak_bytes_per_s).run())
+            leak = start_task("leak-drill", Leak(drill_leak_bytes_per_s).run)
         log.info(
             "cpu engine ready",
             extra={"model": state["embedder"].path, "backend": state["embedder"].forward.description},
@@ -139,9 +143,7 @@ def create_engine_app(
         try:
             yield
         finally:
-            for task in (publisher, leak):
-                if task:
-                    task.cancel()
+            await stop_tasks(publisher, leak)
             executor.shutdown(wait=False, cancel_futures=True)
             if stats_dir:
                 stats_path(stats_dir, os.getpid()).unlink(missing_ok=True)
@@ -180,22 +182,26 @@ def create_engine_app(
 
     async def _rows(request: Request, batch: list[list[int]]) -> np.ndarray | Response:
         """The model's rows for ``batch``, or the response that answers instead (a refusal, or
-        499 when the caller left: the work stops at the next micro-batch)."""
+        499 when the caller left). When the caller leaves or this handler is cancelled (the
+        server stopping), the work stops at the next micro-batch."""
         e: CpuEmbedder = state["embedder"]
         problem = _problem(e, batch)
         if problem is not None:
             return problem
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # CallCancelled: retrieved
         watch = asyncio.ensure_future(wait_disconnect(request))
         racers: list[asyncio.Future[Any]] = [job, watch]
-        await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
-        if not job.done():
-            cancelled.set()
-            with contextlib.suppress(CallCancelled):
-                await job
+        try:
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not job.done():
+                cancelled.set()
+        if not job.done():  # the caller left: answer once the thread has stopped
+            await asyncio.wait([job])
             return Response(status_code=499)
-        watch.cancel()
         stats.batches += 1
         matrix: np.ndarray = job.result()
         return matrix

@@ -9,13 +9,13 @@ re-checks engines in the background; the check never runs inside a client's requ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.contracts import wire
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
@@ -141,13 +141,12 @@ class EnginePool:
     async def start(self) -> None:
         if self._client is None:  # the session belongs to the running loop
             self._client = AiohttpEngineClient(self._timeout)
-        self._checker = asyncio.create_task(self._check_loop(), name="engine-health")
+        self._checker = start_task(
+            "engine-health", self._check_loop, context={"model": self._model}, restart_after_s=0.5
+        )
 
     async def stop(self) -> None:
-        if self._checker:
-            self._checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checker
+        await stop_tasks(self._checker)
         if self._client:
             await self._client.aclose()
 
@@ -197,12 +196,14 @@ class EnginePool:
 
     def forget_stuck(self, url: str) -> None:
         """After its process was killed, the engine's unanswered calls are history."""
-        engine = self.by_url(url)
-        engine.inflight_since.clear()
-        engine.stalled_since = None
+        if engine := self.by_url(url):
+            engine.inflight_since.clear()
+            engine.stalled_since = None
 
-    def by_url(self, url: str) -> EngineState:
-        return next(e for e in self.engines if e.url == url.rstrip("/"))
+    def by_url(self, url: str) -> EngineState | None:
+        """The engine at ``url``; None once it has left the pool (an engine being replaced leaves
+        before its supervisor is swapped for the new one's)."""
+        return next((e for e in self.engines if e.url == url.rstrip("/")), None)
 
     def add(self, url: str, ready: bool = True, gpu: int | None = None) -> EngineState:
         """A new engine (one that replaces another): takes calls at once when ``ready``."""
@@ -212,7 +213,8 @@ class EnginePool:
         return engine
 
     def remove(self, url: str) -> None:
-        self.engines.remove(self.by_url(url))
+        if engine := self.by_url(url):
+            self.engines.remove(engine)
 
     def oldest_inflight_age_s(self) -> float | None:
         now = time.monotonic()
@@ -240,8 +242,17 @@ class EnginePool:
 
     # -- health ------------------------------------------------------------------------
     async def check_once(self) -> None:
+        """Checks every engine; one check's failure is logged with its engine, and the others
+        still count."""
         assert self._client is not None
-        await asyncio.gather(*(self._check(e) for e in self.engines))
+        engines = list(self.engines)
+        results = await asyncio.gather(*(self._check(e) for e in engines), return_exceptions=True)
+        for engine, result in zip(engines, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("engine health check failed", exc_info=result,
+                          extra={"engine": engine.url, "model": self._model})
+            elif isinstance(result, BaseException):
+                raise result
 
     async def _check(self, engine: EngineState) -> None:
         assert self._client is not None
@@ -282,8 +293,7 @@ class EnginePool:
 
     async def _check_loop(self) -> None:
         while True:
-            with contextlib.suppress(Exception):
-                await self.check_once()
+            await self.check_once()
             interval = self._health_interval if self.any_ready else 0.5
             await asyncio.sleep(interval)
 

@@ -160,7 +160,8 @@ class EngineReplacer:
         old = self.supervisors[d.index]
         old_url = old.ready_url.removesuffix("/health")
         room = await asyncio.to_thread(self._room, old, d.resource)
-        gpu = self.pool.by_url(old_url).gpu
+        serving = self.pool.by_url(old_url)
+        gpu = serving.gpu if serving else None
         log.warning("replacing an engine before it runs out of memory",
                     extra={"engine": old.name, "reason": d.reason, "beside": room})
         self.last = self.clock()
@@ -180,8 +181,7 @@ class EngineReplacer:
             tokens, seconds = await self.warm_up(new_url)
         except BaseException:
             await new.stop(2.0)  # no orphan; beside the old one, the old one keeps serving
-            if any(e.url == new_url for e in self.pool.engines):
-                self.pool.remove(new_url)
+            self.pool.remove(new_url)
             if not room:
                 self.open_gate()
             raise
@@ -200,10 +200,12 @@ class EngineReplacer:
         """The old engine takes no new calls, finishes what it holds (at most one request
         deadline), then stops."""
         engine = self.pool.by_url(url)
-        engine.retiring = True
-        deadline = self.clock() + self.settings.gateway.request_timeout_s
-        while engine.outstanding_calls and self.clock() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+        log.info("old engine draining", extra={"engine": old.name})
+        if engine is not None:
+            engine.retiring = True
+            deadline = self.clock() + self.settings.gateway.request_timeout_s
+            while engine.outstanding_calls and self.clock() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         await old.stop(self.settings.gateway.graceful_shutdown_s)
         self.pool.remove(url)
 

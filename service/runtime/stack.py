@@ -11,11 +11,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings
 from embedserve.engines.client import JSON
 from embedserve.engines.launch import engine_launch
@@ -29,6 +30,7 @@ from embedserve.runtime.ports import PortInUse, check_owner
 from embedserve.runtime.preflight import check_ports
 from embedserve.runtime.replace import EngineReplacer, run_replacers
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
+from embedserve.runtime.watchdog import watch_hung
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,10 @@ async def warm_up(
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
         for url in urls:
             t0 = time.monotonic()
-            r = await client.post(url + protocol.path, content=body, headers=JSON)
+            try:
+                r = await client.post(url + protocol.path, content=body, headers=JSON)
+            except httpx.HTTPError as exc:  # the engine died or hung during its warm-up
+                raise EngineStartError(f"warm-up of {url} failed: {type(exc).__name__}: {exc}") from exc
             if r.status_code != 200:
                 raise EngineStartError(f"warm-up of {url} failed: {r.status_code} {r.text[:300]}")
             timings.append((n * cap, time.monotonic() - t0))
@@ -98,19 +103,43 @@ class ModelEngines:
     supervisors: list[ProcessSupervisor]
 
 
+@dataclass
+class Owned:
+    """What `up` started and stops however it ends (a crash, a signal, an error while it sets up):
+    every engine, replacements included, and the engines' private stats folder."""
+
+    engines: list[ProcessSupervisor] = field(default_factory=list)
+    stats_dir: str | None = None
+
+    async def release(self, grace_s: float) -> None:
+        """Engines that never became ready have nothing to drain; stopping one that has stopped
+        already does nothing."""
+        engines = list(self.engines)
+        stops = [s.stop(grace_s if s.ready_once else STARTING_ENGINE_GRACE_S) for s in engines]
+        for sup, result in zip(engines, await asyncio.gather(*stops, return_exceptions=True), strict=True):
+            if isinstance(result, BaseException):  # the others are stopped all the same
+                log.error("stopping an engine failed", exc_info=result, extra={"engine": sup.name})
+        if self.stats_dir:
+            shutil.rmtree(self.stats_dir, ignore_errors=True)
+
+
 async def run_stack(settings: Settings, drill_leak: float | None = None) -> int:
     """Exit status: 0 after a clean stop of a stack that was up, 130 (SIGINT) or 143 (SIGTERM)
-    when a signal stopped it before it was up, 1 when an engine failed to start, 2 when a port
-    is taken (by another stack, or any other process). ``drill_leak``: bytes/s the engines grow
-    on purpose (a leak drill)."""
+    when a signal stopped it before it was up, 1 when an engine failed to start or the start-up
+    crashed (its traceback logged), 2 when a port is taken (by another stack, or any other
+    process). However it ends, every engine it started is stopped before it returns.
+    ``drill_leak``: bytes/s the engines grow on purpose (a leak drill)."""
+    owned = Owned()
     try:
-        return await _run_stack(settings, drill_leak)
+        return await _run_stack(settings, drill_leak, owned)
     except (PortInUse, LaunchConfigError) as exc:  # one plain sentence, on a terminal or in a log collector
         print(f"embedserve: {exc}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        await owned.release(settings.gateway.graceful_shutdown_s)
 
 
-async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
+async def _run_stack(settings: Settings, drill_leak: float | None, owned: Owned) -> int:
     from embedserve.gateway.app import SupervisorView, create_app
 
     # A Ctrl-C or SIGTERM during set-up (engines starting, the app being built) stops the stack
@@ -140,7 +169,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
             check_export_dir(m.settings)
     private_stats = None
     if any(m.local for m in planned) and settings.engine.stats_dir is None:  # two stacks never mix stats
-        private_stats = tempfile.mkdtemp(prefix="embedserve-stats-")
+        private_stats = owned.stats_dir = tempfile.mkdtemp(prefix="embedserve-stats-")
     shared = {"log_format": resolve_format(settings.log_format)}
 
     def own(s: Settings) -> Settings:
@@ -152,14 +181,15 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
 
     def supervisor(m: PlannedModel, index: int, port: int, name: str) -> ProcessSupervisor:
         e = m.settings.engine
-        return ProcessSupervisor(
+        owned.engines.append(ProcessSupervisor(
             name,
             engine_launch(m.settings, m.kind, index, port=port, drill_leak=drill_leak),
             f"http://{e.host}:{port}/health",
             startup_timeout_s=e.startup_timeout_s,
             backoff_s=e.restart_backoff_s,
             backoff_max_s=e.restart_backoff_max_s,
-        )
+        ))
+        return owned.engines[-1]
 
     def engine_name(n: int, m: PlannedModel, index: int) -> str:
         return f"{m.kind}-{index}" if len(planned) == 1 else f"{m.kind}-{n}.{index}"
@@ -171,26 +201,18 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     ]
     supervisors = [s for g in groups for s in g.supervisors]
 
-    async def stop_engines() -> None:
-        grace = settings.gateway.graceful_shutdown_s
-        await asyncio.gather(
-            *(s.stop(grace if s.ready_once else STARTING_ENGINE_GRACE_S) for s in supervisors)
-        )
-        if private_stats:
-            shutil.rmtree(private_stats, ignore_errors=True)
-
-    for sup in supervisors:
+    for sup in supervisors:  # from here on, run_stack stops them however this ends
         await sup.start()
     if early_stop.is_set():  # stopped while the engines started: no app to build
-        await stop_engines()
         return 128 + interrupted[0]
 
     def view() -> SupervisorView:
-        dead = [s for s in supervisors if not s.alive]
-        pids = {("engine" if i == 0 else f"engine-{i}"): s.pid for i, s in enumerate(supervisors) if s.pid}
+        serving = [s for g in groups for s in g.supervisors]  # replacements swap theirs in
+        dead = [s for s in serving if not s.alive]
+        pids = {("engine" if i == 0 else f"engine-{i}"): s.pid for i, s in enumerate(serving) if s.pid}
         return SupervisorView(
-            alive=len(dead) < len(supervisors),
-            restarts=sum(s.restarts for s in supervisors),
+            alive=len(dead) < len(serving),
+            restarts=sum(s.restarts for s in serving),
             pids=pids,
             detail="; ".join(f"{s.name} exited ({s.last_exit})" for s in dead),
             replacements=replaced,
@@ -215,6 +237,13 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         )
     )
     failure: list[BaseException] = []
+
+    def stop_stack(exc: BaseException) -> None:
+        """A task the stack cannot serve without crashed: stop, exit 1."""
+        failure.append(exc)
+        print(f"embedserve: stopping: {type(exc).__name__}: {exc} (traceback in the log)", file=sys.stderr,
+              flush=True)
+        server.should_exit = True
 
     async def announce() -> None:
         try:
@@ -242,19 +271,8 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
             server.should_exit = True
 
     async def restart_hung_engines() -> None:
-        """Liveness fails at ``hang_after_s`` so Kubernetes restarts a hung pod; without
-        Kubernetes `up` restarts the engine itself, a little later so the two never race."""
-        hang_after = 1.5 * settings.hang_after_s()
-        while True:
-            await asyncio.sleep(min(5.0, hang_after / 4))
-            now = time.monotonic()
-            for group, runtime in zip(groups, runtimes, strict=True):
-                for sup in list(group.supervisors):
-                    url = sup.ready_url.removesuffix("/health")
-                    stuck = runtime.pool.by_url(url).stuck_for_s(now)
-                    if stuck is not None and stuck > hang_after:
-                        sup.kill(f"a call has waited {stuck:.0f} s (limit {hang_after:.0f} s)")
-                        runtime.pool.forget_stuck(url)
+        models = [(g.supervisors, r.pool) for g, r in zip(groups, runtimes, strict=True)]
+        await watch_hung(models, settings.hang_after_s())
 
     def on_replaced(reason: str) -> None:
         nonlocal replaced
@@ -287,22 +305,22 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
         interval = settings.health.sample_interval_s
         await run_replacers(replacers, lambda: monitor.state.report if monitor.state else None, interval)
 
-    announcer = asyncio.create_task(announce())
-    watchdog = asyncio.create_task(restart_hung_engines()) if supervisors else None
+    # Without its announcement the stack never serves: a crash there stops it. The watchdog and
+    # the replacer only keep it healthy: after a crash they start again.
+    announcer = start_task("announce", announce, on_crash=stop_stack)
+    watchdog = (
+        start_task("hung-engine-watchdog", restart_hung_engines, restart_after_s=5.0) if supervisors else None
+    )
     replacing = (
-        asyncio.create_task(replace_when_due()) if supervisors and settings.health.replace_engines else None
+        start_task("engine-replacer", replace_when_due, restart_after_s=settings.health.sample_interval_s)
+        if supervisors and settings.health.replace_engines else None
     )
     servers.append(server)
     try:
         if not early_stop.is_set():
             await server.serve()
-    finally:
-        for task in (announcer, watchdog, replacing):
-            if task:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        await stop_engines()
+    finally:  # then run_stack stops the engines
+        await stop_tasks(announcer, watchdog, replacing)
     if any(isinstance(f, PortInUse) for f in failure):
         raise failure[0]
     if interrupted:  # a start cut short: as a shell reports a process a signal ended

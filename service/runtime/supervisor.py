@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from embedserve.background import start_task, stop_tasks
 from embedserve.contracts.launch import LaunchSpec
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,10 @@ class ProcessSupervisor:
 
     async def start(self) -> None:
         await self._spawn()
-        self._monitor = asyncio.create_task(self._watch(), name=f"supervise-{self.name}")
+        # a crash of the watch (a restart that could not spawn) is logged; it watches again,
+        # and restarts the engine, after the backoff
+        self._monitor = start_task(f"supervise-{self.name}", self._watch, context={"engine": self.name},
+                                   restart_after_s=self.backoff_s)
 
     async def _spawn(self) -> None:
         env = {**os.environ, **self.spec.env}
@@ -173,7 +177,4 @@ class ProcessSupervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 await self.proc.wait()
-        if self._monitor:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        await stop_tasks(self._monitor)
