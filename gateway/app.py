@@ -99,7 +99,7 @@ def create_app(
     entries = served_models(settings)
     if models is None:
         one = info if info is not None and len(entries) == 1 else None
-        models = [(one or ModelInfo.load(e.settings.model), engine_kind) for e in entries]
+        models = [(one or e.load_info(), engine_kind) for e in entries]
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")

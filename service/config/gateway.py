@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible front door."""
 
+    model_config = ConfigDict(extra="forbid")
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    max_inputs: int = 2048
-    max_tokens_per_request: int = 300_000
-    max_body_bytes: int = 16 << 20
+    max_inputs: int = Field(2048, ge=1, description="inputs of one embeddings request; more: 400")
+    max_tokens_per_request: int = Field(
+        300_000, ge=1, description="tokens of one embeddings request, all its inputs; more: 400"
+    )
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="request body; 413 beyond")
     max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
-    max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
+    max_string_chars: int = Field(1_000_000, ge=1, description="longest string accepted before tokenisation")
     batch_max_wait_ms: float = Field(
         0.0, ge=0, description="extra wait for more inputs while all engine calls are busy"
     )
