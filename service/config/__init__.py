@@ -168,7 +168,7 @@ def load_settings(
             return Settings.model_validate_json(inherited)
         known = setting_variables(Settings) | set(NOT_SETTINGS) | OWN_CHILD_VARIABLES
         check_variables(os.environ, known)
-        check_variables(_dotenv_names(), known, " (in .env)")
+        check_variables(dotenv_names(), known, " (in .env)")
         return Settings(**(overrides or {}))
     except ValidationError as exc:
         raise ConfigError(describe(exc, Settings, flags)) from None
@@ -177,7 +177,7 @@ def load_settings(
         raise ConfigError(bad_json(section, Settings, os.environ)) from None
 
 
-def _dotenv_names() -> list[str]:
+def dotenv_names() -> list[str]:
     """The names ``.env`` in the working directory sets (pydantic-settings reads the same file)."""
     from dotenv import dotenv_values
 

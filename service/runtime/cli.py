@@ -121,7 +121,7 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
             leak = parse_rate(args.drill_leak)
         except ValueError as exc:
             raise ConfigError(f"--drill-leak must be a rate above zero: {exc}") from exc
-    from embedserve.config import load_settings
+    from embedserve.config import load_settings, tolerated_variables
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
 
@@ -129,6 +129,11 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
+    import logging
+    import os
+
+    for note in tolerated_variables(os.environ):
+        logging.getLogger("embedserve.config").warning(note)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
         from embedserve.settings_errors import ConfigError
 
@@ -151,20 +156,11 @@ def _gateway(argv: list[str]) -> int:
 def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
     from embedserve.config import load_settings
-    from embedserve.model_info import model_folder
-    from embedserve.settings_errors import ConfigError
+    from embedserve.runtime.effective import config_report
 
-    settings = load_settings(_overrides(args), FLAG_OF)
-    shown = settings.redacted()
-    model = shown["model"]
-    assert isinstance(model, dict)
-    try:  # where `bundled:...` (or a relative path) resolves to
-        model["folder"] = str(model_folder(settings.model).resolve())
-    except ConfigError as exc:
-        model["folder"] = f"none: {exc}"
-    import json
-
-    print(json.dumps(shown, indent=2))
+    overrides = _overrides(args)
+    report = config_report(load_settings(overrides, FLAG_OF), overrides, FLAG_OF)
+    print(report.model_dump_json(indent=2))
     return 0
 
 
@@ -172,7 +168,8 @@ def _config(argv: list[str]) -> int:
 _LOCAL = {
     "up": (_up, "start the engine (SGLang on a GPU, else the CPU engine) and the gateway"),
     "gateway": (_gateway, "run only the gateway in front of --engine-url engines"),
-    "config": (_config, "print the effective configuration (secrets hidden)"),
+    "config": (_config, "print the configuration the stack will use, derived values included, and where "
+               "each value came from (secrets hidden)"),
 }
 
 
