@@ -15,7 +15,7 @@ from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
-from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
+from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput, blank
 from embedserve.gateway.vectors import shape_vectors
 from embedserve.model_info import ModelInfo
 
@@ -109,7 +109,7 @@ class EmbeddingPipeline:
     def _check_texts(self, texts: list[str]) -> None:
         self._check_count(len(texts))
         for i, text in enumerate(texts):
-            if not text.strip():
+            if blank(text):
                 raise APIError(400, f"input[{i}] is empty", param="input", code="empty_input")
             if len(text) > self.settings.max_string_chars:
                 raise APIError(

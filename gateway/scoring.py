@@ -24,6 +24,7 @@ from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.scorers import PairJob, PairTokens, PreparedPairs, Scorer, Scores, sigmoid
+from embedserve.gateway.tokenize import blank
 from embedserve.model_info import ModelInfo
 
 
@@ -109,7 +110,7 @@ class ScorePipeline:
         for field, texts, indexed in ((query_field, job.queries, many), (docs_field, job.documents, True)):
             for i, text in enumerate(texts):
                 where = f"{field}[{i}]" if indexed else f"'{field}'"
-                if not text.strip():
+                if blank(text):
                     raise APIError(400, f"{where} is empty", param=field, code="empty_input")
                 if len(text) > self.settings.max_string_chars:
                     raise APIError(
