@@ -203,7 +203,7 @@ def test_a_served_models_folder_that_is_not_there_names_the_entry(tmp_path: Path
         ("EMBEDSERVE_GATEWAY__MAX_INPUTS", "0", "a whole number at least 1"),
         ("EMBEDSERVE_GATEWAY__MAX_TOKENS_PER_REQUEST", "0", "a whole number at least 1"),
         ("EMBEDSERVE_GATEWAY__MAX_STRING_CHARS", "0", "a whole number at least 1"),
-        ("EMBEDSERVE_GATEWAY__MAX_BODY_BYTES", "10", "a whole number at least 1024"),
+        ("EMBEDSERVE_GATEWAY__MAX_BODY_BYTES", "10", "a whole number at least 64"),
     ],
 )
 def test_a_limit_no_request_could_meet_is_refused(

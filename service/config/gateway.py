@@ -24,7 +24,9 @@ class GatewaySettings(BaseModel):
     max_tokens_per_request: int = Field(
         300_000, ge=1, description="tokens of one embeddings request, all its inputs; more: 400"
     )
-    max_body_bytes: int = Field(16 << 20, ge=1024, description="request body; 413 beyond")
+    max_body_bytes: int = Field(
+        16 << 20, ge=64, description="request body; 413 beyond (the smallest request is about 30 bytes)"
+    )
     max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
     max_string_chars: int = Field(1_000_000, ge=1, description="longest string accepted before tokenisation")
     batch_max_wait_ms: float = Field(
