@@ -147,7 +147,7 @@ def _siblings(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     current: Any = model
     for part in loc[:-1]:
         if isinstance(part, int):
-            continue  # _field's annotation was list[M]: M comes next
+            continue  # the entry's model was taken at its list's field
         info = getattr(current, "model_fields", {}).get(part)
         if info is None:
             return []

@@ -43,10 +43,10 @@ __all__ = [
 #: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
 CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
 
-#: ``EMBEDSERVE_*`` names that are no setting but are set around the stack, so a shell or CI job
-#: that exports them can still run it: ``up`` starts with a warning naming them (and, where it
-#: looks like one, the setting meant). Any other unknown name is refused. Those ``up`` sets for
-#: its own engines (``EMBEDSERVE_SETTINGS_JSON``, the leak drill's rate) pass without a word.
+#: ``EMBEDSERVE_*`` names that are no setting but are set around the stack (name -> whose), so a
+#: shell or CI job that exports them can still run it: ``up`` starts with a warning naming them.
+#: Any other unknown name is refused. Those ``up`` sets for its own engines
+#: (``EMBEDSERVE_SETTINGS_JSON``, the leak drill's rate) pass without a word.
 NOT_SETTINGS = {
     "EMBEDSERVE_REGISTRY": "compose.yaml's and the image scripts' registry",
     "EMBEDSERVE_TAG": "compose.yaml's and the image scripts' image tag",

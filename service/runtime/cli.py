@@ -121,6 +121,9 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
             leak = parse_rate(args.drill_leak)
         except ValueError as exc:
             raise ConfigError(f"--drill-leak must be a rate above zero: {exc}") from exc
+    import logging
+    import os
+
     from embedserve.config import load_settings, tolerated_variables
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
@@ -129,9 +132,6 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
-    import logging
-    import os
-
     for note in tolerated_variables(os.environ):
         logging.getLogger("embedserve.config").warning(note)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
