@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 import embedserve
 from embedserve.catalog import served_models
-from embedserve.config import GatewaySettings, Settings
+from embedserve.config import Settings
+from embedserve.config.gateway import api_keys
 from embedserve.engines.client import EngineClient
 from embedserve.engines.pool import EnginePool
 from embedserve.gateway.engine_call import ServingGate
@@ -50,14 +51,6 @@ class SupervisorView:
     pids: dict[str, int]
     detail: str = ""
     replacements: int = 0
-
-
-def load_api_keys(gw: GatewaySettings) -> list[str]:
-    keys = [k.get_secret_value() for k in gw.api_keys]
-    if gw.api_keys_file:
-        with open(gw.api_keys_file) as fh:
-            keys += [line.strip() for line in fh if line.strip() and not line.startswith("#")]
-    return keys
 
 
 def engine_view(
@@ -99,7 +92,7 @@ def create_app(
     entries = served_models(settings)
     if models is None:
         one = info if info is not None and len(entries) == 1 else None
-        models = [(one or ModelInfo.load(e.settings.model), engine_kind) for e in entries]
+        models = [(one or e.load_info(), engine_kind) for e in entries]
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     executor = ThreadPoolExecutor(gw.tokenizer_threads, thread_name_prefix="tokenize")
@@ -167,7 +160,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=gw.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]
         )
-    app.add_middleware(ApiKeyMiddleware, keys=load_api_keys(gw), protected_prefixes=protected)
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys(gw), protected_prefixes=protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
     app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes)
     app.add_middleware(RequestContextMiddleware)

@@ -17,12 +17,12 @@ from embedserve.contracts.wire import Matrix
 from embedserve.gateway.engine_call import EngineCaller
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.tokenize import ItemTokens
+from embedserve.gateway.tokenize import ItemTokens, blank
 
 
 def check_text(text: str, where: str, param: str, max_chars: int) -> None:
     """``where`` (``input[3]``) is neither blank nor longer than ``max_chars``."""
-    if not text.strip():
+    if blank(text):
         raise APIError(400, f"{where} is empty", param=param, code="empty_input")
     if len(text) > max_chars:
         raise APIError(

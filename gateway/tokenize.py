@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,13 @@ def unknown_tokens(
     spans = [end - start for t, (start, end) in zip(enc.ids[: len(kept)], enc.offsets, strict=False)
              if t == unknown_id]
     return UnknownTokens(len(spans), sum(spans))
+
+
+def blank(text: str) -> bool:
+    """Nothing to embed: only whitespace, control and format characters (NUL, a zero-width
+    space, a byte-order mark). WordPiece drops them all, so such a text would embed as an empty
+    one; it is refused like ``" "`` instead."""
+    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in text)
 
 
 def _read_json(path: Path) -> dict[str, object]:

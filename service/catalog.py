@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from embedserve.config import EngineSettings, GatewayLimits, Settings
 from embedserve.config.served import ServedModel
-from embedserve.model_info import ModelInfo
-from embedserve.settings_errors import ConfigError
+from embedserve.model_info import MODEL_SETTINGS, ModelInfo
+from embedserve.settings_errors import ConfigError, describe, setting_name
 
 VARIABLE = "EMBEDSERVE_SERVED__MODELS"
 
@@ -26,6 +26,17 @@ class CatalogEntry:
     settings: Settings  # the model's own model and engine sections
     kind: str | None = None  # "embed" / "rerank"; None: whatever the folder is (one model)
     max_tokens_in_flight: int | None = None
+    index: int | None = None  # its place in served.models; None: the one model
+
+    def setting(self, field: str) -> str:
+        """How a mistake names its ``field`` (``path``, ``max_seq_len``): the model section's
+        variable and flag, or ``EMBEDSERVE_SERVED__MODELS: served.models[i].path``."""
+        if self.index is None:
+            return MODEL_SETTINGS[field]
+        return setting_name(("served", "models", self.index, field), {})
+
+    def load_info(self) -> ModelInfo:
+        return ModelInfo.load(self.settings.model, self.setting)
 
     @property
     def name(self) -> str:
@@ -54,14 +65,9 @@ def _entry(settings: Settings, index: int, m: ServedModel, port: int) -> Catalog
     try:
         own = EngineSettings.model_validate(engine)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(
-            f"{VARIABLE}[{index}] ('{model.served_name}'): engine.{field} {err['msg'][:1].lower()}"
-            f"{err['msg'][1:]}, got {err.get('input')!r}"
-        ) from None
+        raise ConfigError(describe(exc, EngineSettings, at=("served", "models", index, "engine"))) from None
     return CatalogEntry(
-        settings.model_copy(update={"model": model, "engine": own}), m.kind, m.max_tokens_in_flight
+        settings.model_copy(update={"model": model, "engine": own}), m.kind, m.max_tokens_in_flight, index
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -12,8 +13,13 @@ from typing import Any, Literal
 from embedserve.config import ModelSettings
 from embedserve.settings_errors import ConfigError
 
-#: How a model-folder mistake names the setting (``up``, ``gateway`` and ``config`` take the flag).
-MODEL_SETTING = "EMBEDSERVE_MODEL__PATH (--model)"
+#: How a model mistake names the setting (``up``, ``gateway`` and ``config`` take the flags); a
+#: model of ``served.models`` names its entry's field instead (``catalog.py``).
+MODEL_SETTINGS = {
+    "path": "EMBEDSERVE_MODEL__PATH (--model)",
+    "max_seq_len": "EMBEDSERVE_MODEL__MAX_SEQ_LEN (--max-seq-len)",
+}
+Setting = Callable[[str], str]
 MODEL_ACCEPTS = "a sentence-transformers or Hugging Face model folder, or bundled:all-MiniLM-L6-v2"
 
 #: The longest context we default to: Qwen3-Embedding accepts 32k, but 8192 keeps the
@@ -52,19 +58,26 @@ class ModelInfo:
         return self.scoring == "cosine"
 
     @classmethod
-    def load(cls, m: ModelSettings) -> ModelInfo:
-        folder = model_folder(m)
-        config = _read_json(folder / "config.json")
-        dim = _read_json(folder / "1_Pooling" / "config.json").get("word_embedding_dimension")
+    def load(cls, m: ModelSettings, setting: Setting = MODEL_SETTINGS.__getitem__) -> ModelInfo:
+        """``setting``: how a mistake names a field of ``m`` (``"path"`` -> its variable)."""
+        folder = model_folder(m, setting)
+        config = _read_json(folder / "config.json", setting)
+        dim = _read_json(folder / "1_Pooling" / "config.json", setting).get("word_embedding_dimension")
         if not isinstance(dim, int):
             dim = config.get("hidden_size")
         if not isinstance(dim, int):
             raise ConfigError(
-                f"{MODEL_SETTING} must be {MODEL_ACCEPTS}, but {folder} holds no model (no "
+                f"{setting('path')} must be {MODEL_ACCEPTS}, but {folder} holds no model (no "
                 "config.json with hidden_size, nor 1_Pooling/config.json)"
             )
         is_qwen3 = str(config.get("model_type", "")).startswith("qwen3")
-        scoring = scoring_of(folder, config)
+        scoring = scoring_of(folder, config, setting)
+        positions = model_positions(config)
+        if m.max_seq_len is not None and positions is not None and m.max_seq_len > positions:
+            raise ConfigError(
+                f"{setting('max_seq_len')} must be at most {positions}, the longest input the model has "
+                f"positions for (max_position_embeddings in {folder / 'config.json'}), got {m.max_seq_len}"
+            )
         if scoring != "cosine":
             dim = 1  # an engine answers one score per input
         if m.query_template is not None:
@@ -76,7 +89,7 @@ class ModelInfo:
             name=m.served_name,
             aliases=tuple(m.aliases),
             dimension=dim,
-            max_seq_len=m.max_seq_len or _default_max_seq_len(folder, config),
+            max_seq_len=m.max_seq_len or _default_max_seq_len(folder, config, setting),
             query_template=template,
             default_task=m.default_query_task,
             matryoshka_dimensions=tuple(m.matryoshka_dimensions) if m.matryoshka_dimensions else None,
@@ -86,7 +99,9 @@ class ModelInfo:
         )
 
 
-def scoring_of(folder: Path, config: dict[str, Any]) -> Scoring:
+def scoring_of(
+    folder: Path, config: dict[str, Any], setting: Setting = MODEL_SETTINGS.__getitem__
+) -> Scoring:
     """From the folder: a ``*ForSequenceClassification`` of a BERT-like type is a cross-encoder (one
     label, its logit); a Qwen3 causal LM without sentence-transformers' pooling is Qwen3-Reranker;
     the rest are embedding models. ``ConfigError`` for a classifier that cannot rank."""
@@ -96,7 +111,7 @@ def scoring_of(folder: Path, config: dict[str, Any]) -> Scoring:
         labels = len(config.get("id2label") or {}) or int(config.get("num_labels") or 1)
         if model_type not in CROSS_ENCODER_TYPES or labels != 1:
             raise ConfigError(
-                f"{MODEL_SETTING}: {folder} is a {archs[0]} with {labels} label(s); a reranker here is a "
+                f"{setting('path')}: {folder} is a {archs[0]} with {labels} label(s); a reranker here is a "
                 f"cross-encoder of type {', '.join(CROSS_ENCODER_TYPES)} with one label (its relevance logit)"
             )
         return "cross-encoder"
@@ -106,38 +121,44 @@ def scoring_of(folder: Path, config: dict[str, Any]) -> Scoring:
     return "cosine"
 
 
-def model_folder(m: ModelSettings) -> Path:
+def model_folder(m: ModelSettings, setting: Setting = MODEL_SETTINGS.__getitem__) -> Path:
     """The folder ``model.path`` names; ``ConfigError`` when there is none."""
     try:
         folder = m.resolved_path
     except FileNotFoundError as exc:
-        raise ConfigError(f"{MODEL_SETTING}: {exc}") from None
+        raise ConfigError(f"{setting('path')}: {exc}") from None
     if not folder.exists():
-        raise ConfigError(f"{MODEL_SETTING} must be {MODEL_ACCEPTS}, but {folder} does not exist")
+        raise ConfigError(f"{setting('path')} must be {MODEL_ACCEPTS}, but {folder} does not exist")
     if not folder.is_dir():
-        raise ConfigError(f"{MODEL_SETTING} must be {MODEL_ACCEPTS}, but {folder} is not a folder")
+        raise ConfigError(f"{setting('path')} must be {MODEL_ACCEPTS}, but {folder} is not a folder")
     return folder
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, setting: Setting) -> dict[str, Any]:
     """A JSON object file; ``{}`` when absent; ``ConfigError`` when it is not JSON."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
     except (ValueError, OSError) as exc:
-        raise ConfigError(f"{MODEL_SETTING}: {path} cannot be read as JSON ({exc})") from None
+        raise ConfigError(f"{setting('path')}: {path} cannot be read as JSON ({exc})") from None
     return data if isinstance(data, dict) else {}
 
 
-def _default_max_seq_len(folder: Path, config: dict[str, Any]) -> int:
+def model_positions(config: dict[str, Any]) -> int | None:
+    """The longest input the model has position embeddings for, where its config says."""
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        return None
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= 2  # RoBERTa's positions start after the padding index (514 rows, 512 tokens)
+    return positions
+
+
+def _default_max_seq_len(folder: Path, config: dict[str, Any], setting: Setting) -> int:
     """sentence-transformers' max_seq_length, else the model's positions capped at 8192."""
-    st_max = _read_json(folder / "sentence_bert_config.json").get("max_seq_length")
+    st_max = _read_json(folder / "sentence_bert_config.json", setting).get("max_seq_length")
     if isinstance(st_max, int):
         return st_max
-    positions = config.get("max_position_embeddings")
-    if isinstance(positions, int):
-        if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
-            positions -= 2  # RoBERTa's positions start after the padding index (514 rows, 512 tokens)
-        return min(positions, DEFAULT_MAX_SEQ_LEN_CAP)
-    return 512
+    positions = model_positions(config)
+    return 512 if positions is None else min(positions, DEFAULT_MAX_SEQ_LEN_CAP)

@@ -162,3 +162,37 @@ def test_an_export_dir_that_cannot_be_written_is_one_sentence_and_exit_2(
     assert err.count("\n") == 1 and err.startswith("embedserve: EMBEDSERVE_ENGINE__CPU_EXPORT_DIR must be")
     assert str(blocker / "onnx") in err and "Not a directory" in err
     assert not (blocker.parent / "onnx").exists()
+
+
+def test_config_prints_the_values_the_stack_uses_and_where_each_came_from(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Derived values (the model's cap, the machine's cores, the engine kind's limits) are
+    the stack's, not null; each value says where it came from."""
+    from embedserve.engines.cores import usable_cores
+    from embedserve.runtime.effective import ConfigReport
+
+    (clean_env / ".env").write_text("EMBEDSERVE_ENGINE__PORT=31000\n")
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "cpu")
+    monkeypatch.setenv("EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S", "30")
+    assert cli.main(["config", "--port", "8123"]) == 0
+    out = capsys.readouterr().out
+    shown, report = json.loads(out), ConfigReport.model_validate_json(out)
+    sources = shown["sources"]
+    assert (shown["gateway"]["port"], sources["gateway.port"]) == (8123, "flag --port")
+    assert (shown["engine"]["port"], sources["engine.port"]) == (31000, ".env (EMBEDSERVE_ENGINE__PORT)")
+    assert sources["engine.kind"] == "variable EMBEDSERVE_ENGINE__KIND"
+    assert sources["gateway.max_inputs"] == "default"
+    assert report.model.max_seq_len == 256  # all-MiniLM-L6-v2's sentence-transformers cap
+    assert sources["model.max_seq_len"].startswith("derived from the model")
+    assert report.engine.cpu_threads == usable_cores()
+    assert sources["engine.cpu_threads"].startswith("derived from the machine")
+    g = report.gateway
+    assert (g.max_tokens_in_flight, g.max_tokens_per_engine_call, g.engine_calls_per_engine,
+            g.inline_tokenize_chars) == (32_768, 512, 1, 2048)
+    assert sources["gateway.max_tokens_in_flight"] == "derived from the engine kind (cpu)"
+    assert report.health.hang_after_s == 120.0 and sources["health.hang_after_s"].startswith("derived")
+    assert Path(report.model.folder).is_dir()
+    for section in ("model", "engine", "gateway", "health"):
+        for field in shown[section]:
+            assert f"{section}.{field}" in sources or isinstance(shown[section][field], dict)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from embedserve.config import CHILD_SETTINGS_ENV, Settings
+from embedserve.config import CHILD_SETTINGS_ENV, NOT_SETTINGS, Settings
 from embedserve.engines.drill import LEAK_ENV
 from tests.conftest import E2E_URL, RunningStack
 
@@ -42,7 +42,7 @@ def _setting_variables(model: type[BaseModel], prefix: str = "EMBEDSERVE_") -> s
 def _other_variables() -> set[str]:
     """Variables that are not settings: compose.yaml's and the image scripts' own, and the
     ones processes hand each other."""
-    found = {CHILD_SETTINGS_ENV, LEAK_ENV, E2E_URL}
+    found = {CHILD_SETTINGS_ENV, LEAK_ENV, E2E_URL, *NOT_SETTINGS}
     for path in [ROOT / "compose.yaml", *(ROOT / "deploy" / "docker").glob("*.sh")]:
         found |= set(re.findall(r"\$\{(EMBEDSERVE_[A-Z0-9_]+)", path.read_text()))
     return found

@@ -163,7 +163,8 @@ def test_the_catalog_gives_each_model_its_ports_and_states_mistakes_in_one_sente
         ([models[1], models[1]], "two models answer to 'tiny-cross-encoder'"),
         (
             [{**models[1], "engine": {"port": "x"}}],
-            "EMBEDSERVE_SERVED__MODELS[0] ('tiny-cross-encoder'): engine.port",
+            "EMBEDSERVE_SERVED__MODELS: served.models[0].engine.port must be a whole number from 1 to "
+            "65535, got 'x'",
         ),
         ([{**models[1], "kind": "embed"}], "has kind 'embed', but"),
     ]

@@ -23,7 +23,7 @@ from embedserve.config.health import HealthSettings
 from embedserve.config.model import ModelSettings
 from embedserve.config.served import ServedSettings
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
-from embedserve.settings_errors import ConfigError, bad_json, describe
+from embedserve.settings_errors import ConfigError, bad_json, check_variables, describe, setting_variables
 
 __all__ = [
     "BUNDLED_MODEL",
@@ -43,6 +43,23 @@ __all__ = [
 
 #: Set by ``up`` for the engine processes it starts: the parent's settings, as JSON.
 CHILD_SETTINGS_ENV = "EMBEDSERVE_SETTINGS_JSON"
+
+#: ``EMBEDSERVE_*`` names that are no setting but are set around the stack (name -> whose), so a
+#: shell or CI job that exports them can still run it: ``up`` starts with a warning naming them.
+#: Any other unknown name is refused. Those ``up`` sets for its own engines
+#: (``EMBEDSERVE_SETTINGS_JSON``, the leak drill's rate) pass without a word.
+NOT_SETTINGS = {
+    "EMBEDSERVE_REGISTRY": "compose.yaml's and the image scripts' registry",
+    "EMBEDSERVE_TAG": "compose.yaml's and the image scripts' image tag",
+    "EMBEDSERVE_PORT": "compose.yaml's published port (the gateway's own is EMBEDSERVE_GATEWAY__PORT)",
+    "EMBEDSERVE_WARNING_HOURS": "compose.yaml's (it sets EMBEDSERVE_HEALTH__WARNING_HOURS)",
+    "EMBEDSERVE_CRITICAL_HOURS": "compose.yaml's (it sets EMBEDSERVE_HEALTH__CRITICAL_HOURS)",
+    "EMBEDSERVE_CI_ENGINE_PORT": "the container CI script's",
+    "EMBEDSERVE_CI_GATEWAY_PORT": "the container CI script's",
+    "EMBEDSERVE_E2E_URL": "the end-to-end tests'",
+    "EMBEDSERVE_E2E_CONTAINERS": "the end-to-end tests'",
+}
+OWN_CHILD_VARIABLES = {CHILD_SETTINGS_ENV, "EMBEDSERVE_DRILL_LEAK_BYTES_PER_S"}
 
 
 class GatewayLimits(BaseModel):
@@ -179,9 +196,28 @@ def load_settings(
     try:
         if inherited:
             return Settings.model_validate_json(inherited)
+        known = setting_variables(Settings) | set(NOT_SETTINGS) | OWN_CHILD_VARIABLES
+        check_variables(os.environ, known)
+        check_variables(dotenv_names(), known, " (in .env)")
         return Settings(**(overrides or {}))
     except ValidationError as exc:
         raise ConfigError(describe(exc, Settings, flags)) from None
     except SettingsError as exc:  # a list or object variable that is not JSON
         section = str(exc).split('"')[1] if str(exc).count('"') >= 2 else ""
         raise ConfigError(bad_json(section, Settings, os.environ)) from None
+
+
+def dotenv_names() -> list[str]:
+    """The names ``.env`` in the working directory sets (pydantic-settings reads the same file)."""
+    from dotenv import dotenv_values
+
+    env_file = Settings.model_config.get("env_file")
+    if not isinstance(env_file, str) or not os.path.isfile(env_file):
+        return []
+    return list(dotenv_values(env_file))
+
+
+def tolerated_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``NOT_SETTINGS`` name in ``environ``: set, and no setting."""
+    return [f"{name} is not a setting of embedserve (it is {why}); ignored"
+            for name, why in NOT_SETTINGS.items() if name in {n.upper() for n in environ}]

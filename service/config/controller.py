@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class ControllerSettings(BaseModel):
     """The restart controller (``EMBEDSERVE_CONTROLLER__<FIELD>``): evicts pods running out of memory."""
+
+    model_config = ConfigDict(extra="forbid")
 
     namespace: str | None = Field(
         None, description="namespace of the pods; default: the service account's own"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class CacheClearSettings(BaseModel):
     """When the SGLang plugin empties the CUDA caching allocator (all rules OR-ed)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     every_n_batches: int = Field(
         64, ge=0, description="clear after every N-th batch; 1 = every batch, 0 = never"
@@ -29,6 +31,8 @@ class CacheClearSettings(BaseModel):
 
 class EngineSettings(BaseModel):
     """The engine process(es) the gateway sends token ids to."""
+
+    model_config = ConfigDict(extra="forbid")
 
     kind: Literal["auto", "cpu", "sglang", "external"] = Field(
         "auto", description="auto: sglang when a GPU and sglang are present, else cpu"

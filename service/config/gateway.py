@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from embedserve.settings_errors import ConfigError
+
+API_KEYS_FILE = "EMBEDSERVE_GATEWAY__API_KEYS_FILE"
+API_KEYS_FILE_ACCEPTS = "a readable file of API keys, one a line ('#' starts a comment)"
 
 
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible front door."""
 
+    model_config = ConfigDict(extra="forbid")
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    max_inputs: int = 2048
-    max_tokens_per_request: int = 300_000
-    max_body_bytes: int = 16 << 20
+    max_inputs: int = Field(2048, ge=1, description="inputs of one embeddings request; more: 400")
+    max_tokens_per_request: int = Field(
+        300_000, ge=1, description="tokens of one embeddings request, all its inputs; more: 400"
+    )
+    max_body_bytes: int = Field(
+        16 << 20, ge=64, description="request body; 413 beyond (the smallest request is about 30 bytes)"
+    )
     max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
-    max_string_chars: int = Field(1_000_000, description="longest string accepted before tokenisation")
+    max_string_chars: int = Field(1_000_000, ge=1, description="longest string accepted before tokenisation")
     batch_max_wait_ms: float = Field(
         0.0, ge=0, description="extra wait for more inputs while all engine calls are busy"
     )
@@ -66,7 +78,11 @@ class GatewaySettings(BaseModel):
         "wrong vectors with no error",
     )
     api_keys: list[SecretStr] = Field(default_factory=list)
-    api_keys_file: str | None = None
+    api_keys_file: str | None = Field(
+        None,
+        description="more keys, one a line ('#' comments); a file that is missing, unreadable or "
+        "holds no key is refused at start, never read as 'no authentication'",
+    )
     protect_health: bool = False
     protect_metrics: bool = False
     cors_origins: list[str] = Field(default_factory=list)
@@ -91,3 +107,25 @@ class GatewaySettings(BaseModel):
         "aiohttp 15 s) and load balancers' (AWS ALB 60 s), so the server never closes a "
         "connection a client is reusing at that instant",
     )
+
+
+def api_keys(gw: GatewaySettings) -> list[str]:
+    """The keys requests must bear: ``api_keys`` and the file's lines. Someone who names a keys
+    file means authentication on, so a file that cannot be read or holds no key (a secret
+    mounted empty) is a ``ConfigError``, not an open service."""
+    keys = [k.get_secret_value() for k in gw.api_keys]
+    if not gw.api_keys_file:
+        return keys
+    path = Path(gw.api_keys_file)
+    refused = f"{API_KEYS_FILE} must be {API_KEYS_FILE_ACCEPTS}, but {path}"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{refused} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{refused} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    lines = (line.strip() for line in text.splitlines())
+    found = [line for line in lines if line and not line.startswith("#")]
+    if not found:
+        raise ConfigError(f"{refused} holds no key (only blank lines and comments): the API would be open")
+    return keys + found

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class HealthSettings(BaseModel):
     """Memory sampling and the hours-to-OOM forecast."""
+
+    model_config = ConfigDict(extra="forbid")
 
     sample_interval_s: float = Field(5.0, gt=0)
     history_max_samples: int = Field(20_000, ge=10, description="bounded history; older samples are thinned")

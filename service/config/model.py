@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
 
 
 class ModelSettings(BaseModel):
     """What is served, and how its inputs are shaped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     path: str = BUNDLED_MODEL
     name: str | None = Field(None, description="model id clients send; default: folder name")

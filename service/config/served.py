@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from embedserve.config.engine import EngineSettings
+from embedserve.settings_errors import nearest
 
 
 class RerankLimits(BaseModel):
     """Per request of ``/v1/rerank``, ``/rerank``, ``/v2/rerank`` and ``/v1/score``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_documents: int = Field(
         1000,
@@ -53,9 +58,22 @@ class ServedModel(BaseModel):
         None, ge=1, description="its admission bound (default: gateway.max_tokens_in_flight's rule)"
     )
 
+    @field_validator("engine")
+    @classmethod
+    def _engine_settings_only(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        """A misspelt key would otherwise be dropped and its engine started with the default;
+        the values are checked when the entry's engine settings are built (``catalog.py``)."""
+        known = EngineSettings.model_fields
+        for key in engine:
+            if key not in known:
+                raise ValueError(f"has no setting {key!r}; it takes engine.* settings{nearest(key, known)}")
+        return engine
+
 
 class ServedSettings(BaseModel):
     """The routes beside ``/v1/embeddings``, their limits, and the models."""
+
+    model_config = ConfigDict(extra="forbid")
 
     rerank: RerankLimits = Field(default_factory=RerankLimits)
     models: list[ServedModel] = Field(

@@ -4,6 +4,7 @@ environment for this process; engines that ``up`` starts get the resolved settin
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -121,7 +122,10 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
             leak = parse_rate(args.drill_leak)
         except ValueError as exc:
             raise ConfigError(f"--drill-leak must be a rate above zero: {exc}") from exc
-    from embedserve.config import load_settings
+    import logging
+    import os
+
+    from embedserve.config import load_settings, tolerated_variables
     from embedserve.logs import setup_logging
     from embedserve.runtime.stack import run_stack
 
@@ -129,6 +133,8 @@ def _run_stack(argv: list[str], prog: str, doc: str, default_kind: str | None, d
     if default_kind and settings.engine.kind == "auto":
         settings = settings.with_engine(kind=default_kind)
     setup_logging(settings.log_level, settings.log_format)
+    for note in tolerated_variables(os.environ):
+        logging.getLogger("embedserve.config").warning(note)
     if leak is not None and (settings.engine.kind == "external" or settings.engine.urls):
         from embedserve.settings_errors import ConfigError
 
@@ -161,39 +167,36 @@ def _gateway(argv: list[str]) -> int:
 def _config(argv: list[str]) -> int:
     args = _stack_parser("embedserve config", "Print the effective configuration.").parse_args(argv)
     from embedserve.config import load_settings
-    from embedserve.model_info import model_folder
-    from embedserve.settings_errors import ConfigError
+    from embedserve.runtime.effective import config_report
 
-    settings = load_settings(_overrides(args), FLAG_OF)
-    shown = settings.redacted()
-    model = shown["model"]
-    assert isinstance(model, dict)
-    try:  # where `bundled:...` (or a relative path) resolves to
-        model["folder"] = str(model_folder(settings.model).resolve())
-    except ConfigError as exc:
-        model["folder"] = f"none: {exc}"
-    shown["limits"] = _limits(settings)
-    import json
-
+    overrides = _overrides(args)
+    settings, unresolved = _identified(load_settings(overrides, FLAG_OF))
+    shown = json.loads(config_report(settings, overrides, FLAG_OF).model_dump_json())
+    shown["limits"] = _limits(settings, unresolved)
     print(json.dumps(shown, indent=2))
     return 0
 
 
-def _limits(settings: Any) -> dict[str, object]:
-    """Each model's gateway limits as the gateway would resolve them: engines elsewhere are asked
-    once what they are (the gateway itself waits for their answer)."""
+def _identified(settings: Any) -> tuple[Any, str | None]:
+    """The settings once engines elsewhere said what they are (asked once, not waited for), and
+    why not where they did not answer."""
     import asyncio
 
-    from embedserve.catalog import served_models
     from embedserve.runtime.identify import identify_engines
-    from embedserve.runtime.model_plan import resolve_engine_kind
     from embedserve.runtime.supervisor import EngineStartError
 
-    shown: dict[str, object] = {}
     try:
-        settings = asyncio.run(identify_engines(settings, wait_s=0))
+        return asyncio.run(identify_engines(settings, wait_s=0)), None
     except EngineStartError as exc:
-        shown["unresolved"] = f"{exc}; until they answer, the defaults below are SGLang's"
+        return settings, f"{exc}; until they answer, the defaults below are SGLang's"
+
+
+def _limits(settings: Any, unresolved: str | None) -> dict[str, object]:
+    """Each model's gateway limits as the gateway would resolve them."""
+    from embedserve.catalog import served_models
+    from embedserve.runtime.model_plan import resolve_engine_kind
+
+    shown: dict[str, object] = {"unresolved": unresolved} if unresolved else {}
     for entry in served_models(settings):
         shown[entry.name] = entry.limits(resolve_engine_kind(entry.settings)).model_dump()
     return shown
@@ -203,7 +206,8 @@ def _limits(settings: Any) -> dict[str, object]:
 _LOCAL = {
     "up": (_up, "start the engine (SGLang on a GPU, else the CPU engine) and the gateway"),
     "gateway": (_gateway, "run only the gateway in front of --engine-url engines"),
-    "config": (_config, "print the effective configuration (secrets hidden)"),
+    "config": (_config, "print the configuration the stack will use, derived values included, and where "
+               "each value came from (secrets hidden)"),
 }
 
 

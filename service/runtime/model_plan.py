@@ -82,7 +82,7 @@ def plan_models(settings: Settings, gpu_bytes: int | None = None) -> tuple[Setti
         return settings, [PlannedModel(settings, info, kind)]
     planned = []
     for entry in served_models(settings):
-        info = ModelInfo.load(entry.settings.model)
+        info = entry.load_info()
         entry.check_kind(info)
         kind = resolve_engine_kind(entry.settings)
         check_engine_kind(entry.settings, kind)

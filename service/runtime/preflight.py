@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 from embedserve.config import Settings
+from embedserve.config.gateway import api_keys
 from embedserve.nvml import gpu_count
 from embedserve.runtime.ports import check_free
 from embedserve.settings_errors import ConfigError
@@ -49,3 +50,9 @@ def check_ports(settings: Settings, local_engines: bool) -> None:
     check_free(g.host, g.port, "gateway", "--port", "EMBEDSERVE_GATEWAY__PORT")
     for port in engine_ports:
         check_free(e.host, port, "engine", "--engine-port", "EMBEDSERVE_ENGINE__PORT")
+
+
+def check_api_keys(settings: Settings) -> None:
+    """The keys file, when one is named, is there and holds a key: read now, before engines
+    start, rather than when the gateway is built after them."""
+    api_keys(settings.gateway)
