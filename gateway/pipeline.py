@@ -11,6 +11,7 @@ from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import encode_base64
+from embedserve.gateway import tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
@@ -199,6 +200,7 @@ class EmbeddingPipeline:
             self._check_ids(id_batch)
             inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
         tokenize_s = time.perf_counter() - t0
+        tracing.tokenized(self.info.name, t0, tokenize_s, inputs)
         self._check_truncation(req, inputs)
         total = sum(len(x.ids) for x in inputs)
         if total > self.settings.max_tokens_per_request:

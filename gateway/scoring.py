@@ -20,6 +20,7 @@ import numpy as np
 
 from embedserve.config import GatewaySettings
 from embedserve.config.served import RerankLimits
+from embedserve.gateway import tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
@@ -152,6 +153,7 @@ class ScorePipeline:
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self.executor, model.scorer.prepare, req.job)
         tokenize_s = time.perf_counter() - t0
+        tracing.tokenized(model.info.name, t0, tokenize_s, prepared.pairs)
         total = self._check_tokens(req, model, prepared)
         rows, times = await model.caller.run(prepared.inputs, param=req.fields[1])
         raw = prepared.combine(rows)

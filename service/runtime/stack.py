@@ -26,7 +26,7 @@ from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
 from embedserve.runtime.model_plan import PlannedModel, plan_models
 from embedserve.runtime.ports import PortInUse, check_owner
-from embedserve.runtime.preflight import check_ports
+from embedserve.runtime.preflight import check_ports, check_tracing
 from embedserve.runtime.replace import EngineReplacer, run_replacers
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 
@@ -131,6 +131,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     settings, planned = plan_models(settings)
+    check_tracing(settings)
     for m in planned:  # the gateway's port, then each model's engines'
         check_ports(m.settings, m.local)
     for m in planned:
