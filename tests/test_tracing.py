@@ -5,7 +5,6 @@ text leaves in a span. With no endpoint set, OpenTelemetry's SDK is never import
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -87,10 +86,8 @@ def test_spans_reach_an_otlp_receiver_with_the_callers_parent(
     engine: tuple[str, list[dict[str, str]]], protocol: str
 ) -> None:
     engine_url, engine_headers = engine
-    with contextlib.contextmanager(http_receiver if protocol == "http/protobuf" else grpc_receiver)() as (
-        endpoint,
-        received,
-    ):
+    receiver = http_receiver if protocol == "http/protobuf" else grpc_receiver
+    with receiver() as (endpoint, received):
         answer = embed_traced(gateway(engine_url, endpoint=endpoint, protocol=protocol, service_name="emb-a"))
         wait_until(lambda: any(s.name == "POST /v1/embeddings" for s in received.spans), timeout=10)
     check_trace(received, answer, engine_headers)
@@ -129,7 +126,7 @@ def check_trace(received: Received, answer: dict[str, Any], engine_headers: list
 
 def test_a_rerank_is_traced_with_its_pairs(engine: tuple[str, list[dict[str, str]]]) -> None:
     engine_url, _ = engine
-    with contextlib.contextmanager(http_receiver)() as (endpoint, received):
+    with http_receiver() as (endpoint, received):
         client = gateway(engine_url, endpoint=endpoint)
         with client:
             wait_until(lambda: client.app.state.pool.any_ready, timeout=10, interval=0.02)  # type: ignore[attr-defined]
