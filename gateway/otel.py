@@ -122,7 +122,8 @@ class _RequestTrace:
             self.queue = None
 
     def answered(self) -> None:
-        self.response = self.tracer.start_span("response", self.context)
+        if self.response is None:  # a request that calls the engines twice: from the first answer
+            self.response = self.tracer.start_span("response", self.context)
 
     def engine_call(self, traces: Sequence[RequestTrace], inputs: int, tokens: int) -> EngineCallTrace:
         counts = Counter(traces)
