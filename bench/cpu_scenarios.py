@@ -1,6 +1,6 @@
 """The CPU comparisons as data for the GPU suite's runner (`python bench/suite.py --only NAME`), the
 bundled all-MiniLM-L6-v2 on the CPU engine: ``cpu-peers``, ``gateway-overhead``, ``gateway-cpu``,
-``quality-cpu``, ``rerank-cpu``; bench/README.md says what each does."""
+``quality-cpu``, ``rerank-cpu``, ``tracing-cpu``; bench/README.md says what each does."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from random import Random
 from typing import Any
 
 import httpx
-from harness import GATEWAY, INSTANT, UP, Host, Side, slug
+from harness import GATEWAY, INSTANT, UP, Host, Kind, Side, slug
 from measure import Case, Load, children_cpu
 from peers import IN_PROCESS, INFINITY
-from runner import Step, lifecycle, step_compare, step_quality, step_vectors
+from runner import Step, lifecycle, step_compare, step_quality, step_stop, step_vectors
 
 OPEN = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}  # admission never caps a run
 CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", **OPEN}  # `up`'s engine (a gateway given engines starts none)
@@ -210,6 +210,20 @@ RERANK_LOADS = [Case(f"1 query x {n} passages of 64 words, {conc} in flight",
                 for n, conc in ((16, 4), (64, 1))]
 
 
+# tracing off and on, exporting to the test suite's OTLP receivers run as a collector (HTTP 14318, gRPC 14319)
+OTLP = Kind(lambda host, side: ([sys.executable, "-m", "tests.otlp_receiver", "14318", "14319"], {}),
+            ready="/")
+RECEIVER = Side("OTLP receiver", OTLP, 14318, tag="otlp", cwd=str(Path(__file__).parents[1].resolve()))
+TRACED = [up(f"tracing {name}", 8900 + 10 * i, **({"EMBEDSERVE_TRACING__ENDPOINT": f"http://127.0.0.1:{port}",
+                                                   "EMBEDSERVE_TRACING__PROTOCOL": protocol} if port else {}))
+          for i, (name, port, protocol) in enumerate(
+              (("off", 0, ""), ("on, OTLP/HTTP", 14318, "http/protobuf"), ("on, OTLP/gRPC", 14319, "grpc")))]
+
+
+def spans_received(host: Host, budget_end: float) -> dict[str, Any]:
+    return {"notes": [f"Spans received: {httpx.get('http://127.0.0.1:14318').json()['spans']:,}"]}
+
+
 def quality_base(host: Host) -> list[Side]:
     return [up("baseline", 18700, **dict(host.variants).get("baseline", {}))]
 
@@ -244,7 +258,11 @@ def cpu_steps() -> list[Step]:
         step("rerank-cpu-scores", step_rerank_scores, 10),
         step("rerank-cpu-load", step_compare, 400, sides=rerank_sides, cases=RERANK_LOADS, seed=11,
              section="Rerank on CPU, pairs/s (inputs/s)",
-             warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), rerank_off]
+             warm=Load("fixed:64", 1, seconds=2, warmup=0, words=True, rerank=4)), rerank_off,
+        step("tracing-cpu", step_compare, 900, sides=TRACED, start=[RECEIVER, *TRACED], stop=TRACED, seed=21,
+             cases=[PEER_LOADS[0], PEER_LOADS[2]], section="Tracing off and on: the CPU stack"),
+        step("tracing-cpu-spans", spans_received, 10),
+        step("tracing-cpu-stop", step_stop, 10, sides=[RECEIVER])]
 
 
-SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "quality-cpu", "rerank-cpu")
+SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "quality-cpu", "rerank-cpu", "tracing-cpu")

@@ -7,6 +7,7 @@ engine pools, the coalescers and the health sampler.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
@@ -108,6 +109,11 @@ def create_app(
 
     if starting:
         gate.close("warming up")
+    traces = None
+    if settings.tracing.enabled:  # else OpenTelemetry is never imported
+        from embedserve.gateway import otel
+
+        traces = otel.provider(settings.tracing)
 
     def process_pids() -> dict[str, int]:
         return {"gateway": os.getpid(), **(supervisor().pids if supervisor else {})}
@@ -133,6 +139,8 @@ def create_app(
                 await r.coalescer.stop()
                 await r.pool.stop()
             executor.shutdown(wait=False, cancel_futures=True)
+            if traces is not None:  # the last spans out, off the loop
+                await asyncio.to_thread(traces.shutdown)
 
     first = runtimes[0]
     app = FastAPI(title="embedserve", version=embedserve.__version__, lifespan=lifespan)
@@ -163,5 +171,7 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, keys=api_keys(gw), protected_prefixes=protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
     app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes)
+    if traces is not None:
+        app.add_middleware(otel.TracingMiddleware, tracer=traces.get_tracer("embedserve.gateway"))
     app.add_middleware(RequestContextMiddleware)
     return app

@@ -20,6 +20,7 @@ import numpy as np
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.contracts.wire import Matrix
+from embedserve.gateway.tracing import RequestTrace, engine_call, request_trace
 
 #: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``).
 EmbedBatch = Callable[[list[list[int]]], Awaitable[Matrix]]
@@ -32,6 +33,7 @@ class _Item:
     enqueued: float
     dispatched: float = 0.0
     engine_s: float = 0.0
+    trace: RequestTrace | None = None
 
 
 @dataclass(slots=True)
@@ -108,7 +110,10 @@ class Coalescer:
             return np.empty((0, 0), dtype=np.float32), StageTimes()
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        items = [_Item(ids, loop.create_future(), now) for ids in inputs]
+        trace = request_trace.get()
+        items = [_Item(ids, loop.create_future(), now, trace=trace) for ids in inputs]
+        if trace is not None:
+            trace.queued(inputs)
         self._turns.append(deque(items))
         self._queued_inputs += len(items)
         self._queued_tokens += sum(len(ids) for ids in inputs)
@@ -122,6 +127,8 @@ class Coalescer:
                 elif not it.future.cancelled():
                     it.future.exception()  # retrieved: no "never retrieved" noise
             raise
+        if trace is not None:
+            trace.answered()
         times = StageTimes(
             queue_s=max(it.dispatched - it.enqueued for it in items),
             engine_s=max(it.engine_s for it in items),
@@ -177,7 +184,12 @@ class Coalescer:
         start = time.monotonic()
         for item in batch:
             item.dispatched = start
-        call = asyncio.ensure_future(self._embed([it.ids for it in batch]))
+        ids = [it.ids for it in batch]
+        traces = [it.trace for it in batch if it.trace is not None]
+        call_trace = engine_call(traces, ids) if traces else None  # sets the call's traceparent
+        call = asyncio.ensure_future(self._embed(ids))
+        if call_trace is not None:
+            call.add_done_callback(call_trace.end)
 
         def cancel_if_abandoned(_: object) -> None:
             if not call.done() and all(it.future.done() for it in batch):

@@ -11,6 +11,7 @@ from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import encode_base64
+from embedserve.gateway import tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
@@ -196,7 +197,9 @@ class EmbeddingPipeline:
                 )
             self._check_ids(id_batch)
             inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
-        tokenized = Tokenized([x.ids for x in inputs], [x.item() for x in inputs], time.perf_counter() - t0)
+        tokenize_s = time.perf_counter() - t0
+        tracing.tokenized(self.info.name, t0, tokenize_s, inputs)
+        tokenized = Tokenized([x.ids for x in inputs], [x.item() for x in inputs], tokenize_s)
         limits = Limits(req.truncate, self.tokenizer.max_seq_len, self.settings.max_tokens_per_request)
         done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings")
         vectors = shape_vectors(done.rows, req.dimensions, self.settings.normalize)

@@ -19,6 +19,7 @@ import numpy as np
 
 from embedserve.config import GatewaySettings
 from embedserve.config.served import RerankLimits
+from embedserve.gateway import tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
@@ -116,7 +117,9 @@ class ScorePipeline:
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self.executor, model.scorer.prepare, req.job)
-        tokenized = Tokenized(prepared.inputs, prepared.pairs, time.perf_counter() - t0)
+        tokenize_s = time.perf_counter() - t0
+        tracing.tokenized(model.info.name, t0, tokenize_s, prepared.pairs)
+        tokenized = Tokenized(prepared.inputs, prepared.pairs, tokenize_s)
         limits = Limits(req.truncate, model.max_seq_len, self.limits.max_tokens_per_request)
         done = await self.step.run(model.caller, tokenized, limits, _naming(req), model.info.name, req.route)
         raw = prepared.combine(done.rows)

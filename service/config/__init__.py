@@ -22,6 +22,7 @@ from embedserve.config.gateway import GatewaySettings
 from embedserve.config.health import HealthSettings
 from embedserve.config.model import ModelSettings
 from embedserve.config.served import ServedSettings
+from embedserve.config.tracing import TracingSettings
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
 from embedserve.settings_errors import ConfigError, bad_json, check_variables, describe, setting_variables
 
@@ -37,6 +38,7 @@ __all__ = [
     "ModelSettings",
     "ServedSettings",
     "Settings",
+    "TracingSettings",
     "load_settings",
     "resolve_model_path",
 ]
@@ -86,6 +88,7 @@ class Settings(BaseSettings):
     health: HealthSettings = Field(default_factory=HealthSettings)
     controller: ControllerSettings = Field(default_factory=ControllerSettings)
     served: ServedSettings = Field(default_factory=ServedSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="auto: readable lines on a terminal, JSON lines otherwise"

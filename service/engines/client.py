@@ -12,6 +12,8 @@ from typing import Protocol
 
 import aiohttp
 
+from embedserve.gateway.tracing import engine_headers
+
 JSON = {"content-type": "application/json"}
 
 
@@ -59,7 +61,9 @@ class AiohttpEngineClient:
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes]:
         with _mapped_errors():
-            async with self._session.post(url, data=body, headers=JSON) as r:
+            traced = engine_headers.get()  # a traced request's traceparent
+            headers = JSON if traced is None else JSON | traced
+            async with self._session.post(url, data=body, headers=headers) as r:
                 return r.status, await r.read()
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:

@@ -34,6 +34,26 @@ def check_engine_kind(settings: Settings, kind: str) -> None:
         raise ConfigError(f"{KIND} is 'sglang', but no NVIDIA GPU is visible here: use 'auto' or 'cpu'")
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def check_tracing(settings: Settings) -> None:
+    """Tracing asked for, and the OpenTelemetry SDK and exporter it needs are installed."""
+    t = settings.tracing
+    exporter = "grpc" if t.protocol == "grpc" else "http"
+    needed = ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{exporter}")
+    if t.enabled and not all(map(_installed, needed)):
+        raise ConfigError(
+            f"EMBEDSERVE_TRACING__ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT) is {t.endpoint!r}, but "
+            f"OpenTelemetry's SDK and OTLP/{t.protocol} exporter are not installed: install the otel "
+            "extra (pip install 'embedserve[otel]'), or unset it"
+        )
+
+
 def check_ports(settings: Settings, local_engines: bool) -> None:
     """Every port this stack listens on is its own, valid and free."""
     g, e = settings.gateway, settings.engine

@@ -27,7 +27,7 @@ from embedserve.logs import resolve_format
 from embedserve.model_info import ModelInfo
 from embedserve.runtime.model_plan import PlannedModel, plan_models
 from embedserve.runtime.ports import PortInUse, check_owner
-from embedserve.runtime.preflight import check_api_keys, check_ports
+from embedserve.runtime.preflight import check_api_keys, check_ports, check_tracing
 from embedserve.runtime.replace import EngineReplacer, run_replacers
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 from embedserve.runtime.watchdog import watch_hung
@@ -161,6 +161,7 @@ async def _run_stack(settings: Settings, drill_leak: float | None, owned: Owned)
         loop.add_signal_handler(sig, on_signal, sig)
     check_api_keys(settings)
     settings, planned = plan_models(settings)
+    check_tracing(settings)
     for m in planned:  # the gateway's port, then each model's engines'
         check_ports(m.settings, m.local)
     for m in planned:
