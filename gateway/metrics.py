@@ -106,6 +106,18 @@ class GatewayMetrics:
             ["model", "route"],
             registry=registry,
         )
+        self.priority_queue_seconds = Histogram(
+            "embedserve_priority_queue_seconds",
+            "Time a request's inputs waited for an engine call, by its priority (clamped to -10..10)",
+            ["priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.priority_aged = Counter(
+            "embedserve_priority_aged",
+            "Requests that waited gateway.priority_aging_s and then went ahead of their priority",
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "embedserve_client_disconnects",
             "Requests abandoned by their client",

@@ -208,7 +208,7 @@ class EmbeddingPipeline:
                 param="input",
                 code="max_tokens_per_request",
             )
-        vectors, times = await self.caller.run([x.ids for x in inputs])
+        vectors, times = await self.caller.run([x.ids for x in inputs], priority=req.priority)
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
         return self._respond(req, inputs, vectors, total, tokenize_s, times)
 

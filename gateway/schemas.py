@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from embedserve.gateway.priority import PRIORITY, Priority
+
 TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
@@ -32,3 +34,4 @@ class EmbeddingRequest(BaseModel):
     instruction: StrictStr | None = Field(
         None, description="task description for queries; default from the service config"
     )
+    priority: Priority = PRIORITY

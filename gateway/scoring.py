@@ -37,6 +37,7 @@ class ScoreRequest:
     truncate: bool = True
     fields: tuple[str, str] = ("query", "documents")
     route: str = "rerank"  # for the per-model metrics: rerank or score
+    priority: int = 0  # lower is served first
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class ScorePipeline:
         prepared = await loop.run_in_executor(self.executor, model.scorer.prepare, req.job)
         tokenize_s = time.perf_counter() - t0
         total = self._check_tokens(req, model, prepared)
-        rows, times = await model.caller.run(prepared.inputs, param=req.fields[1])
+        rows, times = await model.caller.run(prepared.inputs, param=req.fields[1], priority=req.priority)
         raw = prepared.combine(rows)
         if not np.isfinite(raw).all():  # a model's answer, not the client's input: never a 200
             raise APIError(503, "the engine returned a score that is not a number", code="engine_unavailable")

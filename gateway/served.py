@@ -83,6 +83,7 @@ def build_runtime(
         max_wait_s=gw.batch_max_wait_ms / 1000,
         max_concurrent_calls=settings.engine_calls(engine_kind) * len(pool.engines),
         max_inputs_per_call=gw.max_inputs_per_engine_call,
+        aging_s=gw.priority_aging_s,
     )
     admission = TokenAdmission(entry.tokens_in_flight_limit(engine_kind))
     load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
