@@ -1,9 +1,10 @@
 """The CPU stack's probes that are not comparisons, as suite scenarios (`python bench/suite.py
 --only NAME`, bench/README.md says what each measures): ``ctrl-c``, ``huge-request``,
-``slow-clients``, ``idle-burst`` on a fresh `embedserve up` with the product's defaults (the CPU
-engine, the bundled all-MiniLM-L6-v2), ``autoscale-ramp`` (bench/cpu/autoscale_ramp.py) on one
-with an admission bound of its own. ``--time-scale`` multiplies their durations (the idle spell
-too), ``--rounds`` sets the slow-clients rounds. Every input is unique."""
+``slow-clients``, ``idle-burst``, ``priority`` (bench/cpu/priority_run.py) on a fresh `embedserve
+up` with the product's defaults (the CPU engine, the bundled all-MiniLM-L6-v2),
+``autoscale-ramp`` (bench/cpu/autoscale_ramp.py) on one with an admission bound of its own.
+``--time-scale`` multiplies their durations (the idle spell too), ``--rounds`` sets the
+slow-clients rounds. Every input is unique."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any
 import httpx
 import numpy as np
 from cpu import autoscale_ramp as ramp
+from cpu import priority_run
 from harness import UP, Host, Side
 from procs import child_env, port_busy
 from runner import Step, lifecycle
@@ -41,6 +43,9 @@ WORDS = ("memory", "model", "token", "embedding", "query", "passage", "search", 
 RAMP_BOUND, RAMP_TOKENS = 512, 64  # one input a request: the ninth in flight is the first refused
 RAMP = Side("embedserve up", UP, 18700, "bundled", {"EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
             "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(RAMP_BOUND)}, tag="ramp")
+#: aging past the bulk client's own wait on a loaded 2-core VM (bench/cpu/priority_run.py)
+PRIORITY = Side("embedserve up", UP, 18760, "bundled", {"EMBEDSERVE_GATEWAY__PRIORITY_AGING_S": "30"},
+                tag="priority")
 MAX_TRICKLE_S = 120.0  # a trickler gives up after this long: the bound of a slow-clients round
 Answer = tuple[int, str, float, float]  # status, error code, seconds, the Retry-After it asked for
 
@@ -275,19 +280,30 @@ def step_ramp(host: Host, budget_end: float) -> dict[str, Any]:
             "notes": ramp.verdict(doc)}
 
 
+def step_priority(host: Host, budget_end: float, seconds: float = 30.0) -> dict[str, Any]:
+    """Interactive requests alone, beside a saturating bulk client at their priority, then at
+    priority 10 (bench/cpu/priority_run.py), on a stack whose aging bound is 30 s."""
+    url = f"http://127.0.0.1:{PRIORITY.port}"
+    got = priority_run.run(url, host.served_name(PRIORITY.shape), seconds * host.time_scale)
+    title = (f"Interactive requests (one short input every 0.25 s) beside {got['workers']} bulk requests "
+             f"of {got['inputs']} inputs in flight; load average {got['load_average']}")
+    return {**got, "tables": {title: got["rows"]}}
+
+
 HUGE = partial(step_huge, inputs=1000, words=400, seconds=60.0)
 ADMITTED = partial(step_huge, inputs=60, words=300, seconds=45.0)
 Probe = tuple[str, Callable[..., dict[str, Any]], float]  # a step: its name, what it runs, its seconds
 PROBES: dict[str, list[Probe]] = {  # each on a fresh stack
     "huge-request": [("huge-request", HUGE, 90), ("huge-request-admitted", ADMITTED, 60)],
     "slow-clients": [("slow-clients", step_slow, 200)], "idle-burst": [("idle-burst", step_idle, 3720)],
-    "autoscale-ramp": [("autoscale-ramp", step_ramp, 700)]}
+    "autoscale-ramp": [("autoscale-ramp", step_ramp, 700)], "priority": [("priority", step_priority, 140)]}
 SCENARIOS = ("ctrl-c", *PROBES)
 
 
 def steps() -> list[Step]:
     out = [Step("ctrl-c", ("ctrl-c",), step_ctrl_c, 150)]
     for name, probe in PROBES.items():
-        on, off = lifecycle(f"{name}-stack", name, [RAMP if name == "autoscale-ramp" else STACK], 120)
+        side = {"autoscale-ramp": RAMP, "priority": PRIORITY}.get(name, STACK)
+        on, off = lifecycle(f"{name}-stack", name, [side], 120)
         out += [on, *(Step(step, (name,), run, seconds) for step, run, seconds in probe), off]
     return out

@@ -8,7 +8,7 @@ request was abandoned (client gone, deadline passed) are never sent, and an engi
 whose inputs were all abandoned is cancelled.
 
 A request's ``priority`` (vLLM's meaning: lower first, default 0) orders the turns: a call
-takes from the most urgent requests waiting, in turn, before any less urgent one. A request
+takes from the most urgent requests waiting, in turn, and from no less urgent one. A request
 that has waited ``aging_s`` takes its turns among the most urgent ones, so low priority is
 delayed, never starved.
 """
@@ -48,16 +48,11 @@ class _Turns:
     enqueued: float
     level: int  # the priority its turns are taken at: ``priority``, or the most urgent once aged
 
-    @property
-    def aged(self) -> bool:
-        return self.level < self.priority
-
 
 @dataclass(slots=True)
 class StageTimes:
     queue_s: float = 0.0
     engine_s: float = 0.0
-    aged: bool = False  # the request waited past the aging bound and went ahead of its priority
 
 
 @dataclass
@@ -79,12 +74,15 @@ class Coalescer:
         max_concurrent_calls: int = 8,
         max_inputs_per_call: int = 256,
         aging_s: float = 10.0,
+        on_aged: Callable[[], object] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``aging_s``: how long a request waits at its own priority before it takes its turns
-        among the most urgent requests; ``clock``: seconds (injected by tests)."""
+        among the most urgent requests (``on_aged`` is called for each); ``clock``: seconds
+        (injected by tests)."""
         self._embed = embed
         self._aging_s = aging_s
+        self._on_aged = on_aged
         self._clock = clock
         self._budget = token_budget
         self._max_wait = max_wait_s
@@ -143,7 +141,6 @@ class Coalescer:
         times = StageTimes(
             queue_s=max(it.dispatched - it.enqueued for it in items),
             engine_s=max(it.engine_s for it in items),
-            aged=turns.aged,
         )
         return np.stack(vectors), times
 
@@ -163,6 +160,7 @@ class Coalescer:
                     turns.level = top
                     self._levels[top].append(turns)
                     self.stats.aged += 1
+                    self._on_aged()
             kept = deque(t for t in waiting if t.level == priority)
             if kept:
                 self._levels[priority] = kept
@@ -171,12 +169,18 @@ class Coalescer:
 
     def _take(self) -> list[_Item]:
         """The next call's inputs: one from each waiting request of the most urgent priority in
-        turn, then the next priority's, within the budget."""
+        turn, within the budget. A call carries one priority's inputs: urgent work is not held up
+        by less urgent inputs topping its call up (the CPU engine's time is per token, and
+        SGLang batches concurrent calls itself)."""
         self._age()
         batch: list[_Item] = []
         tokens = 0
+        taking = 0
         while self._levels and len(batch) < self._max_inputs:
             level = min(self._levels)
+            if batch and level != taking:
+                break
+            taking = level
             waiting = self._levels[level]
             queue = waiting[0].items
             item = queue[0]

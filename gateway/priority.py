@@ -29,7 +29,5 @@ def priority_label(priority: int) -> str:
 
 
 def count_waited(metrics: GatewayMetrics, priority: int, times: StageTimes) -> None:
-    """A request's wait for the engines, by priority, and whether aging let it ahead."""
+    """A request's wait for the engines, by priority (the aged ones are counted as they age)."""
     metrics.priority_queue_seconds.labels(priority_label(priority)).observe(times.queue_s)
-    if times.aged:
-        metrics.priority_aged.inc()
