@@ -75,15 +75,15 @@ class Coalescer:
         max_inputs_per_call: int = 256,
         aging_s: float = 10.0,
         on_aged: Callable[[], object] = lambda: None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """``aging_s``: how long a request waits at its own priority before it takes its turns
         among the most urgent requests (``on_aged`` is called for each); ``clock``: seconds
-        (injected by tests)."""
+        (default: ``time.monotonic``, looked up at each call)."""
         self._embed = embed
         self._aging_s = aging_s
         self._on_aged = on_aged
-        self._clock = clock
+        self._clock = clock or (lambda: time.monotonic())
         self._budget = token_budget
         self._max_wait = max_wait_s
         self._max_inputs = max_inputs_per_call

@@ -20,14 +20,7 @@ from embedserve.gateway.priority import priority_label
 from tests.fake_engine import FakeEngine
 from tests.test_coalesce import SteppedEngine, settle
 from tests.test_gateway_unit import make_client, wait_ready
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.test_throughput import Clock
 
 
 def test_the_most_urgent_request_goes_first() -> None:
@@ -71,11 +64,11 @@ def test_less_urgent_work_ages_into_the_urgent_turns() -> None:
         for _ in range(20):  # 4 s of urgent work, always more waiting
             urgent.append(asyncio.create_task(c.embed([[2]] * 2)))
             await settle()
-            clock.now += 0.2
+            clock.t += 0.2
             engine.release.release()
             await settle()
         served_before = sum(ids == [9] for call in engine.calls for ids in call)
-        clock.now += 1.0  # past the bound
+        clock.t += 1.0  # past the bound
         while not bulk.done():
             urgent.append(asyncio.create_task(c.embed([[2]] * 2)))
             await settle()
@@ -143,7 +136,7 @@ def simulate(bulk_workers: int, bulk_priority: int) -> Run:
 
         async def interactive(sent: float) -> None:
             await c.embed([[3] * 16])
-            run.interactive_s.append(clock.now - sent)
+            run.interactive_s.append(clock.t - sent)
 
         async def bulk() -> None:
             for _ in range(bulk_requests):
@@ -157,15 +150,15 @@ def simulate(bulk_workers: int, bulk_priority: int) -> Run:
             done: asyncio.Future[None] | None = None
             if engine.waiting:
                 batch, done = engine.waiting.pop(0)
-                clock.now += engine.cost(batch)
+                clock.t += engine.cost(batch)
                 run.calls += 1
             elif not all(t.done() for t in tasks):
                 raise AssertionError("a client waits, but no engine call is running")
             elif arrivals:
-                clock.now = max(clock.now, arrivals[0])
+                clock.t = max(clock.t, arrivals[0])
             else:
                 break
-            while arrivals and arrivals[0] <= clock.now:  # arrived while the call ran
+            while arrivals and arrivals[0] <= clock.t:  # arrived while the call ran
                 tasks.append(asyncio.create_task(interactive(arrivals.pop(0))))
             await _settle()
             if done is not None:
