@@ -40,6 +40,11 @@ class GatewayMetrics:
             "Inputs cut to the max sequence length",
             registry=registry,
         )
+        self.inputs_chunked = Counter(
+            "embedserve_inputs_chunked",
+            "Inputs over the max sequence length embedded whole, in windows pooled into one vector",
+            registry=registry,
+        )
         self.tokens_truncated = Counter(
             "embedserve_truncated_tokens", "Tokens dropped by truncation", registry=registry
         )

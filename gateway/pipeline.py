@@ -7,12 +7,14 @@ import asyncio
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import encode_base64
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
+from embedserve.gateway.long_inputs import TRUNCATE, LongInputs, plan, refuse_ids
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
@@ -57,9 +59,10 @@ class EmbeddingPipeline:
         metrics: GatewayMetrics,
         executor: Executor,
         inline_tokenize_chars: int,
+        long_inputs: LongInputs = TRUNCATE,
     ) -> None:
         """Requests of at most ``inline_tokenize_chars`` characters are tokenised on the loop,
-        others on ``executor``."""
+        others on ``executor``; ``long_inputs``: the model's way with over-long inputs."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
@@ -68,6 +71,7 @@ class EmbeddingPipeline:
         self.metrics = metrics
         self.executor = executor
         self.inline_tokenize_chars = inline_tokenize_chars
+        self.long_inputs = long_inputs
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -176,14 +180,16 @@ class EmbeddingPipeline:
         self._check_request(req)
         texts, id_batch = _as_batch(req.input)
         t0 = time.perf_counter()
+        whole = self.long_inputs.mode(req.truncate) == "chunk"
+        encode = partial(self.tokenizer.encode_texts, whole=True) if whole else self.tokenizer.encode_texts
         if texts is not None:
             self._check_texts(texts)
             texts = self._apply_instruction(req, texts)
             if sum(map(len, texts)) <= self.inline_tokenize_chars:
-                inputs = self.tokenizer.encode_texts(texts)
+                inputs = encode(texts)
             else:
                 loop = asyncio.get_running_loop()
-                inputs = await loop.run_in_executor(self.executor, self.tokenizer.encode_texts, texts)
+                inputs = await loop.run_in_executor(self.executor, encode, texts)
             self._check_embeddable(inputs)
         else:
             assert id_batch is not None
@@ -198,9 +204,13 @@ class EmbeddingPipeline:
                 )
             self._check_ids(id_batch)
             inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
+            if whole and any(x.truncated for x in inputs):
+                raise refuse_ids()
         tokenize_s = time.perf_counter() - t0
         self._check_truncation(req, inputs)
-        total = sum(len(x.ids) for x in inputs)
+        chunks = plan(inputs, self.tokenizer, self.long_inputs.overlap) if whole else None
+        batch = chunks.inputs if chunks else [x.ids for x in inputs]
+        total = sum(map(len, batch))
         if total > self.settings.max_tokens_per_request:
             raise APIError(
                 400,
@@ -208,18 +218,25 @@ class EmbeddingPipeline:
                 param="input",
                 code="max_tokens_per_request",
             )
-        vectors, times = await self.caller.run([x.ids for x in inputs], priority=req.priority)
+        vectors, times = await self.caller.run(batch, priority=req.priority)
+        if chunks:
+            vectors = chunks.pool(vectors)
         vectors = shape_vectors(vectors, req.dimensions, self.settings.normalize)
-        return self._respond(req, inputs, vectors, total, tokenize_s, times)
+        result = self._respond(req, inputs, vectors, total, tokenize_s, times)
+        if chunks:
+            result.body["chunked_inputs"] = chunks.chunked
+            result.headers["x-embedserve-chunked-inputs"] = str(len(chunks.chunked))
+            self.metrics.inputs_chunked.inc(len(chunks.chunked))
+        return result
 
     def _check_truncation(self, req: EmbeddingRequest, inputs: list[TokenizedInput]) -> None:
         cut = [i for i, x in enumerate(inputs) if x.truncated]
-        if cut and not req.truncate:
+        if cut and self.long_inputs.mode(req.truncate) == "refuse":
             i = cut[0]
             raise APIError(
                 400,
-                f"input[{i}] has {inputs[i].original_tokens} tokens; the "
-                f"limit is {self.tokenizer.max_seq_len} (send truncate=true to cut it)",
+                f"input[{i}] has {inputs[i].original_tokens} tokens; the limit is "
+                f"{self.tokenizer.max_seq_len} (send truncate=true to cut it, \"chunk\" to embed it whole)",
                 param="input",
                 code="context_length_exceeded",
             )
@@ -237,7 +254,7 @@ class EmbeddingPipeline:
         truncated = [
             {"index": i, "original_tokens": x.original_tokens, "kept_tokens": len(x.ids)}
             for i, x in enumerate(inputs)
-            if x.truncated
+            if x.truncated and x.content is None  # else embedded whole, in windows
         ]
         unknown = [
             {"index": i, "unknown_tokens": x.unknown.tokens, "unknown_chars": x.unknown.chars}
