@@ -44,9 +44,8 @@ class _Turns:
     """One request's inputs still waiting, and where they wait."""
 
     items: deque[_Item]
-    priority: int
     enqueued: float
-    level: int  # the priority its turns are taken at: ``priority``, or the most urgent once aged
+    level: int  # the priority its turns are taken at: its own, or the most urgent once aged
 
 
 @dataclass(slots=True)
@@ -124,7 +123,7 @@ class Coalescer:
         loop = asyncio.get_running_loop()
         now = self._clock()
         items = [_Item(ids, loop.create_future(), now) for ids in inputs]
-        turns = _Turns(deque(items), priority, now, priority)
+        turns = _Turns(deque(items), now, priority)
         self._levels.setdefault(priority, deque()).append(turns)
         self._queued_inputs += len(items)
         self._queued_tokens += sum(len(ids) for ids in inputs)
