@@ -1,9 +1,9 @@
-"""The CPU stack's probes that are not comparisons, as suite scenarios (`python bench/suite.py
---only NAME`, bench/README.md says what each measures): ``ctrl-c``, ``huge-request``,
-``slow-clients``, ``idle-burst`` on a fresh `embedserve up` with the product's defaults (the CPU
-engine, the bundled all-MiniLM-L6-v2), ``autoscale-ramp`` (bench/cpu/autoscale_ramp.py) on one
-with an admission bound of its own. ``--time-scale`` multiplies their durations (the idle spell
-too), ``--rounds`` sets the slow-clients rounds. Every input is unique."""
+"""The CPU stack's probes that are not comparisons, as suite scenarios (`python bench/suite.py --only NAME`,
+bench/README.md says what each measures): ``ctrl-c``, ``huge-request``, ``slow-clients``, ``idle-burst``,
+``priority`` (aging 30 s) on a fresh `embedserve up` with the product's defaults (the CPU engine, the
+bundled all-MiniLM-L6-v2), ``autoscale-ramp`` (bench/cpu/autoscale_ramp.py) on one with an admission bound
+of its own. ``--time-scale`` multiplies their durations (the idle spell too), ``--rounds`` sets the
+slow-clients rounds. Every input is unique."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +40,8 @@ WORDS = ("memory", "model", "token", "embedding", "query", "passage", "search", 
 RAMP_BOUND, RAMP_TOKENS = 512, 64  # one input a request: the ninth in flight is the first refused
 RAMP = Side("embedserve up", UP, 18700, "bundled", {"EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S": "120",
             "EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(RAMP_BOUND)}, tag="ramp")
+PRIORITY = Side("embedserve up", UP, 18760, "bundled", {"EMBEDSERVE_GATEWAY__PRIORITY_AGING_S": "30"},
+                tag="priority")
 MAX_TRICKLE_S = 120.0  # a trickler gives up after this long: the bound of a slow-clients round
 Answer = tuple[int, str, float, float]  # status, error code, seconds, the Retry-After it asked for
 
@@ -62,9 +63,9 @@ def answers(name: str, what: str, got: list[Answer]) -> dict[str, Any]:
             "p50_ms": ms(ok, 50), "p95_ms": ms(ok, 95), "max_ms": round(max(ok) * 1000, 1) if ok else None}
 
 
-def post(client: httpx.Client, body: dict[str, Any]) -> Answer:
+def post(client: httpx.Client, body: dict[str, Any], url: str = URL) -> Answer:
     t0 = time.monotonic()
-    r = client.post(URL + "/v1/embeddings", json=body)
+    r = client.post(url + "/v1/embeddings", json=body)
     code = "" if r.status_code == 200 else str(r.json().get("error", {}).get("code") or "")
     return r.status_code, code, time.monotonic() - t0, float(r.headers.get("retry-after", 1))
 
@@ -99,35 +100,30 @@ def step_ctrl_c(host: Host, budget_end: float) -> dict[str, Any]:
             "rounds": rounds, "notes": notes if starting else []}
 
 
-def step_huge(host: Host, budget_end: float, inputs: int, words: int, seconds: float) -> dict[str, Any]:
+def step_huge(host: Host, budget_end: float, inputs: int, words: int, seconds: float, workers: int = 1,
+              priority: int = 0, side: Side = STACK) -> dict[str, Any]:
     """``inputs`` texts of ``words`` distinct words (within the limits: 2,048 inputs, 300,000 tokens)
-    sent again once answered (after its Retry-After when refused), beside one short input at a time,
-    0.2 s apart. Target: the short ones' P95 at most 1 s, no 5xx, the huge one 200 or refused at once."""
-    model, stop = host.served_name(STACK.shape), time.monotonic() + seconds * host.time_scale
+    sent again once answered (after its Retry-After when refused) by ``workers`` clients at ``priority``
+    beside one short input at a time (priority 0), 0.2 s apart. Target: the short ones' P95 at most
+    1 s, no 5xx, the huge one 200 or refused at once."""
+    model, stop = host.served_name(side.shape), time.monotonic() + seconds * host.time_scale
     texts = [" ".join(f"{WORDS[(i + j) % len(WORDS)]}{i}" for j in range(words)) for i in range(inputs)]
-    big: list[Answer] = []
-    small: list[Answer] = []
+    big, small = list[Answer](), list[Answer]()
 
-    def big_client() -> None:
+    def client(got: list[Answer], body: Callable[[], Any], pause: Callable[[Answer], float]) -> None:
         with httpx.Client(timeout=300) as c:
             while time.monotonic() < stop:
-                big.append(post(c, {"model": model, "input": texts}))
-                if big[-1][0] != 200:
-                    time.sleep(big[-1][3])
+                got.append(post(c, {"model": model, **body()}, f"http://127.0.0.1:{side.port}"))
+                time.sleep(pause(got[-1]))
 
-    def small_client() -> None:
-        with httpx.Client(timeout=120) as c:
-            while time.monotonic() < stop:
-                small.append(post(c, {"model": model, "input": f"short question {next(SERIAL)}"}))
-                time.sleep(0.2)
-
-    threads = [threading.Thread(target=big_client), threading.Thread(target=small_client)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"tables": {f"{inputs} inputs of {words} words beside short requests": [
-        answers("huge", f"{inputs} inputs x {words} words", big), answers("short", "one input", small)]}}
+    with concurrent.futures.ThreadPoolExecutor(workers + 1) as pool:
+        pool.submit(client, small, lambda: {"input": f"short question {next(SERIAL)}"}, lambda _: 0.2)
+        for _ in range(workers):
+            pool.submit(client, big, lambda: {"input": texts, "priority": priority},
+                        lambda answer: 0 if answer[0] == 200 else answer[3])
+    return {"tables": {f"{workers} x {inputs} inputs of {words} words at priority {priority} beside short "
+                       "requests": [answers("huge", f"{inputs} inputs x {words} words", big),
+                                    answers("short", "one input", small)]}}
 
 
 async def trickle(kind: str, model: str) -> dict[str, Any]:
@@ -277,17 +273,21 @@ def step_ramp(host: Host, budget_end: float) -> dict[str, Any]:
 
 HUGE = partial(step_huge, inputs=1000, words=400, seconds=60.0)
 ADMITTED = partial(step_huge, inputs=60, words=300, seconds=45.0)
+BULK = partial(step_huge, inputs=4, words=24, seconds=30.0, workers=16, side=PRIORITY)
 Probe = tuple[str, Callable[..., dict[str, Any]], float]  # a step: its name, what it runs, its seconds
 PROBES: dict[str, list[Probe]] = {  # each on a fresh stack
     "huge-request": [("huge-request", HUGE, 90), ("huge-request-admitted", ADMITTED, 60)],
     "slow-clients": [("slow-clients", step_slow, 200)], "idle-burst": [("idle-burst", step_idle, 3720)],
-    "autoscale-ramp": [("autoscale-ramp", step_ramp, 700)]}
+    "autoscale-ramp": [("autoscale-ramp", step_ramp, 700)],
+    "priority": [("priority-alone", partial(BULK, workers=0), 40), ("priority-same",
+                 partial(BULK, priority=0), 45), ("priority-10", partial(BULK, priority=10), 45)]}
 SCENARIOS = ("ctrl-c", *PROBES)
 
 
 def steps() -> list[Step]:
     out = [Step("ctrl-c", ("ctrl-c",), step_ctrl_c, 150)]
     for name, probe in PROBES.items():
-        on, off = lifecycle(f"{name}-stack", name, [RAMP if name == "autoscale-ramp" else STACK], 120)
+        side = {"autoscale-ramp": RAMP, "priority": PRIORITY}.get(name, STACK)
+        on, off = lifecycle(f"{name}-stack", name, [side], 120)
         out += [on, *(Step(step, (name,), run, seconds) for step, run, seconds in probe), off]
     return out

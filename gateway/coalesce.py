@@ -6,6 +6,11 @@ short, bounded ``max_wait``). Requests take turns, one input each, so a request 
 thousand inputs cannot make a one-input request wait behind all of them. Inputs whose
 request was abandoned (client gone, deadline passed) are never sent, and an engine call
 whose inputs were all abandoned is cancelled.
+
+A request's ``priority`` (vLLM's meaning: lower first, default 0) orders the turns: a call
+takes from the most urgent requests waiting, in turn, and from no less urgent one. A request
+that has waited ``aging_s`` takes its turns among the most urgent ones, so low priority is
+delayed, never starved.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ class _Item:
 
 
 @dataclass(slots=True)
+class _Turns:
+    """One request's inputs still waiting, and where they wait."""
+
+    items: deque[_Item]
+    enqueued: float
+    level: int  # the priority its turns are taken at: its own, or the most urgent once aged
+
+
+@dataclass(slots=True)
 class StageTimes:
     queue_s: float = 0.0
     engine_s: float = 0.0
@@ -48,6 +62,7 @@ class CoalescerStats:
     inputs: int = 0
     dropped_abandoned: int = 0
     cancelled_calls: int = 0
+    aged: int = 0  # requests that waited past the aging bound
 
 
 class Coalescer:
@@ -59,13 +74,22 @@ class Coalescer:
         max_wait_s: float,
         max_concurrent_calls: int = 8,
         max_inputs_per_call: int = 256,
+        aging_s: float = 10.0,
+        on_aged: Callable[[], object] = lambda: None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``aging_s``: how long a request waits at its own priority before it takes its turns
+        among the most urgent requests (``on_aged`` is called for each); ``clock``: seconds
+        (default: ``time.monotonic``, looked up at each call)."""
         self._embed = embed
+        self._aging_s = aging_s
+        self._on_aged = on_aged
+        self._clock = clock or (lambda: time.monotonic())
         self._budget = token_budget
         self._max_wait = max_wait_s
         self._max_inputs = max_inputs_per_call
         self._slots = asyncio.Semaphore(max_concurrent_calls)
-        self._turns: deque[deque[_Item]] = deque()  # one queue per request with inputs waiting
+        self._levels: dict[int, deque[_Turns]] = {}  # priority -> the requests waiting at it, in turn
         self._queued_inputs = 0
         self._queued_tokens = 0
         self._wakeup = asyncio.Event()
@@ -94,27 +118,28 @@ class Coalescer:
 
     def _drop_waiting(self, error: BaseException | None) -> None:
         """Every waiting input is answered: with ``error``, or cancelled."""
-        for queue in self._turns:
-            for item in queue:
-                if item.future.done():
-                    continue
-                if error is None:
-                    item.future.cancel()
-                else:
-                    item.future.set_exception(error)
-        self._turns.clear()
+        for level in self._levels.values():
+            for turns in level:
+                for item in turns.items:
+                    if item.future.done():
+                        continue
+                    if error is None:
+                        item.future.cancel()
+                    else:
+                        item.future.set_exception(error)
+        self._levels.clear()
         self._queued_inputs = self._queued_tokens = 0
 
-    async def embed(self, inputs: list[list[int]]) -> tuple[Matrix, StageTimes]:
+    async def embed(self, inputs: list[list[int]], priority: int = 0) -> tuple[Matrix, StageTimes]:
         if not inputs:  # nothing to queue: a request always has at least one input in line
             return np.empty((0, 0), dtype=np.float32), StageTimes()
         loop = asyncio.get_running_loop()
-        now = time.monotonic()
+        now = self._clock()
         trace = request_trace.get()
         items = [_Item(ids, loop.create_future(), now, trace=trace) for ids in inputs]
         if trace is not None:
             trace.queued(inputs)
-        self._turns.append(deque(items))
+        self._levels.setdefault(priority, deque()).append(_Turns(deque(items), now, priority))
         self._queued_inputs += len(items)
         self._queued_tokens += sum(len(ids) for ids in inputs)
         self._wakeup.set()
@@ -135,12 +160,45 @@ class Coalescer:
         )
         return np.stack(vectors), times
 
+    def _age(self) -> None:
+        """Requests that waited ``aging_s`` at a less urgent priority join the most urgent turns.
+        A scan of the less urgent requests once per call, and only while priorities are mixed."""
+        if len(self._levels) < 2:
+            return
+        top = min(self._levels)
+        due = self._clock() - self._aging_s
+        for priority in [p for p in self._levels if p != top]:
+            waiting = self._levels[priority]
+            if all(t.enqueued > due for t in waiting):
+                continue
+            for turns in waiting:
+                if turns.enqueued <= due:
+                    turns.level = top
+                    self._levels[top].append(turns)
+                    self.stats.aged += 1
+                    self._on_aged()
+            kept = deque(t for t in waiting if t.level == priority)
+            if kept:
+                self._levels[priority] = kept
+            else:
+                del self._levels[priority]
+
     def _take(self) -> list[_Item]:
-        """The next call's inputs: one from each waiting request in turn, within the budget."""
+        """The next call's inputs: one from each waiting request of the most urgent priority in
+        turn, within the budget. A call carries one priority's inputs: urgent work is not held up
+        by less urgent inputs topping its call up (the CPU engine's time is per token, and
+        SGLang batches concurrent calls itself)."""
+        self._age()
         batch: list[_Item] = []
         tokens = 0
-        while self._turns and len(batch) < self._max_inputs:
-            queue = self._turns[0]
+        taking = 0
+        while self._levels and len(batch) < self._max_inputs:
+            level = min(self._levels)
+            if batch and level != taking:
+                break
+            taking = level
+            waiting = self._levels[level]
+            queue = waiting[0].items
             item = queue[0]
             abandoned = item.future.done()
             if not abandoned and batch and tokens + len(item.ids) > self._budget:
@@ -154,16 +212,18 @@ class Coalescer:
                 tokens += len(item.ids)
                 batch.append(item)
             if not queue:
-                self._turns.popleft()
+                waiting.popleft()
+                if not waiting:
+                    del self._levels[level]
             elif not abandoned:
-                self._turns.rotate(-1)  # this request's turn is over: to the back of the line
+                waiting.rotate(-1)  # this request's turn is over: to the back of the line
         return batch
 
     async def _run(self) -> None:
         while True:
             await self._slots.acquire()
             try:
-                while not self._turns:
+                while not self._levels:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 if self._inflight_calls and self._max_wait and self._queued_tokens < self._budget:
@@ -181,7 +241,7 @@ class Coalescer:
 
     async def _dispatch(self, batch: list[_Item]) -> None:
         self._inflight_calls += 1
-        start = time.monotonic()
+        start = self._clock()
         for item in batch:
             item.dispatched = start
         ids = [it.ids for it in batch]
@@ -212,7 +272,7 @@ class Coalescer:
                     item.future.set_exception(exc)
             return
         vectors = call.result()
-        elapsed = time.monotonic() - start
+        elapsed = self._clock() - start
         self.stats.batches += 1
         self.stats.inputs += len(batch)
         for item, vec in zip(batch, vectors, strict=True):

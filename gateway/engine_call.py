@@ -17,6 +17,7 @@ from embedserve.gateway.coalesce import Coalescer, StageTimes
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
+from embedserve.gateway.priority import count_waited
 
 
 class ServingGate:
@@ -65,9 +66,11 @@ class EngineCaller:
         self.load = load
         self.request_timeout_s = request_timeout_s
 
-    async def run(self, inputs: list[list[int]], param: str = "input") -> tuple[Matrix, StageTimes]:
+    async def run(
+        self, inputs: list[list[int]], param: str = "input", priority: int = 0
+    ) -> tuple[Matrix, StageTimes]:
         """The engines' rows for ``inputs``, in order; ``APIError`` 413 / 429 / 503 / 504
-        (``param``: the request field a 413 names)."""
+        (``param``: the request field a 413 names; ``priority``: lower is served first)."""
         total = sum(map(len, inputs))
         self._check_capacity(total, param)
         self.load.offered(total)
@@ -83,7 +86,9 @@ class EngineCaller:
         self._in_flight_changed()
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                return await self.coalescer.embed(inputs)
+                rows, times = await self.coalescer.embed(inputs, priority)
+            count_waited(self.metrics, priority, times)
+            return rows, times
         except TimeoutError as exc:
             raise APIError(
                 504, "The engine did not answer within the deadline", code="engine_timeout"

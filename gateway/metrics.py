@@ -41,6 +41,11 @@ class GatewayMetrics:
             "Inputs cut to the max sequence length",
             registry=registry,
         )
+        self.inputs_chunked = Counter(
+            "embedserve_inputs_chunked",
+            "Inputs over the max sequence length embedded whole, in windows pooled into one vector",
+            registry=registry,
+        )
         self.tokens_truncated = Counter(
             "embedserve_truncated_tokens", "Tokens dropped by truncation", registry=registry
         )
@@ -102,6 +107,18 @@ class GatewayMetrics:
             "embedserve_model_requests",
             "Requests answered, by served model and route (embeddings, rerank, score)",
             ["model", "route"],
+            registry=registry,
+        )
+        self.priority_queue_seconds = Histogram(
+            "embedserve_priority_queue_seconds",
+            "Time a request's inputs waited for an engine call, by its priority (clamped to -10..10)",
+            ["priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.priority_aged = Counter(
+            "embedserve_priority_aged",
+            "Requests that waited gateway.priority_aging_s and then went ahead of their priority",
             registry=registry,
         )
         self.client_disconnects = Counter(

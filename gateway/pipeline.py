@@ -7,6 +7,7 @@ import asyncio
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from embedserve.config import GatewaySettings
@@ -14,6 +15,7 @@ from embedserve.contracts.wire import encode_base64
 from embedserve.gateway import tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
+from embedserve.gateway.long_inputs import TRUNCATE, LongInputs, plan, refuse_ids
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text
 from embedserve.gateway.schemas import EmbeddingRequest
@@ -63,9 +65,10 @@ class EmbeddingPipeline:
         metrics: GatewayMetrics,
         executor: Executor,
         inline_tokenize_chars: int,
+        long_inputs: LongInputs = TRUNCATE,
     ) -> None:
         """Requests of at most ``inline_tokenize_chars`` characters are tokenised on the loop,
-        others on ``executor``."""
+        others on ``executor``; ``long_inputs``: the model's way with over-long inputs."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
@@ -75,6 +78,7 @@ class EmbeddingPipeline:
         self.step = RequestStep(metrics)
         self.executor = executor
         self.inline_tokenize_chars = inline_tokenize_chars
+        self.long_inputs = long_inputs
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -175,14 +179,16 @@ class EmbeddingPipeline:
         self._check_request(req)
         texts, id_batch = _as_batch(req.input)
         t0 = time.perf_counter()
+        whole = self.long_inputs.mode(req.truncate) == "chunk"
+        encode = partial(self.tokenizer.encode_texts, whole=True) if whole else self.tokenizer.encode_texts
         if texts is not None:
             self._check_texts(texts)
             texts = self._apply_instruction(req, texts)
             if sum(map(len, texts)) <= self.inline_tokenize_chars:
-                inputs = self.tokenizer.encode_texts(texts)
+                inputs = encode(texts)
             else:
                 loop = asyncio.get_running_loop()
-                inputs = await loop.run_in_executor(self.executor, self.tokenizer.encode_texts, texts)
+                inputs = await loop.run_in_executor(self.executor, encode, texts)
             self._check_embeddable(inputs)
         else:
             assert id_batch is not None
@@ -197,12 +203,19 @@ class EmbeddingPipeline:
                 )
             self._check_ids(id_batch)
             inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
+            if whole and any(x.truncated for x in inputs):
+                raise refuse_ids()
         tokenize_s = time.perf_counter() - t0
         tracing.tokenized(self.info.name, t0, tokenize_s, inputs)
-        tokenized = Tokenized([x.ids for x in inputs], [x.item() for x in inputs], tokenize_s)
-        limits = Limits(req.truncate, self.tokenizer.max_seq_len, self.settings.max_tokens_per_request)
-        done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings")
-        vectors = shape_vectors(done.rows, req.dimensions, self.settings.normalize)
+        chunks = plan(inputs, self.tokenizer, self.long_inputs.overlap) if whole else None
+        batch = chunks.inputs if chunks else [x.ids for x in inputs]
+        tokenized = Tokenized(batch, [x.item() for x in inputs], tokenize_s)
+        limits = Limits(self.long_inputs.mode(req.truncate) != "refuse", self.tokenizer.max_seq_len,
+                        self.settings.max_tokens_per_request)
+        done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings",
+                                   priority=req.priority)
+        rows = chunks.pool(done.rows) if chunks else done.rows
+        vectors = shape_vectors(rows, req.dimensions, self.settings.normalize)
         payload: list[Any] = encode_base64(vectors) if req.encoding_format == "base64" else list(vectors)
         body = {
             "object": "list",
@@ -213,6 +226,10 @@ class EmbeddingPipeline:
             "unknown_token_inputs": done.unknown,
         }
         headers = dict(done.headers)
+        if chunks:
+            body["chunked_inputs"] = chunks.chunked
+            headers["x-embedserve-chunked-inputs"] = str(len(chunks.chunked))
+            self.metrics.inputs_chunked.inc(len(chunks.chunked))
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers)

@@ -105,10 +105,11 @@ class RequestStep:
         naming: Naming,
         model: str,
         route: str,
+        priority: int = 0,
     ) -> StepResult:
         """The engines' rows for a tokenised request, counted under ``model`` and ``route``."""
         total = check_tokens(tokenized, limits, naming)
-        rows, times = await caller.run(tokenized.inputs, param=naming.param)
+        rows, times = await caller.run(tokenized.inputs, param=naming.param, priority=priority)
         items = tokenized.items
         truncated = [
             {"index": i, "original_tokens": x.original_tokens, "kept_tokens": x.kept_tokens}
@@ -127,7 +128,7 @@ class RequestStep:
         m.tokens.inc(total)
         m.model_tokens.labels(model).inc(total)
         m.model_requests.labels(model, route).inc()
-        m.inputs.inc(len(tokenized.inputs))
+        m.inputs.inc(len(tokenized.items))
         m.request_tokens.observe(total)
         if truncated:
             m.inputs_truncated.inc(len(truncated))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from embedserve.gateway.long_inputs import Truncate
+from embedserve.gateway.priority import PRIORITY, Priority
 
 TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -23,8 +26,11 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[StrictInt, Field(description="Matryoshka: keep the first N")] | None = None
     user: StrictStr | None = None
-    truncate: StrictBool = Field(
-        True, description="cut over-long inputs (keeping special tokens); false: 400 instead"
+    truncate: Truncate | None = Field(
+        None,
+        description="true: cut over-long inputs (keeping special tokens); false: 400 instead; "
+        "'chunk': embed them whole, in windows of the cap pooled into one vector. Default: the "
+        "model's long_inputs (truncate unless set)",
     )
     input_type: Literal["query", "document"] | None = Field(
         None, description="'query' applies the model's instruction format (Qwen3-Embedding)"
@@ -32,3 +38,4 @@ class EmbeddingRequest(BaseModel):
     instruction: StrictStr | None = Field(
         None, description="task description for queries; default from the service config"
     )
+    priority: Priority = PRIORITY

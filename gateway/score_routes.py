@@ -82,7 +82,8 @@ async def cohere_rerank(
         body.instruction,
         max_document_tokens=body.max_tokens_per_doc,
     )
-    result = await unless_gone(request, pipeline.run(ScoreRequest(body.model, job, body.truncate)), metrics)
+    req = ScoreRequest(body.model, job, body.truncate, priority=body.priority)
+    result = await unless_gone(request, pipeline.run(req), metrics)
     results = [
         {
             "index": i,
@@ -107,7 +108,7 @@ async def tei_rerank(
     body: TeiRerankBody = _parse(TeiRerankBody, obj)
     job = PairJob([body.query], body.texts, [0] * len(body.texts), body.instruction)
     truncate = True if body.truncate is None else body.truncate
-    req = ScoreRequest(body.model, job, truncate, fields=("query", "texts"))
+    req = ScoreRequest(body.model, job, truncate, fields=("query", "texts"), priority=body.priority)
     result = await unless_gone(request, pipeline.run(req), metrics)
     ranks = [
         {"index": i, "score": s, **({"text": body.texts[i]} if body.return_text else {})}
@@ -155,7 +156,9 @@ async def vllm_score(
     first, second, query_of = _pairs(body)
     cap = body.truncate_prompt_tokens if body.truncate_prompt_tokens not in (None, -1, 0) else None
     job = PairJob(first, second, query_of, body.instruction, max_pair_tokens=cap)
-    req = ScoreRequest(body.model, job, body.truncate, fields=("text_1", "text_2"), route="score")
+    req = ScoreRequest(
+        body.model, job, body.truncate, fields=("text_1", "text_2"), route="score", priority=body.priority
+    )
     result = await unless_gone(request, pipeline.run(req), metrics)
     scores = result.activated(body.use_activation is False).tolist()
     shaped = {

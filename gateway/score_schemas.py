@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from embedserve.gateway.priority import PRIORITY, Priority
+
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TRUNCATE = Field(True, description="cut over-long pairs (keeping special tokens); false: 400 instead")
 INSTRUCTION = Field(
@@ -48,6 +50,7 @@ class RerankBody(BaseModel):
     )
     truncate: StrictBool = TRUNCATE
     instruction: StrictStr | None = INSTRUCTION
+    priority: Priority = PRIORITY
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -68,6 +71,7 @@ class TeiRerankBody(BaseModel):
         "right", description="documents are cut at their end; 'left' is refused"
     )
     instruction: StrictStr | None = INSTRUCTION
+    priority: Priority = PRIORITY
 
 
 class ScoreBody(BaseModel):
@@ -84,3 +88,4 @@ class ScoreBody(BaseModel):
     use_activation: StrictBool | None = Field(None, description="false: the model's logit (default true)")
     truncate: StrictBool = TRUNCATE
     instruction: StrictStr | None = INSTRUCTION
+    priority: Priority = PRIORITY

@@ -38,6 +38,7 @@ class ScoreRequest:
     truncate: bool = True
     fields: tuple[str, str] = ("query", "documents")
     route: str = "rerank"  # for the per-model metrics: rerank or score
+    priority: int = 0  # lower is served first
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class ScorePipeline:
         tracing.tokenized(model.info.name, t0, tokenize_s, prepared.pairs)
         tokenized = Tokenized(prepared.inputs, prepared.pairs, tokenize_s)
         limits = Limits(req.truncate, model.max_seq_len, self.limits.max_tokens_per_request)
-        done = await self.step.run(model.caller, tokenized, limits, _naming(req), model.info.name, req.route)
+        done = await self.step.run(model.caller, tokenized, limits, _naming(req), model.info.name, req.route,
+                                   priority=req.priority)
         raw = prepared.combine(done.rows)
         if not np.isfinite(raw).all():  # a model's answer, not the client's input: never a 200
             raise APIError(503, "the engine returned a score that is not a number", code="engine_unavailable")

@@ -21,6 +21,7 @@ from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.load import LoadSignal
+from embedserve.gateway.long_inputs import long_inputs
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingPipeline, EmbeddingResult
 from embedserve.gateway.schemas import EmbeddingRequest
@@ -86,13 +87,16 @@ def build_runtime(
         max_wait_s=gw.batch_max_wait_ms / 1000,
         max_concurrent_calls=limits.engine_calls_per_engine * len(pool.engines),
         max_inputs_per_call=gw.max_inputs_per_engine_call,
+        aging_s=gw.priority_aging_s,
+        on_aged=metrics.priority_aged.inc,
     )
     admission = TokenAdmission(limits.max_tokens_in_flight)
     load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)
     caller = EngineCaller(coalescer, admission, metrics, load, gw.request_timeout_s)
     tokenizer = ModelTokenizer(info.path, info.max_seq_len)
     pipeline = EmbeddingPipeline(
-        gw, info, tokenizer, caller, gate, metrics, executor, limits.inline_tokenize_chars
+        gw, info, tokenizer, caller, gate, metrics, executor, limits.inline_tokenize_chars,
+        long_inputs(settings.model, tokenizer),
     )
     scored = ScoredModel(info, scorer_for(info, tokenizer), caller)
     return ModelRuntime(entry, info, engine_kind, limits, pool, coalescer, admission, load, pipeline, scored)

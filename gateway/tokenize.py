@@ -59,13 +59,16 @@ class TokenizedInput:
     ids: list[int]
     original_tokens: int
     unknown: UnknownTokens | None = None
+    content: list[int] | None = None  # all of a cut input's content ids, when asked for (``whole``)
 
     @property
     def truncated(self) -> bool:
         return self.original_tokens > len(self.ids)
 
     def item(self) -> ItemTokens:
-        return ItemTokens(self.original_tokens, len(self.ids), self.unknown)
+        """Embedded whole (``content``, in windows): nothing of it was cut."""
+        kept = self.original_tokens if self.content is not None else len(self.ids)
+        return ItemTokens(self.original_tokens, kept, self.unknown)
 
 
 def unknown_tokens(
@@ -138,9 +141,13 @@ class ModelTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or str(token_id)
 
-    def encode_texts(self, texts: list[str], max_seq_len: int | None = None) -> list[TokenizedInput]:
+    def encode_texts(
+        self, texts: list[str], max_seq_len: int | None = None, whole: bool = False
+    ) -> list[TokenizedInput]:
         """Batched (parallel in Rust, releases the GIL); truncates every input to the cap (or to
-        ``max_seq_len``, when a request asks for less)."""
+        ``max_seq_len``, when a request asks for less). ``whole``: a cut input keeps all its
+        content ids too, and its unknown tokens are counted over all of them (it is embedded
+        whole, in windows: ``gateway/long_inputs.py``)."""
         cap = self.max_seq_len if max_seq_len is None else min(self.max_seq_len, max_seq_len)
         budget = max(cap - len(self.prefix) - len(self.suffix), 1)
         frame = len(self.prefix) + len(self.suffix)
@@ -149,8 +156,10 @@ class ModelTokenizer:
         for text, enc in zip(texts, encodings, strict=True):
             ids = enc.ids
             kept = ids[:budget]
-            unknown = unknown_tokens(self._tok, self.unknown_id, text, kept)
-            out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unknown))
+            seen = ids if whole else kept
+            unknown = unknown_tokens(self._tok, self.unknown_id, text, seen)
+            content = ids if whole and len(ids) > budget else None
+            out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unknown, content))
         return out
 
     def frame_token_ids(self, ids: list[int]) -> TokenizedInput:

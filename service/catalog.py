@@ -59,7 +59,8 @@ class CatalogEntry:
 
 def _entry(settings: Settings, index: int, m: ServedModel, port: int) -> CatalogEntry:
     model = settings.model.model_copy(
-        update={"path": m.path, "name": m.name, "aliases": list(m.aliases), "max_seq_len": m.max_seq_len}
+        update={"path": m.path, "name": m.name, "aliases": list(m.aliases), "max_seq_len": m.max_seq_len,
+                "long_inputs": m.long_inputs, "chunk_overlap_tokens": m.chunk_overlap_tokens}
     )
     engine = {**settings.engine.model_dump(), "engines_per_gpu": 1, "port": port, **m.engine}
     try:

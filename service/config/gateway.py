@@ -55,6 +55,13 @@ class GatewaySettings(BaseModel):
         "answers 429 instead of queueing into 504s)",
     )
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline (504)")
+    priority_aging_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request that has waited this long for the engines takes its turns among the "
+        "most urgent waiting work, whatever its priority: less urgent work is delayed, never starved. "
+        "Keep it above the wait a bulk client makes for itself, or its work ages into the urgent turns",
+    )
     tokenizer_threads: int = Field(2, ge=1)
     inline_tokenize_chars: int | None = Field(
         None,

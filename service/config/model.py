@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +32,14 @@ class ModelSettings(BaseModel):
         "'Instruct: {task}\\nQuery:{text}' for Qwen3 models, none otherwise",
     )
     matryoshka_dimensions: list[int] | None = None
+    long_inputs: Literal["truncate", "chunk"] = Field(
+        "truncate",
+        description="what /v1/embeddings does with an input over max_seq_len when the request sends "
+        "no truncate: cut it, or embed it whole in windows of the cap pooled into one vector (chunk)",
+    )
+    chunk_overlap_tokens: int = Field(
+        0, ge=0, description="tokens neighbouring windows share when an input is embedded whole"
+    )
 
     @property
     def resolved_path(self) -> Path:

@@ -57,6 +57,10 @@ class ServedModel(BaseModel):
     max_tokens_in_flight: int | None = Field(
         None, ge=1, description="its admission bound (default: gateway.max_tokens_in_flight's rule)"
     )
+    long_inputs: Literal["truncate", "chunk"] = Field(
+        "truncate", description="an over-long input without truncate in the request: cut, or embedded whole"
+    )
+    chunk_overlap_tokens: int = Field(0, ge=0, description="tokens neighbouring windows share")
 
     @field_validator("engine")
     @classmethod
