@@ -4,19 +4,21 @@ post-process. Routes stay thin; every step and its error live here."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from embedserve.config import GatewaySettings
-from embedserve.contracts.wire import encode_base64
+from embedserve.contracts.wire import Matrix
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
-from embedserve.gateway.vectors import shape_vectors
+from embedserve.gateway.vectors import encode_rows, shape_vectors
 from embedserve.model_info import ModelInfo
 
 TOKEN_IDS_REFUSED = (
@@ -31,6 +33,7 @@ TOKEN_IDS_REFUSED = (
 class EmbeddingResult:
     body: dict[str, Any]
     headers: dict[str, str]
+    vectors: Matrix  # as shaped (dimensions, normalised): other routes encode their own types
 
 
 def _as_batch(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -178,12 +181,13 @@ class EmbeddingPipeline:
         t0 = time.perf_counter()
         if texts is not None:
             self._check_texts(texts)
+            encode = self._encoder(req)
             texts = self._apply_instruction(req, texts)
             if sum(map(len, texts)) <= self.inline_tokenize_chars:
-                inputs = self.tokenizer.encode_texts(texts)
+                inputs = encode(texts)
             else:
                 loop = asyncio.get_running_loop()
-                inputs = await loop.run_in_executor(self.executor, self.tokenizer.encode_texts, texts)
+                inputs = await loop.run_in_executor(self.executor, encode, texts)
             self._check_embeddable(inputs)
         else:
             assert id_batch is not None
@@ -197,7 +201,8 @@ class EmbeddingPipeline:
                     code="invalid_value",
                 )
             self._check_ids(id_batch)
-            inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
+            left = req.truncation_direction.lower() == "left"
+            inputs = [self.tokenizer.frame_token_ids(ids, left) for ids in id_batch]
         tokenize_s = time.perf_counter() - t0
         self._check_truncation(req, inputs)
         total = sum(len(x.ids) for x in inputs)
@@ -233,7 +238,7 @@ class EmbeddingPipeline:
         tokenize_s: float,
         times: Any,
     ) -> EmbeddingResult:
-        payload: list[Any] = encode_base64(vectors) if req.encoding_format == "base64" else list(vectors)
+        payload = encode_rows(vectors, req.embedding_type, req.encoding_format == "base64")
         truncated = [
             {"index": i, "original_tokens": x.original_tokens, "kept_tokens": len(x.ids)}
             for i, x in enumerate(inputs)
@@ -276,4 +281,16 @@ class EmbeddingPipeline:
         }
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
-        return EmbeddingResult(body, headers)
+        return EmbeddingResult(body, headers, vectors)
+
+    def _encoder(self, req: EmbeddingRequest) -> Callable[[list[str]], list[TokenizedInput]]:
+        """The tokeniser call for ``req``'s truncation side; cut from the start, a query keeps
+        its instruction (the template's tokens before the text)."""
+        if req.truncation_direction.lower() != "left":
+            return self.tokenizer.encode_texts
+        template = self.info.query_template
+        head = 0
+        if req.input_type == "query" and template is not None:
+            before = template.split("{text}", 1)[0].format(task=req.instruction or self.info.default_task)
+            head = self.tokenizer.count(before)
+        return functools.partial(self.tokenizer.encode_texts, from_start=True, keep_head=head)

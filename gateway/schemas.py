@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from embedserve.gateway.vectors import OutputType
+
 TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
@@ -25,6 +27,14 @@ class EmbeddingRequest(BaseModel):
     user: StrictStr | None = None
     truncate: StrictBool = Field(
         True, description="cut over-long inputs (keeping special tokens); false: 400 instead"
+    )
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
+        "right", description="TEI's: cut an over-long input at its end (right) or its start (left)"
+    )
+    embedding_type: OutputType = Field(
+        "float",
+        description="float, int8, uint8 (fixed range [-1, 1]), binary or ubinary (packed sign bits), "
+        "as sentence-transformers' quantize_embeddings; with encoding_format base64, the bytes",
     )
     input_type: Literal["query", "document"] | None = Field(
         None, description="'query' applies the model's instruction format (Qwen3-Embedding)"

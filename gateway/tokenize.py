@@ -93,9 +93,12 @@ class ModelTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or str(token_id)
 
-    def encode_texts(self, texts: list[str], max_seq_len: int | None = None) -> list[TokenizedInput]:
+    def encode_texts(
+        self, texts: list[str], max_seq_len: int | None = None, from_start: bool = False, keep_head: int = 0
+    ) -> list[TokenizedInput]:
         """Batched (parallel in Rust, releases the GIL); truncates every input to the cap (or to
-        ``max_seq_len``, when a request asks for less)."""
+        ``max_seq_len``, when a request asks for less), cutting its end, or with ``from_start``
+        its start but for the first ``keep_head`` content tokens (a query's instruction)."""
         cap = self.max_seq_len if max_seq_len is None else min(self.max_seq_len, max_seq_len)
         budget = max(cap - len(self.prefix) - len(self.suffix), 1)
         frame = len(self.prefix) + len(self.suffix)
@@ -104,26 +107,37 @@ class ModelTokenizer:
         encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         for text, enc in zip(texts, encodings, strict=True):
             ids = enc.ids
+            spans = [(0, min(len(ids), budget))]
             kept = ids[:budget]
-            unknown = self._unknown(text, len(kept)) if unk is not None and unk in kept else None
+            if from_start and len(ids) > budget:
+                head = min(keep_head, budget)
+                spans = [(0, head), (len(ids) - (budget - head), len(ids))]
+                kept = ids[:head] + ids[spans[1][0]:]
+            unknown = self._unknown(text, spans) if unk is not None and unk in kept else None
             out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unknown))
         return out
 
-    def _unknown(self, text: str, kept: int) -> UnknownTokens:
-        """The unknown tokens among the first ``kept`` of ``text`` and the characters they
-        cover (the fast batch encoding has no offsets, so this input is encoded again)."""
-        enc = self._tok.encode(text, add_special_tokens=False)
-        spans = [end - start for t, (start, end) in zip(enc.ids[:kept], enc.offsets, strict=False)
-                 if t == self.unknown_id]
-        return UnknownTokens(len(spans), sum(spans))
+    def count(self, text: str) -> int:
+        """Content tokens of ``text`` (no special tokens)."""
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
+    def _unknown(self, text: str, spans: list[tuple[int, int]]) -> UnknownTokens:
+        """The unknown tokens among the kept ``spans`` of ``text``'s tokens and the characters
+        they cover (the fast batch encoding has no offsets, so this input is encoded again)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        offsets = [enc.offsets[i] for start, stop in spans for i in range(start, stop)
+                   if enc.ids[i] == self.unknown_id]
+        return UnknownTokens(len(offsets), sum(end - start for start, end in offsets))
+
+    def frame_token_ids(self, ids: list[int], from_start: bool = False) -> TokenizedInput:
         """Client-sent ids are embedded as sent; when over-long, a leading prefix and a
-        trailing suffix of special tokens that the client included are kept."""
+        trailing suffix of special tokens that the client included are kept, and the rest cut
+        at its end (or its start)."""
         if len(ids) <= self.max_seq_len:
             return TokenizedInput(ids, len(ids))
         head = self.prefix if self.prefix and ids[: len(self.prefix)] == self.prefix else []
         tail = self.suffix if self.suffix and ids[-len(self.suffix) :] == self.suffix else []
         body = ids[len(head) : len(ids) - len(tail)]
         keep = self.max_seq_len - len(head) - len(tail)
-        return TokenizedInput(head + body[:keep] + tail, len(ids))
+        kept = body[len(body) - keep :] if from_start else body[:keep]
+        return TokenizedInput(head + kept + tail, len(ids))
