@@ -40,8 +40,8 @@ class CohereEmbedBody(BaseModel):
     embedding_types: list[CohereType] | None = Field(
         None, description="default: float (v1 then answers response_type embeddings_floats)"
     )
-    truncate: Literal["NONE", "START", "END"] = Field(
-        "END", description="cut an over-long text at its end or start; NONE: 400 instead"
+    truncate: Literal["NONE", "START", "END"] | None = Field(
+        "END", description="cut an over-long text at its end or start (null: END); NONE: 400 instead"
     )
     output_dimension: PositiveInt | None = Field(None, description="Matryoshka: keep the first N")
     max_tokens: PositiveInt | None = Field(

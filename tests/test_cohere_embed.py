@@ -161,6 +161,12 @@ def test_model_may_be_left_out(client: TestClient) -> None:
     assert r.status_code == 200 and len(r.json()["embeddings"][0]) == 384
 
 
+def test_null_fields_take_their_defaults(client: TestClient) -> None:
+    """LangChain's CohereEmbeddings sends "truncate": null unless told a side."""
+    body = cohere_embed(client, version=1, truncate=None, embedding_types=None, input_type=None)
+    assert body["response_type"] == "embeddings_floats"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -217,7 +217,7 @@ def _python_block(title: str) -> str:
     return section.split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
-@pytest.mark.parametrize("title", ["Clients", "Rerank clients"])
+@pytest.mark.parametrize("title", ["Clients", "Rerank clients", "Cohere embed clients"])
 def test_the_clients_pip_command_installs_what_the_snippets_import(title: str) -> None:
     """Each module a section's snippets import comes from a package its pip command names:
     the installed distribution that provides it, or, for one not installed here (LlamaIndex),
@@ -269,6 +269,24 @@ def test_the_rerank_client_snippets_rank_as_the_server_does(minilm_stack: Runnin
     orders = {k: v for k, v in namespace.items() if k.endswith("_order")}
     assert {"cohere_order", "langchain_order", "haystack_order"} <= orders.keys() and len(ran) >= 4
     assert all(order == server for order in orders.values()), (server, orders)
+
+
+@pytest.mark.slow
+def test_the_cohere_embed_client_snippets_get_the_servers_vectors(minilm_stack: RunningStack) -> None:
+    """Every client's vectors are the ones /v2/embed answers for the same texts (the stack serves
+    the model under the alias LlamaIndex's class needs), and the packed bits are their signs."""
+    import httpx
+    import numpy as np
+
+    code = _python_block("Cohere embed clients").replace("http://127.0.0.1:8000", minilm_stack.url)
+    namespace, ran, missing = _run_paragraphs(code, "Cohere embed clients")
+    assert missing == [] and len(ran) == 4, (ran, missing)
+    body = {"model": namespace["model"], "texts": namespace["docs"], "input_type": "search_document"}
+    server = httpx.post(minilm_stack.url + "/v2/embed", json=body).json()["embeddings"]["float"]
+    for name in ("cohere_v2", "cohere_v1", "langchain", "llamaindex"):
+        assert np.array_equal(np.asarray(namespace[name]), np.asarray(server)), name
+    signs = np.packbits(np.asarray(server) > 0, axis=-1)
+    assert np.array_equal(np.asarray(namespace["packed"]), signs)
 
 
 @pytest.mark.slow
