@@ -6,6 +6,7 @@ own parsing of the answers."""
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,8 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from embedserve.config import Settings
 from embedserve.gateway.app import create_app
@@ -22,6 +25,7 @@ from embedserve.gateway.tokenize import ModelTokenizer
 from tests import fake_engine
 from tests.conftest import MINILM_DIR
 from tests.fake_engine import FakeEngine, HttpxEngineClient
+from tests.test_bad_input import JSON, assert_contract, json_any
 from tests.test_gateway_unit import MODEL, assert_error, wait_ready
 from tests.test_output_types import TEXTS, signed_vector, st_reference
 
@@ -38,14 +42,14 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
 @pytest.fixture()
 def client(engine: FakeEngine) -> Iterator[TestClient]:
     """The bundled model with Qwen3-Embedding's instruction format, so input types differ."""
-    settings = Settings(
+    config = Settings(
         engine={"kind": "external", "urls": ["http://fake-engine"]},
         model={"query_template": TEMPLATE, "max_seq_len": 32},
         gateway={"request_timeout_s": 10.0},
         health={"sample_interval_s": 60},
         _env_file=None,
     )
-    app = create_app(settings, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
+    app = create_app(config, engine_client=HttpxEngineClient(httpx.ASGITransport(app=engine.app())))
     with TestClient(app) as c:
         wait_ready(c)
         yield c
@@ -212,3 +216,39 @@ def test_the_cohere_sdk_reads_the_answers(client: TestClient) -> None:
     assert np.array_equal(np.asarray(plain.embeddings, dtype=np.float32), query)
     with pytest.raises(cohere.BadRequestError):
         v2.embed(model=MODEL, texts=TEXTS, input_type="search_document", embedding_types=["int4"])
+
+
+# -- fuzzing: whatever the body, an answer or a 4xx in the envelope ----------------------------
+
+COHERE_FIELDS = {
+    "model": st.sampled_from([MODEL, "", "embed-v4.0"]) | json_any,
+    "texts": st.lists(st.text(max_size=12), max_size=4) | json_any,
+    "input_type": st.sampled_from(["search_document", "search_query", "classification", "image"]) | json_any,
+    "embedding_types": st.lists(st.sampled_from([*TYPES, "int4"]), max_size=4) | json_any,
+    "truncate": st.sampled_from(["NONE", "START", "END", "end"]) | json_any,
+    "output_dimension": st.integers(min_value=-2, max_value=400) | json_any,
+    "instruction": st.text(max_size=10) | json_any,
+    "images": json_any,
+    "max_tokens": json_any,
+}
+OPENAI_TYPED = {
+    "model": st.just(MODEL),
+    "input": st.lists(st.text(max_size=12), max_size=4) | json_any,
+    "embedding_type": st.sampled_from([*TYPES, "int4"]) | json_any,
+    "encoding_format": st.sampled_from(["float", "base64"]) | json_any,
+    "truncation_direction": st.sampled_from(["left", "right", "Left", "middle"]) | json_any,
+    "dimensions": st.integers(min_value=-2, max_value=400) | json_any,
+}
+
+
+def test_fuzz_cohere_and_typed_bodies(client: TestClient) -> None:
+    bodies = st.fixed_dictionaries({}, optional=dict(COHERE_FIELDS)) | json_any
+    typed = st.fixed_dictionaries({}, optional=dict(OPENAI_TYPED))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=bodies | typed, path=st.sampled_from(["/v1/embed", "/v2/embed", "/v1/embeddings"]))
+    def fuzz(body: Any, path: str) -> None:
+        assert_contract(client.post(path, content=json.dumps(body), headers=JSON))
+
+    fuzz()
+    cohere_embed(client)
