@@ -17,7 +17,7 @@ their kind for every text (Qwen3-Embedding instructs all inputs of those tasks),
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -86,7 +86,7 @@ def to_request(body: CohereEmbedBody, model: str) -> EmbeddingRequest:
     )
 
 
-def by_type(result: EmbeddingResult, types: list[str]) -> dict[str, list[Any]]:
+def by_type(result: EmbeddingResult, types: Sequence[str]) -> dict[str, list[Any]]:
     """``embeddings`` keyed by each asked type, in the order asked (repeats once); ``base64`` is
     the float vector's bytes."""
     return {t: encode_rows(result.vectors, cast(OutputType, "float" if t == "base64" else t), t == "base64")

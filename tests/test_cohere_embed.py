@@ -134,7 +134,7 @@ def test_truncate_none_is_a_400_for_an_over_long_text(client: TestClient) -> Non
 def test_truncate_cuts_from_that_side(
     client: TestClient, engine: FakeEngine, truncate: str | None, keeps: str
 ) -> None:
-    fields = {"truncate": truncate} if truncate else {}
+    fields: dict[str, Any] = {"truncate": truncate} if truncate else {}
     body = cohere_embed(client, texts=[LONG], **fields)
     (sent,) = engine.calls[-1]
     assert len(sent) == 32 and sent[0] == 101 and sent[-1] == 102  # [CLS] ... [SEP] kept
@@ -202,14 +202,15 @@ def test_bad_input_is_a_400_in_the_envelope_naming_cohere_s_field(
 
 def test_the_cohere_sdk_reads_the_answers(client: TestClient) -> None:
     """Both SDK clients parse what the routes answer (the README's snippet runs them over HTTP)."""
-    v2 = cohere.ClientV2(api_key="unused", base_url="http://testserver", httpx_client=client)
+    # the SDK's annotation names its own httpx; a TestClient is an httpx.Client
+    v2 = cohere.ClientV2(api_key="unused", base_url="http://testserver", httpx_client=client)  # type: ignore[arg-type]
     got = v2.embed(model=MODEL, texts=TEXTS, input_type="search_document", embedding_types=["float", "int8"])
     floats = openai_embed(client)
     assert got.embeddings.float_ is not None and got.embeddings.int8 is not None
     assert np.array_equal(np.asarray(got.embeddings.float_, dtype=np.float32), floats)
     assert np.array_equal(np.asarray(got.embeddings.int8), st_reference(floats, "int8"))
     assert got.meta is not None and got.meta.billed_units is not None and got.meta.billed_units.input_tokens
-    v1 = cohere.Client(api_key="unused", base_url="http://testserver", httpx_client=client)
+    v1 = cohere.Client(api_key="unused", base_url="http://testserver", httpx_client=client)  # type: ignore[arg-type]
     plain = v1.embed(model=MODEL, texts=TEXTS, input_type="search_query")
     assert plain.response_type == "embeddings_floats"
     query = openai_embed(client, input_type="query")

@@ -24,7 +24,7 @@ def test_decode_reads_each_type_as_it_is_ranked() -> None:
     assert np.array_equal(decode(uint8[0].tolist(), "uint8"), int8[0])  # less 128: int8's buckets
     signs = np.where(UNIT[0] > 0, 1.0, -1.0)
     for kind in ("binary", "ubinary"):
-        packed = quantize(UNIT, kind)[0]  # type: ignore[arg-type]
+        packed = quantize(UNIT, kind)[0]
         as_list = decode(packed.tolist(), kind)
         as_base64 = decode(base64.b64encode(packed.tobytes()).decode(), kind)
         assert len(as_list) == 24 and np.array_equal(as_list[:20], signs)  # 3 bytes, zero-padded
