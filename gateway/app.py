@@ -24,6 +24,7 @@ from embedserve.config import Settings
 from embedserve.config.gateway import api_keys
 from embedserve.engines.client import EngineClient
 from embedserve.engines.pool import EnginePool
+from embedserve.gateway.cohere_routes import add_cohere_routes
 from embedserve.gateway.engine_call import ServingGate
 from embedserve.gateway.errors import install_error_handlers
 from embedserve.gateway.load import LoadCollector
@@ -157,6 +158,8 @@ def create_app(
     embeddings = embeddings_handler(router.embed, metrics, gw.accept_token_ids)
     add_routes(app, embeddings, runtimes, metrics, registry)
     add_score_routes(app, scoring, metrics)
+    embedders = [r for r in runtimes if r.info.embeds] or runtimes
+    add_cohere_routes(app, router.embed, metrics, embedders[0].name)
 
     api = ("/v1", "/v2/", "/rerank", "/score")  # the score routes keep vLLM's and TEI's paths
     protected = (

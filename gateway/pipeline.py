@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from embedserve.config import GatewaySettings
-from embedserve.contracts.wire import encode_base64
+from embedserve.contracts.wire import Matrix
 from embedserve.gateway import tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
@@ -20,7 +21,7 @@ from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
-from embedserve.gateway.vectors import shape_vectors
+from embedserve.gateway.vectors import encode_rows, shape_vectors
 from embedserve.model_info import ModelInfo
 
 TOKEN_IDS_REFUSED = (
@@ -39,6 +40,7 @@ INPUTS = Naming("input", lambda i: f"input[{i}]")
 class EmbeddingResult:
     body: dict[str, Any]
     headers: dict[str, str]
+    vectors: Matrix  # as shaped (dimensions, normalised): other routes encode their own types
 
 
 def _as_batch(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -180,9 +182,9 @@ class EmbeddingPipeline:
         texts, id_batch = _as_batch(req.input)
         t0 = time.perf_counter()
         whole = self.long_inputs.mode(req.truncate) == "chunk"
-        encode = partial(self.tokenizer.encode_texts, whole=True) if whole else self.tokenizer.encode_texts
         if texts is not None:
             self._check_texts(texts)
+            encode = self._encoder(req, whole)
             texts = self._apply_instruction(req, texts)
             if sum(map(len, texts)) <= self.inline_tokenize_chars:
                 inputs = encode(texts)
@@ -202,7 +204,8 @@ class EmbeddingPipeline:
                     code="invalid_value",
                 )
             self._check_ids(id_batch)
-            inputs = [self.tokenizer.frame_token_ids(ids) for ids in id_batch]
+            left = req.truncation_direction.lower() == "left"
+            inputs = [self.tokenizer.frame_token_ids(ids, left) for ids in id_batch]
             if whole and any(x.truncated for x in inputs):
                 raise refuse_ids()
         tokenize_s = time.perf_counter() - t0
@@ -216,7 +219,7 @@ class EmbeddingPipeline:
                                    priority=req.priority)
         rows = chunks.pool(done.rows) if chunks else done.rows
         vectors = shape_vectors(rows, req.dimensions, self.settings.normalize)
-        payload: list[Any] = encode_base64(vectors) if req.encoding_format == "base64" else list(vectors)
+        payload = encode_rows(vectors, req.embedding_type, req.encoding_format == "base64")
         body = {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
@@ -232,4 +235,17 @@ class EmbeddingPipeline:
             self.metrics.inputs_chunked.inc(len(chunks.chunked))
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
-        return EmbeddingResult(body, headers)
+        return EmbeddingResult(body, headers, vectors)
+
+    def _encoder(self, req: EmbeddingRequest, whole: bool) -> Callable[[list[str]], list[TokenizedInput]]:
+        """The tokeniser call for ``req``'s truncation side (``whole``: over-long inputs keep all
+        their content, to be embedded in windows); cut from the start, a query keeps its
+        instruction (the template's tokens before the text)."""
+        if req.truncation_direction.lower() != "left":
+            return partial(self.tokenizer.encode_texts, whole=whole)
+        template = self.info.query_template
+        head = 0
+        if req.input_type == "query" and template is not None:
+            before = template.split("{text}", 1)[0].format(task=req.instruction or self.info.default_task)
+            head = self.tokenizer.count(before)
+        return partial(self.tokenizer.encode_texts, whole=whole, from_start=True, keep_head=head)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from embedserve.gateway.long_inputs import Truncate
 from embedserve.gateway.priority import PRIORITY, Priority
+from embedserve.gateway.vectors import OutputType
 
 TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -31,6 +32,14 @@ class EmbeddingRequest(BaseModel):
         description="true: cut over-long inputs (keeping special tokens); false: 400 instead; "
         "'chunk': embed them whole, in windows of the cap pooled into one vector. Default: the "
         "model's long_inputs (truncate unless set)",
+    )
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
+        "right", description="TEI's: cut an over-long input at its end (right) or its start (left)"
+    )
+    embedding_type: OutputType = Field(
+        "float",
+        description="float, int8, uint8 (fixed range [-1, 1]), binary or ubinary (packed sign bits), "
+        "as sentence-transformers' quantize_embeddings; with encoding_format base64, the bytes",
     )
     input_type: Literal["query", "document"] | None = Field(
         None, description="'query' applies the model's instruction format (Qwen3-Embedding)"

@@ -72,17 +72,19 @@ class TokenizedInput:
 
 
 def unknown_tokens(
-    tok: Tokenizer, unknown_id: int | None, text: str, kept: list[int]
+    tok: Tokenizer, unknown_id: int | None, text: str, kept: list[int],
+    spans: list[tuple[int, int]] | None = None,
 ) -> UnknownTokens | None:
-    """The unknown tokens among ``kept`` (the first ids of ``text``, as ``tok`` encodes it without
-    special tokens) and the characters they cover; None when there are none. The fast batch
-    encoding has no offsets, so only a text that holds the unknown id is encoded again."""
+    """The unknown tokens among ``kept`` (the ids of ``text`` that stay, as ``tok`` encodes it
+    without special tokens: its first ones, or the ``spans`` of its ids they were taken from) and
+    the characters they cover; None when there are none. The fast batch encoding has no offsets,
+    so only a text that holds the unknown id is encoded again."""
     if unknown_id is None or unknown_id not in kept:
         return None
     enc = tok.encode(text, add_special_tokens=False)
-    spans = [end - start for t, (start, end) in zip(enc.ids[: len(kept)], enc.offsets, strict=False)
-             if t == unknown_id]
-    return UnknownTokens(len(spans), sum(spans))
+    where = spans or [(0, min(len(kept), len(enc.ids)))]
+    found = [enc.offsets[i] for start, stop in where for i in range(start, stop) if enc.ids[i] == unknown_id]
+    return UnknownTokens(len(found), sum(end - start for start, end in found))
 
 
 def blank(text: str) -> bool:
@@ -142,12 +144,14 @@ class ModelTokenizer:
         return self._tok.id_to_token(token_id) or str(token_id)
 
     def encode_texts(
-        self, texts: list[str], max_seq_len: int | None = None, whole: bool = False
+        self, texts: list[str], max_seq_len: int | None = None, whole: bool = False,
+        from_start: bool = False, keep_head: int = 0,
     ) -> list[TokenizedInput]:
         """Batched (parallel in Rust, releases the GIL); truncates every input to the cap (or to
-        ``max_seq_len``, when a request asks for less). ``whole``: a cut input keeps all its
-        content ids too, and its unknown tokens are counted over all of them (it is embedded
-        whole, in windows: ``gateway/long_inputs.py``)."""
+        ``max_seq_len``, when a request asks for less), cutting its end, or with ``from_start``
+        its start but for the first ``keep_head`` content tokens (a query's instruction).
+        ``whole``: a cut input keeps all its content ids too, and its unknown tokens are counted
+        over all of them (it is embedded whole, in windows: ``gateway/long_inputs.py``)."""
         cap = self.max_seq_len if max_seq_len is None else min(self.max_seq_len, max_seq_len)
         budget = max(cap - len(self.prefix) - len(self.suffix), 1)
         frame = len(self.prefix) + len(self.suffix)
@@ -156,19 +160,30 @@ class ModelTokenizer:
         for text, enc in zip(texts, encodings, strict=True):
             ids = enc.ids
             kept = ids[:budget]
-            seen = ids if whole else kept
-            unknown = unknown_tokens(self._tok, self.unknown_id, text, seen)
+            spans = [(0, len(kept))]
+            if from_start and len(ids) > budget:
+                head = min(keep_head, budget)
+                spans = [(0, head), (len(ids) - (budget - head), len(ids))]
+                kept = ids[:head] + ids[spans[1][0]:]
+            seen, where = (ids, [(0, len(ids))]) if whole else (kept, spans)
+            unknown = unknown_tokens(self._tok, self.unknown_id, text, seen, where)
             content = ids if whole and len(ids) > budget else None
             out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unknown, content))
         return out
 
-    def frame_token_ids(self, ids: list[int]) -> TokenizedInput:
+    def count(self, text: str) -> int:
+        """Content tokens of ``text`` (no special tokens)."""
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def frame_token_ids(self, ids: list[int], from_start: bool = False) -> TokenizedInput:
         """Client-sent ids are embedded as sent; when over-long, a leading prefix and a
-        trailing suffix of special tokens that the client included are kept."""
+        trailing suffix of special tokens that the client included are kept, and the rest cut
+        at its end (or its start)."""
         if len(ids) <= self.max_seq_len:
             return TokenizedInput(ids, len(ids))
         head = self.prefix if self.prefix and ids[: len(self.prefix)] == self.prefix else []
         tail = self.suffix if self.suffix and ids[-len(self.suffix) :] == self.suffix else []
         body = ids[len(head) : len(ids) - len(tail)]
         keep = self.max_seq_len - len(head) - len(tail)
-        return TokenizedInput(head + body[:keep] + tail, len(ids))
+        kept = body[len(body) - keep :] if from_start else body[:keep]
+        return TokenizedInput(head + kept + tail, len(ids))

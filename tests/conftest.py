@@ -196,7 +196,9 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def minilm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("minilm-stack"))
+    # The alias: LlamaIndex's CohereEmbedding takes Cohere's model names only (README's snippet).
+    env = {"EMBEDSERVE_MODEL__ALIASES": '["embed-english-v3.0"]'}
+    stack = start_stack(BUNDLED_MODEL, tmp_path_factory.mktemp("minilm-stack"), env=env)
     yield stack
     stack.stop()
 

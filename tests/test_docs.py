@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from pydantic import BaseModel
@@ -217,7 +218,7 @@ def _python_block(title: str) -> str:
     return section.split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
-@pytest.mark.parametrize("title", ["Clients", "Rerank clients"])
+@pytest.mark.parametrize("title", ["Clients", "Rerank clients", "Cohere embed clients"])
 def test_the_clients_pip_command_installs_what_the_snippets_import(title: str) -> None:
     """Each module a section's snippets import comes from a package its pip command names:
     the installed distribution that provides it, or, for one not installed here (LlamaIndex),
@@ -269,6 +270,55 @@ def test_the_rerank_client_snippets_rank_as_the_server_does(minilm_stack: Runnin
     orders = {k: v for k, v in namespace.items() if k.endswith("_order")}
     assert {"cohere_order", "langchain_order", "haystack_order"} <= orders.keys() and len(ran) >= 4
     assert all(order == server for order in orders.values()), (server, orders)
+
+
+@pytest.mark.slow
+def test_the_cohere_embed_client_snippets_get_the_servers_vectors(minilm_stack: RunningStack) -> None:
+    """Every client's vectors are the ones /v2/embed answers for the same texts (the stack serves
+    the model under the alias LlamaIndex's class needs), and the packed bits are their signs."""
+    import httpx
+
+    code = _python_block("Cohere embed clients").replace("http://127.0.0.1:8000", minilm_stack.url)
+    namespace, ran, missing = _run_paragraphs(code, "Cohere embed clients")
+    assert missing == [] and len(ran) == 4, (ran, missing)
+    body = {"model": namespace["model"], "texts": namespace["docs"], "input_type": "search_document"}
+    server = httpx.post(minilm_stack.url + "/v2/embed", json=body).json()["embeddings"]["float"]
+    for name in ("cohere_v2", "cohere_v1", "langchain", "llamaindex"):
+        assert np.array_equal(np.asarray(namespace[name]), np.asarray(server)), name
+    signs = np.packbits(np.asarray(server) > 0, axis=-1)
+    assert np.array_equal(np.asarray(namespace["packed"]), signs)
+
+
+@pytest.mark.slow
+def test_the_output_type_and_cohere_examples_answer_as_shown(minilm_stack: RunningStack) -> None:
+    """The README's embedding_type example runs as written (but for the URL), and its curl of
+    /v2/embed, sent as written, answers the fields and first numbers its comment shows."""
+    import json
+    import textwrap
+
+    import httpx
+    from openai import OpenAI
+
+    readme = (ROOT / "README.md").read_text()
+    bullet = readme.split("\n- `embedding_type`:", 1)[1].split("\n- ", 1)[0]
+    code = textwrap.dedent(bullet.split("```python\n", 1)[1].split("```", 1)[0])
+    namespace: dict[str, Any] = {"client": OpenAI(base_url=minilm_stack.url + "/v1", api_key="unused")}
+    exec(compile(code, "README embedding_type", "exec"), namespace)
+    packed = namespace["r"].data[0].embedding
+    assert len(packed) == 48 and all(0 <= x <= 255 and x == int(x) for x in packed)
+
+    section = readme.split("\n## Cohere's embed API\n", 1)[1].split("\n## ", 1)[0]
+    curl = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    body = json.loads(re.search(r"-d '(\{.*?\})'", curl, re.S).group(1))  # type: ignore[union-attr]
+    answer = httpx.post(minilm_stack.url + "/v2/embed", json=body).json()
+    shown = "".join(line.lstrip("# ") for line in curl.splitlines() if line.startswith("#"))
+    for key in answer:
+        assert f'"{key}"' in shown, key
+    for kind in ("float", "int8"):
+        numbers = re.search(rf'"{kind}": \[\[([-\d.e, ]+), \.\.\.\]\]', shown).group(1)  # type: ignore[union-attr]
+        first = [float(x) for x in numbers.split(",")]
+        assert np.allclose(answer["embeddings"][kind][0][: len(first)], first, atol=1e-9), kind
+    assert f'"input_tokens": {answer["meta"]["billed_units"]["input_tokens"]}' in shown
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ FP8); both embed the same corpus, and the candidate must keep the baseline's qua
     embedserve quality --baseline http://127.0.0.1:8000 --candidate http://127.0.0.1:8001 \\
         --corpus python-docs.json --out quality-result --max-recall-drop 0.01
 
+    embedserve quality ... --types int8,uint8,binary,ubinary     # embedserve's output types too
+
 It reports:
 
 - **per-input cosine** between the two endpoints' vectors of every text of the corpus
@@ -14,7 +16,13 @@ It reports:
   the candidate's 10 nearest also hold, with the baseline's median gap between its 10th and
   11th score (where neighbours score alike, a tiny change swaps them);
 - **retrieval against ground truth**: recall@10 and nDCG@10 of each endpoint (each query's
-  relevant passages are in the corpus), and how much the candidate drops.
+  relevant passages are in the corpus), and how much the candidate drops;
+- with ``--types``, the same retrieval of each output type the candidate serves (int8, uint8,
+  binary, ubinary; asked for with the float vectors through embedserve's ``/v2/embed``, all
+  types from one embedding), ranked by cosine of the decoded values
+  (packed bits as +-1, which ranks as Hamming distance does), against the baseline's float
+  vectors: recall@10 and its drop, top-10 overlap, bytes a vector. These figures inform; the
+  exit status is the float candidate's.
 
 Exit status: 0 when every threshold holds, 1 when one is missed (the summary names it), 2 on a
 bad flag or corpus, or endpoints whose vectors cannot be compared, 3 when an endpoint fails.
@@ -30,7 +38,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from embedserve.contracts.quality import Boundary, Corpus, CosineStats, QualityReport, Retrieval
+from embedserve.contracts.quality import Boundary, Corpus, CosineStats, QualityReport, Retrieval, TypeQuality
 from embedserve.loadtest.quality import metrics
 from embedserve.loadtest.quality.client import Embedder, EndpointError, Limits, served_model
 from embedserve.loadtest.quality.corpus import describe, load_corpus
@@ -39,6 +47,15 @@ from embedserve.loadtest.quality.report import Thresholds, missed, summary
 
 PROG = "embedserve quality"
 K = 10
+TYPES = ("int8", "uint8", "binary", "ubinary")
+
+
+def output_types(value: str) -> list[str]:
+    kinds = [k.strip() for k in value.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in TYPES]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"takes {', '.join(TYPES)} (comma-separated), got {value!r}")
+    return list(dict.fromkeys(kinds))
 
 
 def build_parser() -> OneLineParser:
@@ -50,6 +67,10 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--model", help="model id to send to both (default: each endpoint's first)")
     ap.add_argument("--candidate-model", help="model id for the candidate (default: --model)")
     ap.add_argument("--api-key", help="sent to both as Authorization: Bearer KEY")
+    ap.add_argument("--types", type=output_types, default=[],
+                    help="also fetch the candidate's vectors as these embedserve output types "
+                         "(through its /v2/embed) "
+                         f"(comma-separated: {','.join(TYPES)}) and report each one's retrieval")
     ap.add_argument("--query-instruction", action="store_true",
                     help="send the queries with input_type 'query' (the model's query instruction, "
                          "e.g. Qwen3-Embedding's; embedserve's extension of the OpenAI API)")
@@ -111,6 +132,26 @@ def evaluate(corpus: Corpus, base: tuple[metrics.Vectors, metrics.Vectors],
             "missed": gone, "passed": not gone}
 
 
+def type_quality(corpus: Corpus, base: tuple[metrics.Vectors, metrics.Vectors],
+                 typed: tuple[metrics.Vectors, metrics.Vectors], packed_bits: bool) -> TypeQuality:
+    """One output type's (passage, query) vectors, decoded, against the baseline's float ones."""
+    (bp, bq), (tp, tq) = base, typed
+    nbytes = tp.shape[1] // 8 if packed_bits else tp.shape[1]
+    tp, tq = tp[:, :bp.shape[1]], tq[:, :bp.shape[1]]  # packed bits pad the last byte with zeros
+    position = {p.id: i for i, p in enumerate(corpus.passages)}
+    relevant = [{position[r] for r in q.relevant} for q in corpus.queries]
+    base_top, top = metrics.top_k(bq, bp, K), metrics.top_k(tq, tp, K)
+    base_recall = metrics.recall_at_k(base_top, relevant, K)
+    base_ndcg = metrics.ndcg_at_k(base_top, relevant, K)
+    retrieval = Retrieval(recall_at_10=metrics.recall_at_k(top, relevant, K),
+                          ndcg_at_10=metrics.ndcg_at_k(top, relevant, K))
+    cosine = metrics.cosine_stats(np.concatenate([bp, bq]), np.concatenate([tp, tq]))
+    return TypeQuality(bytes_per_vector=nbytes, retrieval=retrieval,
+                       recall_at_10_drop=base_recall - retrieval.recall_at_10,
+                       ndcg_at_10_drop=base_ndcg - retrieval.ndcg_at_10,
+                       top10_overlap=metrics.overlap(base_top, top, K), median_cosine=cosine["median"])
+
+
 def run(a: argparse.Namespace, corpus: Corpus) -> QualityReport:
     limits = Limits(a.batch_inputs, a.max_request_tokens, a.retries, a.max_retry_after, a.timeout)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -122,12 +163,19 @@ def run(a: argparse.Namespace, corpus: Corpus) -> QualityReport:
                                   ("candidate", a.candidate, a.candidate_model or a.model)):
             model = served_model(client, url, wanted)
             embedder = Embedder(client, url, model, limits)
-            vectors[side] = (embedder.embed(passages),
-                             embedder.embed(queries, "query" if a.query_instruction else None))
-            traffic[side], models[side] = embedder.traffic, model.id
+            types = tuple(a.types) if side == "candidate" else ()
+            query_type = "query" if a.query_instruction else None
+            by_passage = embedder.embed_types(passages, None, types)
+            by_query = embedder.embed_types(queries, query_type, types)
+            for kind in ("float", *types):
+                vectors[side if kind == "float" else kind] = (by_passage[kind], by_query[kind])
             print(f"{side}: {embedder.traffic.texts} texts in {embedder.traffic.seconds:.1f} s, "
                   f"{embedder.traffic.requests} requests", file=sys.stderr)
+            traffic[side], models[side] = embedder.traffic, model.id
     figures = evaluate(corpus, vectors["baseline"], vectors["candidate"], thresholds_of(a))
+    base = vectors["baseline"]
+    figures["types"] = {kind: type_quality(corpus, base, vectors[kind], kind.endswith("binary"))
+                        for kind in a.types}
     return QualityReport.model_validate({
         "baseline": a.baseline, "candidate": a.candidate, "model": models["baseline"],
         "candidate_model": models["candidate"], "corpus": str(a.corpus),

@@ -10,7 +10,9 @@
   (504), is halved, and later batches stay at the size that was accepted; a single text that
   times out is sent again like a 503.
 - Vectors are asked for as base64 float32 (the server's own numbers, no decimal rounding);
-  a server that answers float lists is read too.
+  a server that answers float lists is read too. embedserve's other output types are asked
+  for through its Cohere route (``/v2/embed`` with ``embedding_types``: every type from one
+  embedding of the batch) and decoded as they are ranked.
 """
 
 from __future__ import annotations
@@ -86,12 +88,26 @@ def served_model(client: httpx.Client, base_url: str, wanted: str | None) -> Ser
     return ServedModel(str(entry["id"]), int(cap) if isinstance(cap, int) and cap > 0 else None)
 
 
-def _vectors(body: Any, count: int, url: str) -> Vectors:
+#: each output type's bytes as sent in base64
+DTYPES = {"float": "<f4", "int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
+
+
+def decode(row: Any, embedding_type: str = "float") -> Vectors:
+    """One ``embedding`` (base64 or a list) of ``embedding_type`` as the numbers it is ranked by:
+    floats and int8 as they are, uint8 less 128 (int8's buckets), binary and ubinary unpacked to
+    +-1 a bit (their cosine ranks as Hamming distance does)."""
+    dtype = DTYPES[embedding_type]
+    raw = np.frombuffer(base64.b64decode(row), dtype=dtype) if isinstance(row, str) else np.asarray(row)
+    if embedding_type in ("binary", "ubinary"):
+        packed = (raw.astype(np.int16) + (128 if embedding_type == "binary" else 0)).astype(np.uint8)
+        return np.unpackbits(packed).astype(np.float64) * 2 - 1
+    return raw.astype(np.float64) - (128 if embedding_type == "uint8" else 0)
+
+
+def _vectors(body: Any, count: int, url: str, embedding_type: str = "float") -> Vectors:
     try:
         data = sorted(body["data"], key=lambda d: d["index"])
-        rows = [np.frombuffer(base64.b64decode(e), dtype="<f4") if isinstance(e, str)
-                else np.asarray(e, dtype=np.float64) for e in (d["embedding"] for d in data)]
-        out = np.stack(rows).astype(np.float64)
+        out = np.stack([decode(d["embedding"], embedding_type) for d in data])
     except (KeyError, TypeError, ValueError) as exc:
         raise EndpointError(f"{url} answered an embeddings response that cannot be read ({exc})") from None
     if len(out) != count or not np.isfinite(out).all():
@@ -115,12 +131,19 @@ class Embedder:
 
     def embed(self, texts: list[str], input_type: str | None = None) -> Vectors:
         """Vectors of ``texts``, in order."""
+        return self.embed_types(texts, input_type, ())["float"]
+
+    def embed_types(self, texts: list[str], input_type: str | None,
+                    types: tuple[str, ...]) -> dict[str, Vectors]:
+        """The float vectors of ``texts`` and, with ``types``, the same vectors as each of
+        embedserve's output types, decoded (:func:`decode`), from one embedding: asked for
+        through Cohere's ``/v2/embed``, which answers several types at once."""
         t0 = self.clock()
-        parts: list[Vectors] = []
+        parts: list[dict[str, Vectors]] = []
         done = 0
         while done < len(texts):
             chunk = texts[done:done + self.batch]
-            vectors = self._post(chunk, input_type)
+            vectors = self._post(chunk, input_type, types)
             if vectors is None:  # too large: halve and send again
                 self.batch = max(1, len(chunk) // 2)
                 self.traffic.batch_splits += 1
@@ -130,28 +153,49 @@ class Embedder:
         self.traffic.texts += len(texts)
         self.traffic.batch_inputs_final = self.batch
         self.traffic.seconds += self.clock() - t0
-        return np.concatenate(parts) if parts else np.empty((0, 0))
+        return {k: np.concatenate([p[k] for p in parts]) if parts else np.empty((0, 0))
+                for k in ("float", *types)}
 
-    def _post(self, chunk: list[str], input_type: str | None) -> Vectors | None:
-        """The chunk's vectors, or None when the server says it is too large to take at once."""
+    def _body(self, chunk: list[str], input_type: str | None, types: tuple[str, ...]) -> tuple[str, Any]:
+        if types:
+            url = self.url.rsplit("/v1/embeddings", 1)[0] + "/v2/embed"
+            cohere_type = "search_query" if input_type == "query" else "search_document"
+            return url, {"model": self.model.id, "texts": chunk, "input_type": cohere_type,
+                         "embedding_types": ["float", *types]}
         body: dict[str, Any] = {"model": self.model.id, "input": chunk, "encoding_format": "base64"}
         if input_type:
             body["input_type"] = input_type
+        return self.url, body
+
+    def _read(self, answer: Any, count: int, url: str, types: tuple[str, ...]) -> dict[str, Vectors]:
+        if not types:
+            return {"float": _vectors(answer, count, url)}
+        try:
+            by_type = answer["embeddings"]
+            return {k: _vectors({"data": [{"index": i, "embedding": e} for i, e in enumerate(by_type[k])]},
+                                count, url, k) for k in ("float", *types)}
+        except (KeyError, TypeError) as exc:
+            raise EndpointError(f"{url} answered an embed response without {exc}") from None
+
+    def _post(self, chunk: list[str], input_type: str | None,
+              types: tuple[str, ...]) -> dict[str, Vectors] | None:
+        """The chunk's vectors, or None when the server says it is too large to take at once."""
+        url, body = self._body(chunk, input_type, types)
         for attempt in range(self.limits.retries + 1):
             self.traffic.requests += 1
             try:
-                r = self.client.post(self.url, json=body)
+                r = self.client.post(url, json=body)
             except httpx.HTTPError as exc:
                 if attempt == self.limits.retries:
-                    raise EndpointError(f"{self.url}: {type(exc).__name__}: {exc}") from None
+                    raise EndpointError(f"{url}: {type(exc).__name__}: {exc}") from None
                 self.traffic.retried += 1
                 self.sleep(1.0)
                 continue
             if r.status_code == 200:
                 try:
-                    return _vectors(r.json(), len(chunk), self.url)
+                    return self._read(r.json(), len(chunk), url, types)
                 except ValueError:
-                    raise EndpointError(f"{self.url} answered 200 with a body that is not JSON") from None
+                    raise EndpointError(f"{url} answered 200 with a body that is not JSON") from None
             code, message = _error_of(r)
             if (code in TOO_LARGE or r.status_code == 504) and len(chunk) > 1:
                 return None

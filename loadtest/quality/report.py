@@ -85,4 +85,14 @@ def summary(r: QualityReport) -> str:
         "larger, neighbours swap places without retrieval getting worse: the recall and nDCG "
         "drops say whether it did.",
     ]
+    if r.types:
+        lines += [
+            "", "Output types of the candidate against the baseline's float vectors (decoded: uint8 "
+            "less 128, packed bits as +-1; not part of the verdict):", "",
+            "| type | bytes a vector | recall@10 | drop | nDCG@10 | drop | top-10 overlap | median cosine |",
+            "|---|---|---|---|---|---|---|---|",
+            *[f"| {kind} | {t.bytes_per_vector} | {_f(t.retrieval.recall_at_10)} | "
+              f"{_f(t.recall_at_10_drop)} | {_f(t.retrieval.ndcg_at_10)} | {_f(t.ndcg_at_10_drop)} | "
+              f"{_f(t.top10_overlap)} | {_f(t.median_cosine)} |" for kind, t in r.types.items()],
+        ]
     return "\n".join(lines) + "\n"

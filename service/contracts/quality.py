@@ -102,6 +102,18 @@ class Traffic(BaseModel):
     seconds: float = 0.0
 
 
+class TypeQuality(BaseModel):
+    """One output type (``embedding_type``) of the candidate against the baseline's float vectors:
+    retrieval as it ranks, decoded (int8 as is, uint8 less 128, packed bits as +-1 a bit)."""
+
+    bytes_per_vector: int
+    retrieval: Retrieval
+    recall_at_10_drop: float  # the baseline's recall@10 minus this type's
+    ndcg_at_10_drop: float
+    top10_overlap: float
+    median_cosine: float
+
+
 class QualityReport(BaseModel):
     """``embedserve quality``'s result (quality.json)."""
 
@@ -126,3 +138,4 @@ class QualityReport(BaseModel):
     missed: dict[str, float]
     passed: bool
     traffic: dict[str, Traffic]
+    types: dict[str, TypeQuality] = Field(default_factory=dict)  # --types; not in the verdict
