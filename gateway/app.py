@@ -169,5 +169,5 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, keys=load_api_keys(gw), protected_prefixes=protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
     app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes)
-    app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(RequestContextMiddleware, access=settings.log_access, warming=lambda: not gate.is_open)
     return app

@@ -51,11 +51,34 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class RequestContextMiddleware:
-    """A request id on every response and log line; one JSON access line per request."""
+#: Paths probes and scrapers poll; their lines only with ``log_access=all``.
+PROBE_PATHS = ("/health", "/metrics")
 
-    def __init__(self, app: ASGIApp) -> None:
+
+def access_level(mode: str, path: str, status: int, warming: bool) -> int | None:
+    """The level of a request's access line, or None for no line. ``all``: every request.
+    ``errors``: requests answered 4xx or 5xx, except what a healthy service answers by design
+    and /metrics already counts (429 at capacity, 503 while it is warming up) and probes; so a
+    client polling a starting stack, or a load balancer's health checks, write nothing."""
+    level = logging.WARNING if status >= 500 else logging.INFO
+    if mode == "all":
+        return level
+    if status < 400 or status == 429 or (status == 503 and warming) or path.startswith(PROBE_PATHS):
+        return None
+    return level
+
+
+class RequestContextMiddleware:
+    """A request id on every response and log line; an access line per request as
+    ``log_access`` says (``access_level``)."""
+
+    def __init__(
+        self, app: ASGIApp, access: str = "errors", warming: Callable[[], bool] = lambda: False
+    ) -> None:
+        """``warming``: true while the stack answers 503 ``warming_up``."""
         self.app = app
+        self.access = access
+        self.warming = warming
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,15 +100,19 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log.info(
-                "request",
-                extra={
-                    "method": scope.get("method"),
-                    "path": scope.get("path"),
-                    "status": status,
-                    "duration_ms": round((time.perf_counter() - start) * 1000, 2),
-                },
-            )
+            path = scope.get("path", "")
+            level = access_level(self.access, path, status, status == 503 and self.warming())
+            if level is not None:
+                log.log(
+                    level,
+                    "request",
+                    extra={
+                        "method": scope.get("method"),
+                        "path": path,
+                        "status": status,
+                        "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+                    },
+                )
             request_id_var.reset(token)
 
 
