@@ -9,6 +9,7 @@ reranker's module (``score_modules``). A reranker's "vectors" are one raw score 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,19 +49,29 @@ def session_options(threads: int) -> Any:
     return options
 
 
+def open_session(graph: Path, options: Any = None) -> Any:
+    """An ONNX Runtime session on the CPU that writes nothing on stderr itself. ONNX Runtime's
+    Python package logs through its own C++ logger only (it takes no Python logger), in colour
+    and a format of its own, among our JSON lines; each error it logs it also raises, with the
+    same message, and our log records that exception in its format. So its logger is left only
+    fatal errors (severity 4)."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(4)
+    options = options or ort.SessionOptions()
+    options.log_severity_level = 4
+    return ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+
+
 class OnnxForward:
     """ONNX Runtime with full graph optimisation, one intra-op thread per usable core."""
 
     def __init__(self, settings: Settings) -> None:
-        import onnxruntime as ort
-
         from embedserve.engines.onnx_export import ensure_export
 
         folder, export = ensure_export(settings)
         options = session_options(compute_threads(settings))
-        self.session = ort.InferenceSession(
-            str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"]
-        )
+        self.session = open_session(folder / MODEL_FILE, options)
         self.dimension = export.dimension
         self.vocab_size = export.vocab_size
         self.description = f"onnx ({export.quantization}, {folder})"
