@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from embedserve.contracts.errors import error_body
 from embedserve.gateway.errors import head_too_large
+from embedserve.gateway.trim import LARGE_BODY_BYTES
 from embedserve.logs import request_id_var
 
 Scope = MutableMapping[str, Any]
@@ -137,11 +138,20 @@ class HeadLimitMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the cap, by Content-Length or by counting a streamed body."""
+    """413 for bodies over the cap, by Content-Length or by counting a streamed body;
+    ``after_large_body`` once a request whose body had ``large_bytes`` or more is answered."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        after_large_body: Callable[[], None] | None = None,
+        large_bytes: int = LARGE_BODY_BYTES,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.after_large_body = after_large_body
+        self.large_bytes = large_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -174,6 +184,9 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await _send_error(send, 413, too_big, "request_too_large")
+        finally:
+            if seen >= self.large_bytes and self.after_large_body is not None:
+                self.after_large_body()
 
 
 class _BodyTooLarge(Exception):
