@@ -65,7 +65,8 @@ class Settings(BaseSettings):
         "errors",
         description="the gateway's access lines. errors: a line per request answered 4xx or 5xx, "
         "but none for 429 at capacity, 503 while warming up, or health probes and metrics scrapes "
-        "(/metrics counts all of them); all: a line per request, probes included",
+        "(/metrics counts the API's requests by status either way); all: a line per request, probes "
+        "included",
     )
 
     @model_validator(mode="after")
