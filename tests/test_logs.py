@@ -123,7 +123,8 @@ def test_onnx_runtime_errors_reach_us_as_exceptions_not_as_its_own_stderr_lines(
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     script = (
         "import sys, numpy as np\n"
-        "from embedserve.engines.cpu_backends import open_session, session_options\n"
+        "from embedserve.engines.cpu_backends import session_options\n"
+        "from embedserve.engines.ort_session import open_session\n"
         "s = open_session(sys.argv[1], session_options(1))\n"
         "print(s.run(None, {'x': np.ones(3, np.float32)})[0].tolist())\n"
         "try:\n"

@@ -9,7 +9,6 @@ reranker's module (``score_modules``). A reranker's "vectors" are one raw score 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from embedserve.config import Settings
 from embedserve.contracts.onnx_export import MODEL_FILE
 from embedserve.engines.cores import usable_cores
+from embedserve.engines.ort_session import open_session
 from embedserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -47,20 +47,6 @@ def session_options(threads: int) -> Any:
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
-
-
-def open_session(graph: Path, options: Any = None) -> Any:
-    """An ONNX Runtime session on the CPU that writes nothing on stderr itself. ONNX Runtime's
-    Python package logs through its own C++ logger only (it takes no Python logger), in colour
-    and a format of its own, among our JSON lines; each error it logs it also raises, with the
-    same message, and our log records that exception in its format. So its logger is left only
-    fatal errors (severity 4)."""
-    import onnxruntime as ort
-
-    ort.set_default_logger_severity(4)
-    options = options or ort.SessionOptions()
-    options.log_severity_level = 4
-    return ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
 
 class OnnxForward:

@@ -271,7 +271,7 @@ class Exporter:
         """The graph on padded batches of mixed lengths against torch on each input alone."""
         import torch
 
-        from embedserve.engines.cpu_backends import open_session
+        from embedserve.engines.ort_session import open_session
 
         session = open_session(graph)
         rng = np.random.default_rng(1)
@@ -296,7 +296,7 @@ class Exporter:
         """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
         import torch
 
-        from embedserve.engines.cpu_backends import open_session
+        from embedserve.engines.ort_session import open_session
 
         session = open_session(graph)
         rng = np.random.default_rng(1)
