@@ -46,8 +46,8 @@ class TokenizedInput:
 
 
 #: The characters one batch call tokenises at most. The call's encodings (ids, offsets, the
-#: token strings: about 100 bytes a token) all live until it returns, so a 13 MiB body took
-#: the gateway 300 MiB at once; in groups, what one request takes is bounded by a group's.
+#: token strings: about 100 bytes a token) all live until it returns, so four 13 MiB bodies at
+#: once took the gateway to 790 MiB; in groups, to 335 (results/gateway-memory-cpu/).
 #: Ordinary requests (2,048 inputs of 400 characters) are one group, tokenised in parallel.
 GROUP_CHARS = 1 << 20
 

@@ -3,8 +3,8 @@
 Tokenising a large body takes the gateway hundreds of MiB for a moment (the tokenizer's
 encodings and the ids, made in the tokenizer threads). Freed, that memory stays in glibc's
 malloc arenas for reuse, not returned to the kernel, so the gateway's RSS stayed at its peak
-while it idled (684 MiB after eight requests of 13 MiB, results/gateway-memory-cpu/); a limit
-on the arenas (``MALLOC_ARENA_MAX=2``) kept as much. ``malloc_trim(0)`` returns the free pages
+while it idled (827 MiB, from 97, after 24 requests of 0.7-13 MiB: results/gateway-memory-cpu/);
+fewer arenas (``MALLOC_ARENA_MAX=2``) kept about as much. ``malloc_trim(0)`` returns the free pages
 of every arena: after a large request, in a worker thread, at most once a second and always
 after the last one.
 """

@@ -1,6 +1,6 @@
-"""The gateway's resident memory (the ``embedserve up`` process alone, its engines not counted)
-before, during and after large requests, and after it has been idle: what a pod's gateway
-needs under load, and whether it gives back what a large request took.
+"""The gateway's resident memory (the ``embedserve up`` process alone; its engines' apart)
+before, during and after large requests, and after it has been idle: what a pod needs under
+load, and whether the gateway gives back what a large request took.
 
 Starts ``embedserve up`` (the CPU engine and the bundled model) with the environment it is
 run in (so ``MALLOC_ARENA_MAX=...`` or a setting can be compared), waits for it to be ready,
@@ -11,6 +11,7 @@ document (``--out``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -47,24 +48,31 @@ def shapes(rng: random.Random) -> dict[str, dict[str, Any]]:
 
 
 class Sampler(threading.Thread):
-    """The process's RSS every ``every_s``: the peak since the last ``take``."""
+    """The gateway's RSS (the ``up`` process) and its engines' (its children) every
+    ``every_s``: the peaks since the last ``take``."""
 
     def __init__(self, pid: int, every_s: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.proc = psutil.Process(pid)
         self.every_s = every_s
-        self.peak = 0
+        self.peak = (0, 0)
         self.stop = threading.Event()
 
-    def rss(self) -> int:
-        return int(self.proc.memory_info().rss)
+    def rss(self) -> tuple[int, int]:
+        engines = 0
+        for child in self.proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                engines += child.memory_info().rss
+        return int(self.proc.memory_info().rss), engines
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
-            self.peak = max(self.peak, self.rss())
+            now = self.rss()
+            self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
 
-    def take(self) -> int:
-        peak, self.peak = max(self.peak, self.rss()), 0
+    def take(self) -> tuple[int, int]:
+        now = self.rss()
+        peak, self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1])), (0, 0)
         return peak
 
 
@@ -104,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             sampler.start()
 
             def step(name: str, statuses: list[int], t0: float) -> None:
-                row = {"step": name, "peak_rss_mib": mib(sampler.take()), "rss_mib": mib(sampler.rss()),
+                (peak, engines_peak), (rss, engines) = sampler.take(), sampler.rss()
+                row = {"step": name, "peak_rss_mib": mib(peak), "rss_mib": mib(rss),
+                       "engines_peak_rss_mib": mib(engines_peak), "engines_rss_mib": mib(engines),
                        "statuses": sorted(set(statuses)), "seconds": round(time.monotonic() - t0, 1)}
                 doc["steps"].append(row)
                 print(json.dumps(row), flush=True)
