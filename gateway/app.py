@@ -40,6 +40,7 @@ from embedserve.gateway.routes import add_routes, embeddings_handler
 from embedserve.gateway.score_routes import add_score_routes
 from embedserve.gateway.scoring import ScorePipeline
 from embedserve.gateway.served import ModelRouter, build_runtime
+from embedserve.gateway.trim import MemoryTrimmer, glibc_malloc_trim
 from embedserve.health import EngineView, create_health
 from embedserve.model_info import ModelInfo
 
@@ -172,9 +173,12 @@ def create_app(
             CORSMiddleware, allow_origins=gw.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]
         )
     app.add_middleware(ApiKeyMiddleware, keys=api_keys(gw), protected_prefixes=protected)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes)
+    trimmer = MemoryTrimmer(glibc_malloc_trim())
+    app.state.trimmer = trimmer
+    app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes,
+                       after_large_body=trimmer.request_done)
     app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes)
     if traces is not None:
         app.add_middleware(otel.TracingMiddleware, tracer=traces.get_tracer("embedserve.gateway"))
-    app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(RequestContextMiddleware, access=settings.log_access, warming=lambda: not gate.is_open)
     return app

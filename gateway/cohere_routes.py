@@ -83,6 +83,7 @@ def to_request(body: CohereEmbedBody, model: str) -> EmbeddingRequest:
         truncation_direction="left" if body.truncate == "START" else "right",
         input_type="query" if query else None,
         instruction=(body.instruction or TASKS.get(body.input_type or "")) if query else body.instruction,
+        priority=body.priority,
     )
 
 

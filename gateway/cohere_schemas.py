@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from embedserve.gateway.priority import PRIORITY, Priority
 from embedserve.gateway.vectors import OUTPUT_TYPES
 
 #: Cohere's embedding types: ours, and ``base64`` (the float vector's little-endian float32 bytes)
@@ -50,3 +51,4 @@ class CohereEmbedBody(BaseModel):
     instruction: StrictStr | None = Field(
         None, description="ours: the task for the instruction of models that have one (Qwen3-Embedding)"
     )
+    priority: Priority = PRIORITY

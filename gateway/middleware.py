@@ -20,6 +20,7 @@ from starlette.responses import Response
 from embedserve.contracts.errors import error_body
 from embedserve.gateway.errors import head_too_large
 from embedserve.gateway.request_scope import AnsweredElsewhere, internal_error
+from embedserve.gateway.trim import LARGE_BODY_BYTES
 from embedserve.logs import request_id_var
 
 Scope = MutableMapping[str, Any]
@@ -52,13 +53,36 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class RequestContextMiddleware:
-    """A request id on every response and log line; one JSON access line per request. A route's
-    handler ends in ``answered`` (request_scope.py); what another route (health, the framework's
-    own) lets escape is answered here the same way, while the request id is still set."""
+#: Paths probes and scrapers poll; their lines only with ``log_access=all``.
+PROBE_PATHS = ("/health", "/metrics")
 
-    def __init__(self, app: ASGIApp) -> None:
+
+def access_level(mode: str, path: str, status: int, warming: bool) -> int | None:
+    """The level of a request's access line, or None for no line. ``all``: every request.
+    ``errors``: requests answered 4xx or 5xx, except what a healthy service answers by design
+    and /metrics already counts (429 at capacity, 503 while it is warming up) and probes; so a
+    client polling a starting stack, or a load balancer's health checks, write nothing."""
+    level = logging.WARNING if status >= 500 else logging.INFO
+    if mode == "all":
+        return level
+    if status < 400 or status == 429 or (status == 503 and warming) or path.startswith(PROBE_PATHS):
+        return None
+    return level
+
+
+class RequestContextMiddleware:
+    """A request id on every response and log line; an access line per request as
+    ``log_access`` says (``access_level``). A route's handler ends in ``answered``
+    (request_scope.py); what another route (health, the framework's own) lets escape is answered
+    here the same way, while the request id is still set."""
+
+    def __init__(
+        self, app: ASGIApp, access: str = "errors", warming: Callable[[], bool] = lambda: False
+    ) -> None:
+        """``warming``: true while the stack answers 503 ``warming_up``."""
         self.app = app
+        self.access = access
+        self.warming = warming
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,15 +110,19 @@ class RequestContextMiddleware:
                 raise
             await response(scope, receive, send_with_id)
         finally:
-            log.info(
-                "request",
-                extra={
-                    "method": scope.get("method"),
-                    "path": scope.get("path"),
-                    "status": status,
-                    "duration_ms": round((time.perf_counter() - start) * 1000, 2),
-                },
-            )
+            path = scope.get("path", "")
+            level = access_level(self.access, path, status, status == 503 and self.warming())
+            if level is not None:
+                log.log(
+                    level,
+                    "request",
+                    extra={
+                        "method": scope.get("method"),
+                        "path": path,
+                        "status": status,
+                        "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+                    },
+                )
             request_id_var.reset(token)
 
 
@@ -119,11 +147,20 @@ class HeadLimitMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the cap, by Content-Length or by counting a streamed body."""
+    """413 for bodies over the cap, by Content-Length or by counting a streamed body;
+    ``after_large_body`` once a request whose body had ``large_bytes`` or more is answered."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        after_large_body: Callable[[], None] | None = None,
+        large_bytes: int = LARGE_BODY_BYTES,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.after_large_body = after_large_body
+        self.large_bytes = large_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -156,6 +193,9 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await _send_error(send, 413, too_big, "request_too_large")
+        finally:
+            if seen >= self.large_bytes and self.after_large_body is not None:
+                self.after_large_body()
 
 
 class _BodyTooLarge(AnsweredElsewhere):

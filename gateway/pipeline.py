@@ -242,7 +242,7 @@ class EmbeddingPipeline:
         their content, to be embedded in windows); cut from the start, a query keeps its
         instruction (the template's tokens before the text)."""
         if req.truncation_direction.lower() != "left":
-            return partial(self.tokenizer.encode_texts, whole=whole)
+            return partial(self.tokenizer.encode_texts, whole=True) if whole else self.tokenizer.encode_texts
         template = self.info.query_template
         head = 0
         if req.input_type == "query" and template is not None:

@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -66,6 +67,34 @@ class StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, _: TextIO) -> None:
         """Ignored: the stream is always the current ``sys.stderr``."""
+
+
+class Progress:
+    """A line every ``every_s`` while a long step runs (the ONNX export, an engine's start and,
+    on a GPU, its first kernel compile), with the seconds it has taken so far: a start that is
+    slow is not taken for one that hangs. Call ``tick`` from the loop that waits."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        msg: str,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        **fields: object,
+    ) -> None:
+        self.logger = logger
+        self.msg = msg
+        self.every_s = every_s
+        self.clock = clock
+        self.fields = fields
+        self.start = clock()
+        self.next = self.start + every_s
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now >= self.next:
+            self.logger.info(self.msg, extra={**self.fields, "elapsed_s": round(now - self.start)})
+            self.next = now + self.every_s
 
 
 def resolve_format(fmt: str) -> str:

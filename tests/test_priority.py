@@ -205,6 +205,8 @@ def fake_gateway() -> Iterator[TestClient]:
         ("/v1/rerank", {"query": "q", "documents": ["d"]}),
         ("/rerank", {"query": "q", "texts": ["d"]}),
         ("/v1/score", {"text_1": "q", "text_2": ["d"]}),
+        ("/v2/embed", {"texts": ["hi"], "embedding_types": ["float"]}),
+        ("/v1/embed", {"texts": ["hi"]}),
     ],
 )
 def test_every_route_takes_an_integer_priority(

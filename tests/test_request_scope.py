@@ -76,7 +76,7 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
-async def broken_embed(self: Coalescer, inputs: list[list[int]]) -> Any:
+async def broken_embed(self: Coalescer, inputs: list[list[int]], priority: int = 0) -> Any:
     raise ZeroDivisionError("injected")
 
 

@@ -93,6 +93,13 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="auto: readable lines on a terminal, JSON lines otherwise"
     )
+    log_access: Literal["errors", "all"] = Field(
+        "errors",
+        description="the gateway's access lines. errors: a line per request answered 4xx or 5xx, "
+        "but none for 429 at capacity, 503 while warming up, or health probes and metrics scrapes "
+        "(/metrics counts the API's requests by status either way); all: a line per request, probes "
+        "included",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -16,6 +16,7 @@ import numpy as np
 from embedserve.config import Settings
 from embedserve.contracts.onnx_export import MODEL_FILE
 from embedserve.engines.cores import usable_cores
+from embedserve.engines.ort_session import open_session
 from embedserve.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -52,15 +53,11 @@ class OnnxForward:
     """ONNX Runtime with full graph optimisation, one intra-op thread per usable core."""
 
     def __init__(self, settings: Settings) -> None:
-        import onnxruntime as ort
-
         from embedserve.engines.onnx_export import ensure_export
 
         folder, export = ensure_export(settings)
         options = session_options(compute_threads(settings))
-        self.session = ort.InferenceSession(
-            str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"]
-        )
+        self.session = open_session(folder / MODEL_FILE, options)
         self.dimension = export.dimension
         self.vocab_size = export.vocab_size
         self.description = f"onnx ({export.quantization}, {folder})"

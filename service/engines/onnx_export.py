@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -46,6 +46,7 @@ from pydantic import ValidationError
 from embedserve.config import Settings, load_settings
 from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
 from embedserve.engines.export_check import ExportMismatch, padded_batch, refuse_mismatch
+from embedserve.logs import Progress
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
 
@@ -129,20 +130,33 @@ def check_export_dir(settings: Settings) -> None:
         ) from None
 
 
-def ensure_export(settings: Settings) -> tuple[Path, OnnxExport]:
-    """The cached export for these settings; made first, in a child process, when missing."""
+def ensure_export(
+    settings: Settings, clock: Callable[[], float] = time.monotonic
+) -> tuple[Path, OnnxExport]:
+    """The cached export for these settings; made first, in a child process, when missing
+    (a line every 10 s while it runs: seconds here, minutes on a busy machine)."""
     folder = export_folder(settings)
     found = read_export(folder)
     if found is not None:
         log.info("onnx export found", extra={"folder": str(folder)})
         return folder, found
     log.info("exporting the model to ONNX (once; later starts reuse it)", extra={"folder": str(folder)})
-    done = subprocess.run(
-        [sys.executable, "-m", "embedserve.engines.onnx_export"],
-        env={**os.environ, **settings.child_env()}, check=False,
+    child = subprocess.Popen(
+        [sys.executable, "-m", "embedserve.engines.onnx_export"], env={**os.environ, **settings.child_env()}
     )
+    progress = Progress(log, "still exporting the model to ONNX", clock=clock, folder=str(folder))
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                progress.tick()
+    except BaseException:  # as subprocess.run: the child goes with us
+        child.kill()
+        raise
     found = read_export(folder)
-    if done.returncode != 0 or found is None:
+    if code != 0 or found is None:
         raise RuntimeError(
             f"the ONNX export of {settings.model.resolved_path} failed (see the lines above); "
             "set engine.cpu_backend=torch (EMBEDSERVE_ENGINE__CPU_BACKEND=torch) to serve it on torch"
@@ -255,10 +269,11 @@ class Exporter:
 
     def min_cosine(self, graph: Path) -> float:
         """The graph on padded batches of mixed lengths against torch on each input alone."""
-        import onnxruntime as ort
         import torch
 
-        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        from embedserve.engines.ort_session import open_session
+
+        session = open_session(graph)
         rng = np.random.default_rng(1)
         cap = min(self.info.max_seq_len, 512)  # enough to cross every length the graph handles alike
         worst = 1.0
@@ -279,10 +294,11 @@ class Exporter:
 
     def max_score_diff(self, graph: Path) -> float:
         """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
-        import onnxruntime as ort
         import torch
 
-        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        from embedserve.engines.ort_session import open_session
+
+        session = open_session(graph)
         rng = np.random.default_rng(1)
         cap = min(self.info.max_seq_len, 512)
         worst = 0.0

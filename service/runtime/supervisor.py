@@ -19,6 +19,7 @@ import httpx
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.contracts.launch import LaunchSpec
+from embedserve.logs import Progress
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ProcessSupervisor:
         backoff_max_s: float,
         stable_after_s: float = 60.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.spec = spec
@@ -56,6 +58,7 @@ class ProcessSupervisor:
         self.backoff_max_s = backoff_max_s
         self.stable_after_s = stable_after_s
         self._sleep = sleep  # the restart backoff's wait (tests record the delays)
+        self._clock = clock  # the start's deadline and progress lines
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self.last_exit: int | None = None
@@ -106,10 +109,13 @@ class ProcessSupervisor:
             print(text, file=sys.stderr, flush=True)
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Until the engine answers 200; raises with its last output if it dies first."""
-        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        """Until the engine answers 200, with a line every 10 s meanwhile (SGLang's first start
+        compiles kernels for minutes); raises with its last output if it dies first."""
+        deadline = self._clock() + (timeout_s or self.startup_timeout_s)
+        progress = Progress(log, "engine still starting", clock=self._clock, engine=self.name)
         async with httpx.AsyncClient(timeout=5.0) as client:
-            while time.monotonic() < deadline:
+            while self._clock() < deadline:
+                progress.tick()
                 if self._stopping:
                     raise EngineStartError(f"{self.name}: stopping")
                 if self.failed:
