@@ -1,6 +1,5 @@
-"""The CPU comparisons as data for the GPU suite's runner (`python bench/suite.py --only NAME`), the
-bundled all-MiniLM-L6-v2 on the CPU engine: ``cpu-peers``, ``gateway-overhead``, ``gateway-cpu``,
-``quality-cpu``, ``rerank-cpu``, ``tracing-cpu``; bench/README.md says what each does."""
+"""The CPU comparisons as data for the suite's runner (`python bench/suite.py --only NAME`), the bundled
+all-MiniLM-L6-v2 on the CPU engine; bench/README.md says what each does."""
 
 from __future__ import annotations
 

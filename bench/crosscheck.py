@@ -63,14 +63,13 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     left = a.requests or -1  # with --requests, that many requests and every answer counts
     start = time.perf_counter() + (0 if a.requests else a.warmup)  # answers between start and stop count
     stop = math.inf if a.requests else start + a.seconds
-    extra = {"input_type": a.input_type} if a.input_type else {}  # the gateway adds the instruction
 
     async def worker(s: aiohttp.ClientSession) -> None:
         nonlocal tokens, errors, left
         while time.perf_counter() < stop and left != 0:
             left -= 1
             inputs = [make_input(a, rng, words) for _ in range(a.batch)]
-            body = {"model": a.model, "input": inputs, **extra}
+            body = {"model": a.model, "input": inputs}
             t = time.perf_counter()
             try:
                 async with s.post(a.url, json=body) as r:
@@ -109,6 +108,5 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=20, help="measured time")
     ap.add_argument("--warmup", type=float, default=3, help="seconds first, not measured")
     ap.add_argument("--requests", type=int, help="exactly this many (one seed: the same inputs), no warm-up")
-    ap.add_argument("--input-type", help="e.g. query (the gateway adds the model's instruction)")
     ap.add_argument("--seed", type=int, default=0)
     print(json.dumps(asyncio.run(main(ap.parse_args()))))

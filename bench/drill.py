@@ -1,9 +1,6 @@
-"""The leak drill, measured: `embedserve up --drill-leak RATE` with health settings shortened (the
-replacement starts about two minutes into the leak) under an open-loop load, the seed mix at half the
-stack's capacity; every second /health/memory, /metrics, the engines under `up` (pid, port, RSS, NVML
-memory) and `up`'s log. A minute after the old engine stopped everything stops and ``drill.json`` is
-written (bench/drill_report.py: the arithmetic, the report, the plots). The resource: on a GPU, NVML
-memory of our processes against 56 GB; on the CPU dry run, their RSS against a few GB above the stack's."""
+"""The leak drill, measured (bench/README.md, "The leak drill"): `embedserve up --drill-leak RATE` under an
+open-loop load, sampled every second (/health/memory, /metrics, the engines under `up`, `up`'s log), into
+``drill.json`` (bench/drill_report.py: the arithmetic, the report, the plots)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""rerank-gpu (bench/README.md): a cross-encoder of bge-reranker-v2-m3's shape (random weights: no
-model hub on the host) on embedserve's SGLang and vLLM's ``/rerank``, side by side on one GPU. Its
-servers start with the vllm scenario's and are measured once that one's first servers are ready,
-so no start-up shares the GPU."""
+"""rerank-gpu (bench/README.md): a cross-encoder on embedserve's SGLang and vLLM's ``/rerank``. Its servers
+start with the vllm scenario's and are measured once that one's first are ready: no start-up shares a GPU."""
 
 from __future__ import annotations
 

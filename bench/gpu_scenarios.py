@@ -15,7 +15,7 @@ from gpu import gpu_used_gb
 from harness import ENGINE, GATEWAY, UNCAPPED, UP, Host, Side
 from measure import Case, Load
 from peers import IN_PROCESS, INFINITY, VLLM, VLLM_TUNED_ARGS
-from runner import Step, lifecycle, profile, step_compare, step_quality, step_start, step_stop
+from runner import Step, step_compare, step_profile, step_quality, step_start, step_stop
 
 MAIN_KV_POOL = 16_384  # the product's default for the 4B: one prefill batch (engine.batch_token_budget)
 WARM = Load("uniform:16-512", 64, seconds=8, warmup=0)
@@ -172,44 +172,6 @@ FP8_STEPS = [
         seed=500, least=2, section="FP8 vs bf16 (4B, through the gateway)"), 330),
     Step("fp8-stop", ("fp8",), partial(step_stop, sides=fp8_sides), 30, always=True)]
 
-# -- several engines per GPU ------------------------------------------------------
-
-
-def stack(shape: str, engines: int, port: int, name: str = "", **settings: str) -> Side:
-    """An `embedserve up` stack with ``engines`` engines per GPU and these settings."""
-    env = UNCAPPED | {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(engines)} | settings
-    fp8 = "-fp8" if settings.get("EMBEDSERVE_ENGINE__QUANTIZATION") == "fp8" else ""
-    return Side(name or f"x{engines}", UP, port, shape, env, tag=f"up-{shape}{fp8}-x{engines}-{port}")
-
-
-def beneath(top: Side) -> Side:
-    """Raw SGLang: the stack's first engine, sent token ids."""
-    return Side("raw SGLang", ENGINE, top.port + harness.UP_ENGINE_OFFSET, top.shape, owner=top.key)
-
-
-GROUPS = {"0.6b": [stack("0.6b", n, 8390 + 10 * n) for n in (1, 2, 3)],
-          "4b": [stack("4b", n, 8420 + 10 * n) for n in (1, 2)],
-          "4b-fp8": [stack("4b", n, 8440 + 10 * n, **FP8) for n in (1, 2)]}
-CASES = [*(case(name, seconds=10, warmup=2) for name in list(LOADS)[:5]), case("one in flight", mix="seed")]
-EVERY_STACK = [s for g in GROUPS.values() for s in g]
-
-
-def group_step(group: str, seconds: float) -> Step:
-    sides = GROUPS[group] if group.endswith("fp8") else [beneath(GROUPS[group][0]), *GROUPS[group]]
-    cases = [c for c in CASES if not group.endswith("fp8") or c.name in ("seed mix", "seed mix, 1-16 inputs",
-                                                                         "medium", "one in flight")]
-    return Step(f"overlap-{group}", ("engines-per-gpu",), partial(
-        step_compare, sides=sides, cases=cases, seed=40, section=f"Engines per GPU: {group}", checked=("x2",),
-        crosscheck=() if group.endswith("fp8") else CASES[:1]), seconds)
-
-
-OVERLAP = lifecycle("overlap", "engines-per-gpu", EVERY_STACK)
-MANY_STACK_STEPS = [
-    OVERLAP[0], profile("overlap-profile-0.6b", "engines-per-gpu", GROUPS["0.6b"][0], "profiles/0.6b"),
-    group_step("0.6b", 390), profile("overlap-profile-4b", "engines-per-gpu", GROUPS["4b"][0], "profiles/4b"),
-    group_step("4b", 300), group_step("4b-fp8", 120), OVERLAP[1]]
-
-
 # -- vllm: vLLM 0.26.0's pooling runner beside embedserve, same GPU, checkpoint and texts (README) -------
 
 VLLM_SHAPES = ("0.6b", "4b")
@@ -276,7 +238,8 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
                 start=[reference(shape)], stop=[reference(shape)], section=title), 60),
             Step(f"vllm-quality-{shape}", ("vllm",), partial(
                 step_quality, pairs=partial(variant_pairs, shape)), 120),
-            profile(f"vllm-profile-{shape}", "vllm", vllm_default(shape), f"profiles-vllm/{shape}", 45),
+            Step(f"vllm-profile-{shape}", ("vllm",), partial(
+                step_profile, side=vllm_default(shape), folder=f"profiles-vllm/{shape}"), 45),
             Step(f"vllm-kernels-{shape}", ("vllm",), partial(
                 kernel_profile.step_kernels, sides=sides, load=Load("seed", 64), requests=800, seed=770),
                  150),

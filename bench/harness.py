@@ -93,8 +93,7 @@ class Kind:
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a comparison. ``owner``: the process that runs it when the side is part of
-    another one (raw SGLang measured behind a stack's gateway), so it is never started itself."""
+    """One side of a comparison."""
 
     name: str
     kind: Kind
@@ -104,13 +103,12 @@ class Side:
     args: tuple[str, ...] = ()
     behind: tuple[int, ...] = ()  # a gateway's engine ports
     tag: str = ""  # the process's name in the work dir (default: name and shape)
-    owner: str = ""
     ids: bool | None = None  # sent token ids or texts (default: the kind's)
     cwd: str | None = None
 
     @property
     def key(self) -> str:
-        return self.owner or self.tag or slug(f"{self.name}-{self.shape}")
+        return self.tag or slug(f"{self.name}-{self.shape}")
 
     @property
     def takes_ids(self) -> bool:
@@ -185,8 +183,8 @@ def running(host: Host, side: Side) -> bool:
 
 
 def start(host: Host, side: Side) -> dict[str, Any] | None:
-    """Start ``side`` unless it runs (or is part of another process); its ports must be free."""
-    if side.owner or running(host, side):
+    """Start ``side`` unless it runs; its ports must be free."""
+    if running(host, side):
         return None
     for port in [side.port, *(side.engine_ports() if side.kind is UP else [])]:
         if port_busy(port):

@@ -8,8 +8,7 @@ Backends: ``st-torch`` and ``st-onnx`` (sentence-transformers; ONNX reads model.
 folder), ``ort-export`` (ONNX Runtime on embedserve's export, its tokenizer at 256 tokens),
 ``transformers`` (last-token pooling, L2 norm, as Qwen3-Embedding's sentence-transformers files
 say; each text alone, no padding to get wrong; on the GPU where there is one). ``POST /run``
-measures the model in its own loop (``run``). ``serve`` stands in for `vllm serve` on a machine
-without vLLM or a GPU: the forward pass with vLLM's routes, counters and start-up lines."""
+measures the model in its own loop (``run``); ``serve`` stands in for `vllm serve` (bench/README.md)."""
 
 from __future__ import annotations
 

@@ -19,9 +19,8 @@ from procs import http_post_json
 from profile_engine import KERNEL_CLASSES, load_trace, summarise_trace
 
 CLASSES = [*(kind for kind, _ in KERNEL_CLASSES), "other"]
-#: the longest input, as a share of the cap: well under every side's limit, so that no side refuses
-#: one (vLLM turns down an input over its length where the gateway truncates it; with 8,176-word texts
-#: it refused 14 of 800 requests, and its time per token then left out the longest inputs' attention)
+#: the longest input, as a share of the cap: no side refuses one (bench/README.md, "Kernels"; with
+#: 8,176-word texts vLLM refused 14 of 800 requests, and its time per token left out their attention)
 INPUT_CAP_SHARE = 0.5
 POLL_S = 2.0  # how often a trace's folder is looked at while it is written
 

@@ -42,9 +42,7 @@ class Load:
     inputs: str = "1"
     seconds: float = 20.0
     warmup: float = 3.0
-    input_type: str | None = None  # "query": the gateway adds the model's instruction prefix
     repeated_content: bool = False  # labelled scenario: inputs may repeat on purpose
-    build_workers: int | None = None  # loadtest --build-workers; None: its default
     words: bool = False  # lengths in words, no tokenizer (loadtest's word builder)
     encoding: str | None = None  # encoding_format sent
     batches: tuple[int, ...] = ()  # what an in-process side runs for it (default: inputs)
@@ -98,7 +96,6 @@ def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
             "--no-plots", "--health-url", "none", "--timeout", f"{t.timeout_s:g}", "--max-tokens", str(t.cap)]
     argv += [] if load.words else ["--tokenizer", t.model_dir]
     argv += ["--input", "ids"] if t.ids else []
-    argv += ["--build-workers", str(load.build_workers)] if load.build_workers is not None else []
     argv += ["--encoding-format", load.encoding] if load.encoding else []
     argv += ["--repeat-rate", "0.5"] if load.repeated_content else []
     return argv
@@ -151,7 +148,6 @@ def run_crosscheck(t: Target, load: Load, seed: int, requests: int | None = None
             str(load.conc), *span,
             "--seed", str(seed + 1000), "--batch", load.inputs.split("-")[-1], "--cap", str(t.cap),
             "--ids" if t.ids else "--text", crosscheck_lengths(load.mix), "--tokenizer", t.model_dir]
-    argv += ["--input-type", load.input_type] if load.input_type else []
     before = asyncio.run(scrape_urls(t.metrics, {}))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=load.seconds + 300, env=child_env(),
                           check=False)
@@ -222,10 +218,8 @@ def children_cpu() -> float:
 def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
             tags: dict[str, Any] | None = None, client: str = "loadtest",
             batch: int | None = None) -> dict[str, Any]:
-    """One run to its end, as a row. A load with ``input_type`` goes through crosscheck.py,
-    the one client that sends the field."""
-    client = ("in-process" if t.in_process else "rerank" if load.rerank else
-              "crosscheck" if load.input_type else client)
+    """One run to its end, as a row."""
+    client = "in-process" if t.in_process else "rerank" if load.rerank else client
     front0, loop0 = cpu_seconds(t.front_pid), cpu_seconds(t.front_pid, main_thread=True)
     client0, host0, t0 = children_cpu(), psutil.cpu_times(), time.monotonic()
     with Sampler() as gpu:

@@ -1,9 +1,5 @@
-"""The CPU stack's probes that are not comparisons, as suite scenarios (`python bench/suite.py --only NAME`,
-bench/README.md says what each measures): ``ctrl-c``, ``huge-request``, ``slow-clients``, ``idle-burst``,
-``priority`` (aging 30 s) on a fresh `embedserve up` with the product's defaults (the CPU engine, the
-bundled all-MiniLM-L6-v2), ``autoscale-ramp`` (bench/cpu/autoscale_ramp.py) on one with an admission bound
-of its own. ``--time-scale`` multiplies their durations (the idle spell too), ``--rounds`` sets the
-slow-clients rounds. Every input is unique."""
+"""The CPU stack's probes that are not comparisons, as suite scenarios (`python bench/suite.py --only NAME`;
+bench/README.md says what each measures and how --time-scale and --rounds apply). Every input is unique."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Where the time goes: a torch trace's GPU kernels by class and the idle gaps between them
 (``summarise_trace``, for bench/kernel_profile.py), and py-spy over every process on the request's
-path under load (``pyspy_under_load``: the gateway, SGLang's HTTP + tokenizer manager, scheduler and
-detokenizer)."""
+path under load (``pyspy_under_load``: the gateway, SGLang's tokenizer manager, scheduler, detokenizer)."""
 
 from __future__ import annotations
 

@@ -41,13 +41,9 @@ class Step:
 def lifecycle(name: str, scenario: str, sides: Sides, seconds: float = 150,
               **start: Any) -> tuple[Step, Step]:
     """``NAME-start`` (held: done again when one of its processes is gone) and ``NAME-stop``."""
-    holds = tuple(s.key for s in sides if not s.owner) if not callable(sides) else ()
+    holds = tuple(s.key for s in sides) if not callable(sides) else ()
     return (Step(f"{name}-start", (scenario,), partial(step_start, sides=sides, **start), seconds, holds),
             Step(f"{name}-stop", (scenario,), partial(step_stop, sides=sides), 30, always=True))
-
-
-def profile(name: str, scenario: str, side: Side, folder: str, seconds: float = 40) -> Step:
-    return Step(name, (scenario,), partial(step_profile, side=side, folder=folder), seconds)
 
 
 def resolve(host: Host, sides: Sides) -> list[Side]:
@@ -67,7 +63,7 @@ def step_start(host: Host, budget_end: float, sides: Sides, wait: bool = True,
     settings and start-up facts, then each one's GPU memory while idle."""
     failed = host.work.state.setdefault("failed_sides", [])
     out: dict[str, Any] = {"ready_s": {}, "argv": {}, "settings": {}, "not_run": {}}
-    todo = [s for s in resolve(host, sides) if not s.owner]
+    todo = resolve(host, sides)
 
     def ready(side: Side) -> None:
         try:
@@ -107,20 +103,18 @@ def step_start(host: Host, budget_end: float, sides: Sides, wait: bool = True,
 
 
 def step_stop(host: Host, budget_end: float, sides: Sides) -> dict[str, Any]:
-    mine = [s for s in resolve(host, sides) if not s.owner]
-    return {"stopped": [s.key for s in mine if host.work.stop(s.key, 60) is not None]}
+    return {"stopped": [s.key for s in resolve(host, sides) if host.work.stop(s.key, 60) is not None]}
 
 
 def alternate(host: Host, sides: Sequence[Side], case: Case, seed: int, tags: dict[str, Any],
-              client: str = "loadtest", turn: int = 0, loads: dict[str, Load] | None = None) -> list[Any]:
+              client: str = "loadtest", turn: int = 0) -> list[Any]:
     """``case.rounds`` rounds (``host.rounds`` when given), the sides' order rotated by one each
-    round, starting ``turn`` places on; ``loads`` replaces the case's load per side; an
-    in-process side runs each of the load's batch sizes."""
+    round, starting ``turn`` places on; an in-process side runs each of the load's batch sizes."""
     rows = []
     for rnd in range(host.rounds or case.rounds):
         shift = (rnd + turn) % len(sides)
         for side in [*sides[shift:], *sides[:shift]]:
-            load, t = (loads or {}).get(side.name, case.load).scaled(host.time_scale), target(host, side)
+            load, t = case.load.scaled(host.time_scale), target(host, side)
             for batch in (load.batches or (None,)) if t.in_process else (None,):
                 label = side.name + (f", batch {batch}" if batch and len(load.batches) > 1 else "")
                 name = slug(f"{str(tags.get('section', ''))[:20]}-{case.name}-{label}-{client}-{rnd}")
@@ -132,12 +126,10 @@ def alternate(host: Host, sides: Sequence[Side], case: Case, seed: int, tags: di
 
 def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Case], *, section: str,
                  seed: int, start: Sides = (), stop: Sides = (), warm: Load | None = None,
-                 crosscheck: Sequence[Case] = (), checked: Sequence[str] = (), stall: bool = False,
-                 turn: int = 0, tags: dict[str, Any] | None = None, vectors: bool = False,
-                 loads: dict[str, Load] | None = None, least: int = 1) -> dict[str, Any]:
-    """``cases`` on the running ``sides`` (``start`` started and waited for first, ``stop``
-    stopped at the end); ``crosscheck``: these cases once more by bench/crosscheck.py on the
-    ``checked`` sides (default every one); ``vectors``: ``step_vectors`` first."""
+                 crosscheck: Sequence[Case] = (), stall: bool = False, vectors: bool = False,
+                 least: int = 1) -> dict[str, Any]:
+    """``cases`` on the running ``sides`` (``start`` started and waited for first, ``stop`` stopped at
+    the end); ``crosscheck``: these cases again by bench/crosscheck.py; ``vectors``: step_vectors first."""
     out: dict[str, Any] = {"rows": [], "stalled": {}}
     try:
         begun = step_start(host, budget_end, start) if start else {"not_run": {}}
@@ -146,7 +138,7 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         live = [s for s in resolve(host, sides) if harness.running(host, s)]
         if len(live) < least:
             return {"skipped": f"{len(live)} of {', '.join(s.name for s in resolve(host, sides))} running"}
-        every = {"section": section, **(tags or {})}
+        every = {"section": section}
         if vectors:
             out["vectors"] = step_vectors(host, budget_end, live)
         if warm:
@@ -157,7 +149,7 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         for i, case in enumerate(cases):
             if i < kept["done"]:  # measured before this command was cut off
                 continue
-            rows = alternate(host, live, case, seed + 10 * i, every, turn=turn + i, loads=loads)
+            rows = alternate(host, live, case, seed + 10 * i, every, turn=i)
             out["rows"] += rows
             for bad in [s for s in live if s.name in stalled(rows)] if stall else []:
                 out["stalled"][bad.name] = f"no answer in {case.name!r}: stopped"
@@ -166,9 +158,8 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
             live = [s for s in live if s.name not in out["stalled"]]
             kept["done"] = i + 1
             host.work.save()
-        crossed = [s for s in live if not checked or s.name in checked]
         out["crosscheck_rows"] = [r for case in crosscheck for r in alternate(
-            host, crossed, dataclasses.replace(case, rounds=1), seed + 70, every, client="crosscheck")]
+            host, live, dataclasses.replace(case, rounds=1), seed + 70, every, client="crosscheck")]
         out["gpu_gb_after"] = side_memory(host, live)
     finally:
         step_stop(host, budget_end, stop)

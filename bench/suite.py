@@ -1,14 +1,11 @@
-"""The one benchmark command: every comparison, GPU or CPU, as steps of one runner.
+"""The one benchmark command: every comparison, GPU or CPU, as steps of one runner (bench/README.md).
 
     python bench/suite.py --out results/gpu-perf                         # every GPU scenario
-    python bench/suite.py --out results/gpu-perf --only raw-vs-gateway,peers
-    python bench/suite.py --out results/gpu-perf --budget-s 540          # a slice; run again to go on
     python bench/suite.py --out /tmp/suite-cpu --device cpu              # dry run: tiny model, CPU engine
-    python bench/suite.py --out results/cpu-peers --only cpu-peers       # a CPU comparison
+    python bench/suite.py --out results/cpu-peers --only cpu-peers       # a CPU comparison (named only)
 
-The GPU scenarios run by default, the CPU ones when named (--only). Each is a list of named steps;
-state (finished steps, processes started with setsid and their pids) lives in the work dir, so a
-run cut by --budget-s resumes where it stopped. bench/README.md says what each one measures.
+State (finished steps, processes started with setsid and their pids) lives in the work dir, so a
+run cut by --budget-s resumes where it stopped: run the same command again to go on.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ from runner import Step
 
 from embedserve.loadtest.textbuild import load_tokenizer
 
-GPU_SCENARIOS = ("raw-vs-gateway", "peers", "soak-capacity", "scale", "drill", "fp8", "engines-per-gpu",
-                 "vllm", "rerank-gpu")
+GPU_SCENARIOS = ("raw-vs-gateway", "peers", "soak-capacity", "scale", "drill", "fp8", "vllm",
+                 "rerank-gpu")
 SCENARIOS = GPU_SCENARIOS + cpu_scenarios.SCENARIOS + probes.SCENARIOS
 
 
@@ -68,14 +65,14 @@ def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
 
 
 def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPES) -> list[Step]:
-    both = {"raw-vs-gateway", "fp8", "engines-per-gpu"}
+    both = {"raw-vs-gateway", "fp8"}
     shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     vllm = gs.vllm_steps(vllm_shapes)  # rerank-gpu is measured once the first vLLM servers are ready
     at = next(i for i, s in enumerate(vllm) if s.name.startswith("vllm-ready-")) + 1
     steps = [Step("models", GPU_SCENARIOS, partial(step_models, shapes=shapes), 90, always=True),
-             *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS, *gs.MANY_STACK_STEPS,
+             *gs.UP_STEPS, *gs.raw_engine_steps(shapes), *gs.FP8_STEPS,
              *gpu_rerank.start_steps(), *vllm[:at], *gpu_rerank.measure_steps(), *vllm[at:],
              *cpu_scenarios.cpu_steps(), *probes.steps(),
              Step("finish", SCENARIOS, step_finish, 20, always=True)]

@@ -1,5 +1,4 @@
-"""The leak drill's arithmetic and report, checked without a GPU on a recorded CPU dry run:
-`python3 -m pytest bench/test_drill_report.py`."""
+"""The leak drill's arithmetic and report, checked without a GPU on a recorded CPU dry run."""
 
 from __future__ import annotations
 

@@ -77,12 +77,11 @@ def test_raw_runs_send_capped_ids_and_cpu_runs_words(tmp_path: Path) -> None:
     a = measure.loadtest_argv(raw, measure.Load("uniform:16-512", 64), Path("/o"), 3)
     assert a[a.index("--input") + 1] == "ids" and a[a.index("--max-tokens") + 1] == "8192"
     assert a[a.index("--tokenizer") + 1] == "/m/4b" and "--repeat-rate" not in a
-    words = measure.Load("fixed:20", 16, inputs="32", words=True, encoding="base64", build_workers=0,
-                         repeated_content=True)
+    words = measure.Load("fixed:20", 16, inputs="32", words=True, encoding="base64", repeated_content=True)
     b = measure.loadtest_argv(measure.Target("http://h:1/embeddings", "/m", "m", False, 256, []), words,
                               Path("/o"), 3)
     assert "--tokenizer" not in b and "--input" not in b and b[b.index("--inputs") + 1] == "32"
-    assert b[b.index("--encoding-format") + 1] == "base64" and b[b.index("--build-workers") + 1] == "0"
+    assert b[b.index("--encoding-format") + 1] == "base64"
     assert "--repeat-rate" in b  # repeated content is labelled as such by loadtest
 
 
@@ -176,7 +175,7 @@ def test_the_plan_holds_what_each_scenario_needs() -> None:
     vllm = [s.name for s in suite.plan(("vllm",), ("0.6b",))]
     assert vllm[:3] == ["models", "vllm-start", "vllm-ready-0.6b"]
     assert not any("4b" in n for n in vllm) and "engines" not in vllm
-    assert suite.plan(("engines-per-gpu",))[0].run.keywords["shapes"] == ("4b", "0.6b")  # type: ignore[attr-defined]
+    assert suite.plan(("fp8",))[0].run.keywords["shapes"] == ("4b", "0.6b")  # type: ignore[attr-defined]
     assert [s.name for s in suite.plan(("drill",))] == ["models", "drill", "finish"]
     assert suite.plan(("cpu-peers",))[0].name == "cpu-peers-export"  # no checkpoints built
     every = [s.name for s in suite.plan(suite.SCENARIOS)]
@@ -193,7 +192,7 @@ def test_no_two_processes_of_a_scenario_share_a_port(tmp_path: Path) -> None:
         for step in suite.plan((scenario,)):
             for key in ("sides", "start"):
                 for side in runner.resolve(host, getattr(step.run, "keywords", {}).get(key) or []):
-                    engines = range(harness.MAX_ENGINES) if side.kind is harness.UP and not side.owner else []
+                    engines = range(harness.MAX_ENGINES) if side.kind is harness.UP else []
                     for port in [side.port, *(side.port + harness.UP_ENGINE_OFFSET + i for i in engines)]:
                         assert owner.setdefault(port, side.key) == side.key, (scenario, port, side.key)
 
@@ -205,7 +204,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
     runs: list[tuple[str, str, int]] = []
 
     def start(host: Host, side: Side) -> dict[str, Any] | None:
-        if side.owner or host.work.running(side.key):
+        if host.work.running(side.key):
             return None
         info = {"pid": os.getpgrp(), "argv": side.kind.command(host, side)[0], "started_at": 0.0,
                 "log": "/dev/null"}
@@ -250,11 +249,10 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
         ("raw", "crosscheck"), ("gateway", "crosscheck")]
     assert st["raw-vs-gateway-4b-1"]["vectors"]["min_0_9999"] is True
     assert st["soak-capacity"]["soak_rate_req_s"] == 8.5 and st["fp8-quality"]["quality"]["fp8-4b"]["passed"]
-    assert [r["side"] for r in st["overlap-0.6b"]["crosscheck_rows"]] == ["x2"]
     md = (tmp_path / "out" / "results.md").read_text()
     assert "- peers-infinity-1: infinity: Infinity not importable" in md  # no Infinity here: said, not failed
     for title in ("Raw SGLang (token ids) vs the gateway (texts), 4b", "Soak capacity", "Scale-out",
-                  "FP8 vs bf16", "Engines per GPU: 0.6b", "Cross-check",
+                  "FP8 vs bf16", "Cross-check",
                   "vLLM 0.26.0 (pooling runner) vs embedserve, 0.6b"):
         assert title in md, title
     written = json.loads((tmp_path / "out" / "results.json").read_text())["steps"]
