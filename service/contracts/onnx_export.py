@@ -10,6 +10,7 @@ MODEL_FILE = "model.onnx"
 #: An embedding model's graph outputs: its unit vectors, and the last hidden state of every token
 #: (what late chunking pools, ``contracts/late_chunks.py``).
 VECTORS_OUTPUT, TOKEN_STATES_OUTPUT = "embedding", "token_embeddings"
+EMBEDDING_OUTPUTS = (VECTORS_OUTPUT, TOKEN_STATES_OUTPUT)
 
 
 class OnnxExport(BaseModel):

@@ -45,14 +45,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from embedserve.config import Settings, load_settings
-from embedserve.contracts.onnx_export import (
-    META_FILE,
-    MODEL_FILE,
-    TOKEN_STATES_OUTPUT,
-    VECTORS_OUTPUT,
-    OnnxExport,
-)
-from embedserve.engines.export_check import ExportMismatch, padded_batch, refuse_mismatch
+from embedserve.contracts.onnx_export import EMBEDDING_OUTPUTS, META_FILE, MODEL_FILE, OnnxExport
+from embedserve.engines.export_check import ExportMismatch, cosines, padded_batch, refuse_mismatch
 from embedserve.logs import Progress
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
@@ -264,11 +258,10 @@ class Exporter:
         import torch
 
         ids, mask = padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
-        outputs = [VECTORS_OUTPUT, TOKEN_STATES_OUTPUT] if self.info.embeds else ["score"]
-        tokens = {0: "batch", 1: "sequence"}
-        axes = {"input_ids": tokens, "attention_mask": tokens, outputs[0]: {0: "batch"}}
-        if self.info.embeds:
-            axes[TOKEN_STATES_OUTPUT] = tokens
+        outputs = list(EMBEDDING_OUTPUTS) if self.info.embeds else ["score"]
+        tokens = {0: "batch", 1: "sequence"}  # the token states' axes too
+        axes = {"input_ids": tokens, "attention_mask": tokens, **dict.fromkeys(outputs[1:], tokens),
+                outputs[0]: {0: "batch"}}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
             torch.onnx.export(
@@ -302,7 +295,6 @@ class Exporter:
                 worst = min(worst, float(cosines(a, b).min()))
         return worst
 
-
     def max_score_diff(self, graph: Path) -> float:
         """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
         import torch
@@ -322,11 +314,6 @@ class Exporter:
                 want = np.array([float(self.module(*x)) for x in alone])
             worst = max(worst, float(np.abs(got - want).max()))
         return worst
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Each row of ``a`` against the same row of ``b``."""
-    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
 def pooled(st: Any) -> Any:
