@@ -89,8 +89,8 @@ def refusal(info: ModelInfo, engine_kind: str) -> str | None:
     if engine_kind == "sglang":
         return (f"late chunking needs the CPU engine, which returns every token's last hidden state; the "
                 f"model '{info.name}' is served by SGLang, whose embedding path returns pooled vectors only")
-    pooling = pooling_of(info.path) if info.embeds else "its reranking head"
-    if pooling != "mean":
+    pooling = pooling_of(info.path)
+    if info.embeds and pooling != "mean":  # a reranker: /v1/embeddings refuses it before
         return (f"late chunking mean-pools token states; the model '{info.name}' pools by {pooling}, so "
                 "its chunk vectors would not compare with its other vectors")
     return None

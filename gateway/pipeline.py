@@ -243,13 +243,13 @@ class EmbeddingPipeline:
         # late chunking's one pass cuts an over-long input only where truncation is asked for
         cut = mode == "truncate" if late is not None else mode != "refuse"
         limits = Limits(cut, self.tokenizer.max_seq_len, self.settings.max_tokens_per_request)
-        spans = None
+        late_plan = None
         if late is not None:
             assert texts is not None  # _check_late
             check_tokens(tokenized, limits, INPUTS)  # an input refused for its length, before its chunks
             left = req.truncation_direction.lower() == "left"
-            spans = late_chunking.plan(late, texts, inputs, offsets, self.tokenizer, left)
-            tokenized = Tokenized(spans.inputs, tokenized.items, tokenize_s)
+            late_plan = late_chunking.plan(late, texts, inputs, offsets, self.tokenizer, left)
+            tokenized = Tokenized(late_plan.inputs, tokenized.items, tokenize_s)
         done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings",
                                    priority=req.priority)
         rows = chunks.pool(done.rows) if chunks else done.rows
@@ -257,7 +257,7 @@ class EmbeddingPipeline:
         payload = encode_rows(vectors, req.embedding_type, req.encoding_format == "base64")
         body = {
             "object": "list",
-            "data": spans.data(payload) if spans else
+            "data": late_plan.data(payload) if late_plan else
             [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
             "model": req.model,
             "usage": {"prompt_tokens": done.tokens, "total_tokens": done.tokens},
@@ -269,8 +269,8 @@ class EmbeddingPipeline:
             body["chunked_inputs"] = chunks.chunked
             headers["x-embedserve-chunked-inputs"] = str(len(chunks.chunked))
             self.metrics.inputs_chunked.inc(len(chunks.chunked))
-        if spans:
-            headers["x-embedserve-late-chunks"] = str(len(spans.chunks))
+        if late_plan:
+            headers["x-embedserve-late-chunks"] = str(len(late_plan.chunks))
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers, vectors)

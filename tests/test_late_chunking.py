@@ -181,6 +181,15 @@ def test_an_input_longer_than_one_pass(client: TestClient, reference: Any) -> No
     spans = [tuple(d["span"]) for d in answer["data"]]
     assert len(spans) == 3 and spans[-1][1] == len(" ".join(words[i % 10] for i in range(kept)))
     np.testing.assert_allclose(vectors(answer), reference(text, spans), atol=2e-5)
+    # cut at its start instead: the pass holds the last 254 words, the chunks run to the end
+    body = {"input": text, "late_chunking": {"chunk_tokens": 100}, "truncation_direction": "left"}
+    left = embed(client, body)
+    kept_text = " ".join(words[i % 10] for i in range(400 - kept, 400))
+    offset = len(text) - len(kept_text)
+    spans = [tuple(d["span"]) for d in left.json()["data"]]
+    assert spans[0][0] == offset and spans[-1][1] == len(text)
+    shifted = [(start - offset, end - offset) for start, end in spans]
+    np.testing.assert_allclose(vectors(left.json()), reference(kept_text, shifted), atol=2e-5)
     # a chunk past the pass, or an input the request will not have cut: refused, never clipped
     past = embed(client, {"input": text, "late_chunking": {"chunks": [[0, 10], [1500, 1600]]}})
     assert_400(past, "late_chunking", "context_length_exceeded", "reaches past the 254 tokens")
