@@ -24,10 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedserve.background import start_task, stop_tasks
+from embedserve.contracts import late_chunks
 from embedserve.contracts.wire import Matrix
 from embedserve.gateway.tracing import RequestTrace, engine_call, request_trace
 
-#: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``).
+#: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``), one per
+#: input, or per chunk of a late-chunked input (``contracts/late_chunks.py``).
 EmbedBatch = Callable[[list[list[int]]], Awaitable[Matrix]]
 
 
@@ -158,7 +160,7 @@ class Coalescer:
             queue_s=max(it.dispatched - it.enqueued for it in items),
             engine_s=max(it.engine_s for it in items),
         )
-        return np.stack(vectors), times
+        return np.vstack(vectors), times  # an input's rows (late chunks) follow one another
 
     def _age(self) -> None:
         """Requests that waited ``aging_s`` at a less urgent priority join the most urgent turns.
@@ -271,7 +273,7 @@ class Coalescer:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        vectors = call.result()
+        vectors = late_chunks.per_input(call.result(), ids)
         elapsed = self._clock() - start
         self.stats.batches += 1
         self.stats.inputs += len(batch)

@@ -13,12 +13,12 @@ from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import Matrix
-from embedserve.gateway import tracing
+from embedserve.gateway import late_chunking, tracing
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.long_inputs import TRUNCATE, LongInputs, plan, refuse_ids
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text
+from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text, check_tokens
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.gateway.vectors import encode_rows, shape_vectors
@@ -68,9 +68,11 @@ class EmbeddingPipeline:
         executor: Executor,
         inline_tokenize_chars: int,
         long_inputs: LongInputs = TRUNCATE,
+        late_refusal: str | None = None,
     ) -> None:
         """Requests of at most ``inline_tokenize_chars`` characters are tokenised on the loop,
-        others on ``executor``; ``long_inputs``: the model's way with over-long inputs."""
+        others on ``executor``; ``long_inputs``: the model's way with over-long inputs;
+        ``late_refusal``: why late chunking is not served here (None: it is)."""
         self.settings = settings
         self.info = info
         self.tokenizer = tokenizer
@@ -81,6 +83,7 @@ class EmbeddingPipeline:
         self.executor = executor
         self.inline_tokenize_chars = inline_tokenize_chars
         self.long_inputs = long_inputs
+        self.late_refusal = late_refusal
 
     # -- validation ------------------------------------------------------------------
     def _check_request(self, req: EmbeddingRequest) -> None:
@@ -175,22 +178,46 @@ class EmbeddingPipeline:
         task = req.instruction or self.info.default_task
         return [template.format(task=task, text=t) for t in texts]
 
+    def _check_late(self, req: EmbeddingRequest, texts: list[str] | None) -> None:
+        """Late chunking: served for this model, on texts (its spans are characters) embedded as
+        documents, without ``truncate: "chunk"``."""
+        code, why = "invalid_value", None
+        if self.late_refusal:
+            code, why = "late_chunking_unsupported", self.late_refusal
+        elif texts is None:
+            why = "its chunks are spans of text; send the texts, not token ids"
+        elif req.input_type == "query":
+            why = "it embeds documents; leave out input_type query"
+        elif req.truncate == "chunk":
+            why = 'it embeds one pass of up to the model\'s cap; truncate "chunk" windows an input instead'
+        if why is not None:
+            raise APIError(400, f"'late_chunking': {why}", param="late_chunking", code=code)
+
+    async def _tokenise(self, fn: Callable[[list[str]], Any], texts: list[str]) -> Any:
+        """``fn(texts)``: on the loop when short, else on the executor."""
+        if sum(map(len, texts)) <= self.inline_tokenize_chars:
+            return fn(texts)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, texts)
+
     # -- the pipeline ------------------------------------------------------------------
     async def run(self, req: EmbeddingRequest) -> EmbeddingResult:
         self.gate.check()
         self._check_request(req)
         texts, id_batch = _as_batch(req.input)
+        late = req.late_chunking
+        if late is not None:
+            self._check_late(req, texts)
         t0 = time.perf_counter()
-        whole = self.long_inputs.mode(req.truncate) == "chunk"
+        mode = self.long_inputs.mode(req.truncate)
+        whole = mode == "chunk" and late is None
+        offsets: list[list[tuple[int, int]]] = []
         if texts is not None:
             self._check_texts(texts)
             encode = self._encoder(req, whole)
             texts = self._apply_instruction(req, texts)
-            if sum(map(len, texts)) <= self.inline_tokenize_chars:
-                inputs = encode(texts)
-            else:
-                loop = asyncio.get_running_loop()
-                inputs = await loop.run_in_executor(self.executor, encode, texts)
+            inputs = await self._tokenise(encode, texts)
+            if late is not None:
+                offsets = await self._tokenise(self.tokenizer.offsets, texts)
             self._check_embeddable(inputs)
         else:
             assert id_batch is not None
@@ -213,8 +240,16 @@ class EmbeddingPipeline:
         chunks = plan(inputs, self.tokenizer, self.long_inputs.overlap) if whole else None
         batch = chunks.inputs if chunks else [x.ids for x in inputs]
         tokenized = Tokenized(batch, [x.item() for x in inputs], tokenize_s)
-        limits = Limits(self.long_inputs.mode(req.truncate) != "refuse", self.tokenizer.max_seq_len,
-                        self.settings.max_tokens_per_request)
+        # late chunking's one pass cuts an over-long input only where truncation is asked for
+        cut = mode == "truncate" if late is not None else mode != "refuse"
+        limits = Limits(cut, self.tokenizer.max_seq_len, self.settings.max_tokens_per_request)
+        late_plan = None
+        if late is not None:
+            assert texts is not None  # _check_late
+            check_tokens(tokenized, limits, INPUTS)  # an input refused for its length, before its chunks
+            left = req.truncation_direction.lower() == "left"
+            late_plan = late_chunking.plan(late, texts, inputs, offsets, self.tokenizer, left)
+            tokenized = Tokenized(late_plan.inputs, tokenized.items, tokenize_s)
         done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings",
                                    priority=req.priority)
         rows = chunks.pool(done.rows) if chunks else done.rows
@@ -222,7 +257,8 @@ class EmbeddingPipeline:
         payload = encode_rows(vectors, req.embedding_type, req.encoding_format == "base64")
         body = {
             "object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
+            "data": late_plan.data(payload) if late_plan else
+            [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(payload)],
             "model": req.model,
             "usage": {"prompt_tokens": done.tokens, "total_tokens": done.tokens},
             "truncated_inputs": done.truncated,
@@ -233,6 +269,8 @@ class EmbeddingPipeline:
             body["chunked_inputs"] = chunks.chunked
             headers["x-embedserve-chunked-inputs"] = str(len(chunks.chunked))
             self.metrics.inputs_chunked.inc(len(chunks.chunked))
+        if late_plan:
+            headers["x-embedserve-late-chunks"] = str(len(late_plan.chunks))
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers, vectors)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from embedserve.gateway.late_chunking import LateChunking
 from embedserve.gateway.long_inputs import Truncate
 from embedserve.gateway.priority import PRIORITY, Priority
 from embedserve.gateway.vectors import OutputType
@@ -48,3 +49,8 @@ class EmbeddingRequest(BaseModel):
         None, description="task description for queries; default from the service config"
     )
     priority: Priority = PRIORITY
+    late_chunking: LateChunking | None = Field(
+        None,
+        description="one pass over each input, its token states mean-pooled per chunk: one vector per "
+        "chunk (data items with input_index and span); CPU engine, mean-pooling models only",
+    )

@@ -20,6 +20,7 @@ from embedserve.gateway.admission import TokenAdmission
 from embedserve.gateway.coalesce import Coalescer
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
+from embedserve.gateway.late_chunking import refusal
 from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.long_inputs import long_inputs
 from embedserve.gateway.metrics import GatewayMetrics
@@ -96,7 +97,7 @@ def build_runtime(
     tokenizer = ModelTokenizer(info.path, info.max_seq_len)
     pipeline = EmbeddingPipeline(
         gw, info, tokenizer, caller, gate, metrics, executor, limits.inline_tokenize_chars,
-        long_inputs(settings.model, tokenizer),
+        long_inputs(settings.model, tokenizer), refusal(info, engine_kind),
     )
     scored = ScoredModel(info, scorer_for(info, tokenizer), caller)
     return ModelRuntime(entry, info, engine_kind, limits, pool, coalescer, admission, load, pipeline, scored)

@@ -194,6 +194,15 @@ class ModelTokenizer:
             del encodings  # before the next group's are made
         return out
 
+    def offsets(self, texts: list[str]) -> list[list[tuple[int, int]]]:
+        """Each text's content tokens (as ``encode_texts`` makes them), as character spans
+        ``[start, end)``: what late chunking maps its chunks onto."""
+        return [
+            enc.offsets
+            for group in char_groups(texts, GROUP_CHARS)
+            for enc in self._tok.encode_batch(group, add_special_tokens=False)
+        ]
+
     def count(self, text: str) -> int:
         """Content tokens of ``text`` (no special tokens)."""
         return len(self._tok.encode(text, add_special_tokens=False).ids)

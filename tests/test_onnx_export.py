@@ -9,13 +9,21 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from embedserve.config import Settings
-from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
+from embedserve.contracts.onnx_export import (
+    META_FILE,
+    MODEL_FILE,
+    TOKEN_STATES_OUTPUT,
+    VECTORS_OUTPUT,
+    OnnxExport,
+)
 from embedserve.engines import onnx_export
 from embedserve.engines.onnx_export import Exporter, ExportMismatch, ensure_export, export_folder, publish
+from embedserve.engines.ort_session import open_session
 
 from .conftest import wait_until
 
@@ -85,6 +93,37 @@ def test_an_export_unlike_torch_is_refused(
     with pytest.raises(ExportMismatch, match=refused):
         Exporter(settings(tiny_qwen_dir, tmp_path)).build("none")
     assert list(tmp_path.iterdir()) == []  # nothing cached, no temporary folder left
+
+
+def test_the_graph_gives_every_tokens_state_and_it_is_checked_against_torch(
+    tiny_qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Late chunking pools the graph's token states: they are an output, held to torch's too."""
+    import torch
+
+    folder, _ = Exporter(settings(tiny_qwen_dir, tmp_path / "good")).build("none")
+    outputs = [o.name for o in open_session(folder / MODEL_FILE).get_outputs()]
+    assert outputs == [VECTORS_OUTPUT, TOKEN_STATES_OUTPUT]
+    right = onnx_export.pooled
+
+    def wrong_states(st: Any) -> Any:
+        """Torch's vectors, and token states that are not torch's."""
+        good = right(st)
+
+        class Wrong(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.good = good
+
+            def forward(self, ids: Any, mask: Any) -> Any:
+                vectors, states = self.good(ids, mask)
+                return vectors, -states
+
+        return Wrong().eval()
+
+    monkeypatch.setattr(onnx_export, "pooled", wrong_states)
+    with pytest.raises(ExportMismatch, match=r"min cosine -"):
+        Exporter(settings(tiny_qwen_dir, tmp_path / "bad")).build("none")
 
 
 #: The export child (``python -m embedserve.engines.onnx_export``) with a trace that stops

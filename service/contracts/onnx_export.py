@@ -7,6 +7,10 @@ from pydantic import BaseModel, ConfigDict
 
 META_FILE = "meta.json"
 MODEL_FILE = "model.onnx"
+#: An embedding model's graph outputs: its unit vectors, and the last hidden state of every token
+#: (what late chunking pools, ``contracts/late_chunks.py``).
+VECTORS_OUTPUT, TOKEN_STATES_OUTPUT = "embedding", "token_embeddings"
+EMBEDDING_OUTPUTS = (VECTORS_OUTPUT, TOKEN_STATES_OUTPUT)
 
 
 class OnnxExport(BaseModel):
@@ -23,7 +27,8 @@ class OnnxExport(BaseModel):
     dimension: int
     vocab_size: int
     export_seconds: float
-    #: the lowest cosine between this graph's vectors and torch's, on padded batches of mixed lengths
+    #: the lowest cosine between this graph's vectors (and token states) and torch's, on padded
+    #: batches of mixed lengths
     min_cosine_vs_torch: float | None = None
     #: a reranker's graph: the largest difference between its raw scores and torch's, on the same batches
     max_score_diff_vs_torch: float | None = None

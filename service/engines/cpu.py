@@ -5,7 +5,8 @@ It speaks exactly what SGLang speaks when launched with ``--is-embedding
 --skip-tokenizer-init`` (docs/ARCHITECTURE.md), so the gateway cannot tell the two apart.
 Pooling and normalisation come from the model folder's sentence-transformers modules
 (mean for MiniLM, last token for Qwen3-Embedding), whichever backend runs them
-(``cpu_backends``).
+(``cpu_backends``). Beyond SGLang, it also serves late chunking (``contracts/late_chunks.py``):
+the mean of the last hidden states over spans of an input's tokens, one vector per span.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from starlette.responses import Response
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings, load_settings
-from embedserve.contracts import score_wire, wire
+from embedserve.contracts import late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
+from embedserve.contracts.wire import Matrix
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
 from embedserve.gateway.pairs import label_ids
@@ -48,6 +50,12 @@ class CallCancelled(Exception):
     """The caller left before its call was computed."""
 
 
+def pool_spans(states: Matrix, spans: list[tuple[int, int]]) -> Matrix:
+    """One unit vector per span: the mean of ``states`` (one row per token) over it."""
+    means = np.stack([states[start:end].mean(axis=0) for start, end in spans])
+    return (means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
 class CpuEmbedder:
     """Runs batches one at a time on a dedicated thread (the backend uses the cores itself)."""
 
@@ -63,10 +71,17 @@ class CpuEmbedder:
         self.vocab_size = self.forward.vocab_size
         self.lock = threading.Lock()
 
-    def embed(self, batch: list[list[int]], cancelled: threading.Event | None = None) -> np.ndarray:
+    def embed(
+        self, batch: list[list[int]], cancelled: threading.Event | None = None,
+        spans: list[list[tuple[int, int]] | None] | None = None,
+    ) -> np.ndarray:
         """Length-sorted micro-batches keep padding small; rows return in input order.
-        ``cancelled`` is checked before each micro-batch: a call whose caller left stops."""
+        ``cancelled`` is checked before each micro-batch: a call whose caller left stops.
+        ``spans``: per input, the token spans to pool its token states over (late chunking),
+        or None for the model's pooling; each input's rows then follow one another."""
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+        wanted = spans or [None] * len(batch)
+        chunks: dict[int, Matrix] = {}
         out: np.ndarray | None = None
         start = 0
         while start < len(order):
@@ -82,14 +97,22 @@ class CpuEmbedder:
             for row, i in enumerate(group):
                 ids[row, : len(batch[i])] = batch[i]
                 mask[row, : len(batch[i])] = 1
+            late = [(row, i, s) for row, i in enumerate(group) if (s := wanted[i]) is not None]
             with self.lock:
-                vectors = self.forward(ids, mask)
+                if late:
+                    vectors, states = self.forward.with_tokens(ids, mask)
+                else:
+                    vectors = self.forward(ids, mask)
+            for row, i, s in late:
+                chunks[i] = pool_spans(states[row], s)
             if out is None:  # the width is what the model produced
                 out = np.empty((len(batch), vectors.shape[1]), dtype=np.float32)
             out[group] = vectors
             start = end
         assert out is not None, "an empty batch never reaches the model"
-        return out
+        if not chunks:
+            return out
+        return np.concatenate([chunks[i] if i in chunks else out[i : i + 1] for i in range(len(batch))])
 
 
 def load_embedder(settings: Settings) -> CpuEmbedder:
@@ -180,16 +203,24 @@ def create_engine_app(
                 )
         return None
 
-    async def _rows(request: Request, batch: list[list[int]]) -> np.ndarray | Response:
-        """The model's rows for ``batch``, or the response that answers instead (a refusal, or
-        499 when the caller left). When the caller leaves or this handler is cancelled (the
-        server stopping), the work stops at the next micro-batch."""
+    def _late_problem(e: CpuEmbedder, req: Any, batch: list[list[int]]) -> Response | None:
+        """What is wrong with a request's late chunking (``contracts/late_chunks.py``)."""
+        if not isinstance(req, late_chunks.LateChunkRequest) or req.chunks is None:
+            return None
+        why = req.problem(batch) if e.info.embeds else f"late chunking needs an embedding model ({e.path})"
+        return None if why is None else _error(400, why)
+
+    async def _rows(request: Request, req: Any, batch: list[list[int]]) -> np.ndarray | Response:
+        """The model's rows for ``batch`` (``req``'s inputs), or the response that answers
+        instead (a refusal, or 499 when the caller left). When the caller leaves or this
+        handler is cancelled (the server stopping), the work stops at the next micro-batch."""
         e: CpuEmbedder = state["embedder"]
-        problem = _problem(e, batch)
+        problem = _problem(e, batch) or _late_problem(e, req, batch)
         if problem is not None:
             return problem
+        spans = req.chunks if isinstance(req, late_chunks.LateChunkRequest) else None
         cancelled = threading.Event()
-        job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled)
+        job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled, spans)
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # CallCancelled: retrieved
         watch = asyncio.ensure_future(wait_disconnect(request))
         racers: list[asyncio.Future[Any]] = [job, watch]
@@ -219,12 +250,12 @@ def create_engine_app(
         except ValidationError as exc:
             return _error(400, f"expected {expected}: {exc.errors()[0]['msg']}")
         batch = req.batch()
-        rows = await _rows(request, batch)
+        rows = await _rows(request, req, batch)
         return rows if isinstance(rows, Response) else (req, batch, rows)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        got = await _call(request, wire.EngineRequest, "{'input': [[token ids], ...]}")
+        got = await _call(request, late_chunks.LateChunkRequest, "{'input': [[token ids], ...]}")
         if isinstance(got, Response):
             return got
         req, batch, rows = got

@@ -3,7 +3,9 @@ attention mask in, unit vectors out, one row per input.
 
 ``onnx`` runs the model's cached ONNX export on ONNX Runtime and never imports torch (the
 export is made in a child process, ``onnx_export``); ``torch`` runs sentence-transformers, or a
-reranker's module (``score_modules``). A reranker's "vectors" are one raw score each.
+reranker's module (``score_modules``). A reranker's "vectors" are one raw score each. An
+embedding model's forward also gives the last hidden state of every token (``with_tokens``),
+which late chunking pools.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from embedserve.config import Settings
-from embedserve.contracts.onnx_export import MODEL_FILE
+from embedserve.contracts.onnx_export import MODEL_FILE, TOKEN_STATES_OUTPUT, VECTORS_OUTPUT
 from embedserve.engines.cores import usable_cores
 from embedserve.engines.ort_session import open_session
 from embedserve.model_info import ModelInfo
@@ -28,6 +30,10 @@ class Forward(Protocol):
     description: str
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
+
+    def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The vectors and every token's last hidden state (batch, sequence, hidden)."""
+        ...
 
 
 def compute_threads(settings: Settings) -> int:
@@ -58,6 +64,7 @@ class OnnxForward:
         folder, export = ensure_export(settings)
         options = session_options(compute_threads(settings))
         self.session = open_session(folder / MODEL_FILE, options)
+        self.output = self.session.get_outputs()[0].name  # a reranker's is its score
         self.dimension = export.dimension
         self.vocab_size = export.vocab_size
         self.description = f"onnx ({export.quantization}, {folder})"
@@ -67,8 +74,14 @@ class OnnxForward:
         })
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        out: np.ndarray = self.session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        out: np.ndarray = self.session.run([self.output], {"input_ids": ids, "attention_mask": mask})[0]
         return out
+
+    def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        vectors, states = self.session.run(
+            [VECTORS_OUTPUT, TOKEN_STATES_OUTPUT], {"input_ids": ids, "attention_mask": mask}
+        )
+        return vectors, states
 
 
 class TorchForward:
@@ -93,12 +106,16 @@ class TorchForward:
         self.description = "torch"
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return self.with_tokens(ids, mask)[0]
+
+    def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         torch = self._torch
         with torch.inference_mode():
             features = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
-            emb = self.model.forward(features)["sentence_embedding"].float()
-            vectors: np.ndarray = torch.nn.functional.normalize(emb, dim=-1).numpy()
-        return vectors
+            out = self.model.forward(features)
+            vectors = torch.nn.functional.normalize(out["sentence_embedding"].float(), dim=-1).numpy()
+            states = out["token_embeddings"].float().numpy()
+        return vectors, states
 
 
 class TorchScoreForward:
@@ -120,6 +137,9 @@ class TorchScoreForward:
         with self._torch.inference_mode():
             out: np.ndarray = self.module(self._torch.from_numpy(ids), self._torch.from_numpy(mask)).numpy()
         return out
+
+    def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError("a reranker's forward gives scores, not token states")
 
 
 def load_forward(settings: Settings) -> Forward:

@@ -28,6 +28,11 @@ def refuse_mismatch(embeds: bool, agreement: float) -> None:
     )
 
 
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each row of ``a`` against the same row of ``b``."""
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
 def padded_batch(
     lengths: list[int], vocab: int, rng: np.random.Generator, sep: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:

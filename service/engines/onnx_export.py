@@ -1,11 +1,12 @@
 """The ONNX export of a sentence-transformers model folder: made once, checked, cached.
 
 The graph holds the whole model as sentence-transformers runs it (transformer, the folder's
-pooling, normalisation): token ids and attention mask in, unit vectors out; for a reranker, its
+pooling, normalisation): token ids and attention mask in, unit vectors out, and beside them the
+transformer's last hidden state of every token (late chunking pools it); for a reranker, its
 module from ``score_modules`` (ids and mask in, one raw score out). It is traced by torch.onnx on
 a padded batch, then checked on padded batches of mixed lengths against torch run on each input
-alone; an fp32 graph whose answers are not torch's is refused (``export_check``), never cached.
-int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
+alone (vectors and token states); an fp32 graph whose answers are not torch's is refused
+(``export_check``), never cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
 
 Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
 the model's files, the exporter, the quantisation and the library versions, and appears
@@ -44,8 +45,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from embedserve.config import Settings, load_settings
-from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, OnnxExport
-from embedserve.engines.export_check import ExportMismatch, padded_batch, refuse_mismatch
+from embedserve.contracts.onnx_export import EMBEDDING_OUTPUTS, META_FILE, MODEL_FILE, OnnxExport
+from embedserve.engines.export_check import ExportMismatch, cosines, padded_batch, refuse_mismatch
 from embedserve.logs import Progress
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
@@ -57,8 +58,9 @@ log = logging.getLogger(__name__)
 #: (bench/cpu/onnx_variants.py compares the two).
 EXPORTER = "torchscript"
 OPSET = 17
-#: Bump when the graph's construction changes, so old exports are not reused.
-FORMAT = 1
+#: Bump when the graph's construction changes, so old exports are not reused (2: an embedding
+#: model's graph gives its token states too).
+FORMAT = 2
 #: A temporary export folder: ``.<export folder's name>.<tempfile.mkdtemp's 8 characters>``.
 _WORK_FOLDER = re.compile(r"\..+-[0-9a-f]{20}\.[a-z0-9_]{8}")
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
@@ -256,19 +258,21 @@ class Exporter:
         import torch
 
         ids, mask = padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
-        output = "embedding" if self.info.embeds else "score"
-        axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-                output: {0: "batch"}}
+        outputs = list(EMBEDDING_OUTPUTS) if self.info.embeds else ["score"]
+        tokens = {0: "batch", 1: "sequence"}  # the token states' axes too
+        axes = {"input_ids": tokens, "attention_mask": tokens, **dict.fromkeys(outputs[1:], tokens),
+                outputs[0]: {0: "batch"}}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
             torch.onnx.export(
                 self.module, (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
-                input_names=["input_ids", "attention_mask"], output_names=[output],
+                input_names=["input_ids", "attention_mask"], output_names=outputs,
                 dynamic_axes=axes, opset_version=OPSET, dynamo=False,
             )
 
     def min_cosine(self, graph: Path) -> float:
-        """The graph on padded batches of mixed lengths against torch on each input alone."""
+        """The graph on padded batches of mixed lengths against torch on each input alone: the
+        lowest cosine of a vector, or of a token's state (late chunking pools those)."""
         import torch
 
         from embedserve.engines.ort_session import open_session
@@ -279,18 +283,17 @@ class Exporter:
         worst = 1.0
         for lengths in ([2, cap, 1 + cap // 7, 17], [3, 9, 30]):
             ids, mask = padded_batch(lengths, self.vocab_size(), rng)
-            got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+            got, got_states = session.run(None, {"input_ids": ids, "attention_mask": mask})
             with torch.inference_mode():
-                want = np.stack([
-                    self.model({"input_ids": torch.from_numpy(ids[i : i + 1, :n]),
-                                "attention_mask": torch.from_numpy(mask[i : i + 1, :n])})
-                    ["sentence_embedding"][0].float().numpy()
-                    for i, n in enumerate(lengths)
-                ])
-            cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-            worst = min(worst, float(cos.min()))
+                alone = [self.model({"input_ids": torch.from_numpy(ids[i : i + 1, :n]),
+                                     "attention_mask": torch.from_numpy(mask[i : i + 1, :n])})
+                         for i, n in enumerate(lengths)]
+            want = np.stack([out["sentence_embedding"][0].float().numpy() for out in alone])
+            states = [(got_states[i, :n], out["token_embeddings"][0].float().numpy())
+                      for i, (n, out) in enumerate(zip(lengths, alone, strict=True))]
+            for a, b in [(got, want), *states]:
+                worst = min(worst, float(cosines(a, b).min()))
         return worst
-
 
     def max_score_diff(self, graph: Path) -> float:
         """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
@@ -314,7 +317,8 @@ class Exporter:
 
 
 def pooled(st: Any) -> Any:
-    """A sentence-transformers model as a torch module from (ids, mask) to unit vectors."""
+    """A sentence-transformers model as a torch module from (ids, mask) to unit vectors and
+    every token's last hidden state."""
     import torch
 
     class Pooled(torch.nn.Module):
@@ -324,7 +328,8 @@ def pooled(st: Any) -> Any:
 
         def forward(self, input_ids: Any, attention_mask: Any) -> Any:
             features = self.st({"input_ids": input_ids, "attention_mask": attention_mask})
-            return torch.nn.functional.normalize(features["sentence_embedding"].float(), dim=-1)
+            vectors = torch.nn.functional.normalize(features["sentence_embedding"].float(), dim=-1)
+            return vectors, features["token_embeddings"].float()
 
     return Pooled().eval()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.background import start_task, stop_tasks
-from embedserve.contracts import wire
+from embedserve.contracts import late_chunks, wire
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
 from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
@@ -299,7 +299,8 @@ class EnginePool:
 
     # -- calls -------------------------------------------------------------------------
     async def embed(self, batch: list[list[int]]) -> Matrix:
-        """Vectors for token-id inputs, in order. Raises an ``EngineError`` subclass."""
+        """Vectors for token-id inputs, in order (a late-chunked input's, one per chunk, follow
+        one another: ``contracts/late_chunks.py``). Raises an ``EngineError`` subclass."""
         assert self._client is not None
         engine = self._pick()
         tokens = sum(len(ids) for ids in batch)
@@ -340,7 +341,7 @@ class EnginePool:
         engine.stalled_since = None
         engine.calls += 1
         try:
-            return self.protocol.decode(content, len(batch))
+            return self.protocol.decode(content, late_chunks.expected_rows(batch))
         except wire.WireError as exc:
             # the engine's fault: 503 to the client, never a 500
             raise EngineUnavailable(f"the engine returned an invalid response: {exc}", engine.url) from exc

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
-from embedserve.contracts import score_wire, wire
+from embedserve.contracts import late_chunks, score_wire, wire
 from embedserve.contracts.wire import Matrix, WireError
 from embedserve.gateway.pairs import label_ids
 from embedserve.model_info import ModelInfo
@@ -43,7 +43,7 @@ class Embeddings:
     path = "/v1/embeddings"
 
     def encode(self, model: str, batch: list[list[int]], base64_vectors: bool) -> bytes:
-        return wire.encode_request(model, batch, base64_vectors)
+        return late_chunks.encode_request(model, batch, base64_vectors)
 
     def decode(self, content: bytes, expected: int) -> Matrix:
         return wire.decode_response(content, expected)
