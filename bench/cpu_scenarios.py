@@ -139,8 +139,8 @@ def stages(tok: Any, fields: dict[str, Any]) -> dict[str, float]:
     import orjson
 
     from embedserve.contracts.wire import decode_response, encode_base64
+    from embedserve.core.vectors import shape_vectors
     from embedserve.gateway.schemas import EmbeddingRequest
-    from embedserve.gateway.vectors import shape_vectors
     from embedserve.loadtest.instant_engine import reply
 
     body = orjson.dumps({"model": "m", **fields})
@@ -163,7 +163,7 @@ def stages(tok: Any, fields: dict[str, Any]) -> dict[str, float]:
 
 
 def step_gateway_stages(host: Host, budget_end: float) -> dict[str, Any]:
-    from embedserve.gateway.tokenize import ModelTokenizer
+    from embedserve.core.tokenize import ModelTokenizer
 
     tok, rows = ModelTokenizer(Path(host.model("bundled")), 256), []
     for name, tokens, n, encoding in REQUESTS:

@@ -22,8 +22,6 @@ import embedserve
 from embedserve.catalog import served_models
 from embedserve.config import Settings
 from embedserve.config.gateway import api_keys
-from embedserve.engines.client import EngineClient
-from embedserve.engines.pool import EnginePool
 from embedserve.gateway.cohere_routes import add_cohere_routes
 from embedserve.gateway.engine_call import ServingGate
 from embedserve.gateway.errors import install_error_handlers
@@ -43,6 +41,8 @@ from embedserve.gateway.served import ModelRouter, build_runtime
 from embedserve.gateway.trim import MemoryTrimmer, glibc_malloc_trim
 from embedserve.health import EngineView, create_health
 from embedserve.model_info import ModelInfo
+from embedserve.upstream.client import EngineClient
+from embedserve.upstream.pool import EnginePool
 
 
 @dataclass

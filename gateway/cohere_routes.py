@@ -24,13 +24,13 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from embedserve.core.vectors import OutputType, encode_rows
 from embedserve.gateway.cohere_schemas import COHERE_TYPES, CohereEmbedBody
 from embedserve.gateway.errors import APIError, error_response, validation_error, what
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.routes import ClientGone, Handler, json_response, read_object, unless_gone
 from embedserve.gateway.schemas import EmbeddingRequest
-from embedserve.gateway.vectors import OutputType, encode_rows
 
 #: the instruction's task for Cohere's input types that instruct every text
 TASKS = {

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from embedserve.core.vectors import OUTPUT_TYPES
 from embedserve.gateway.priority import PRIORITY, Priority
-from embedserve.gateway.vectors import OUTPUT_TYPES
 
 #: Cohere's embedding types: ours, and ``base64`` (the float vector's little-endian float32 bytes)
 CohereType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]

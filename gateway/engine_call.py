@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 
 from embedserve.contracts.wire import Matrix
-from embedserve.engines.pool import EngineError, EngineTimeout
-from embedserve.gateway.admission import TokenAdmission
-from embedserve.gateway.coalesce import Coalescer, StageTimes
+from embedserve.core.admission import TokenAdmission
+from embedserve.core.coalesce import Coalescer, StageTimes
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.priority import count_waited
+from embedserve.upstream.pool import EngineError, EngineTimeout
 
 
 class ServingGate:

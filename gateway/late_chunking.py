@@ -22,8 +22,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from embedserve.contracts.late_chunks import Span, SpannedIds
+from embedserve.core.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.gateway.errors import APIError
-from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.model_info import ModelInfo
 
 PARAM = "late_chunking"

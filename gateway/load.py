@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from embedserve.engines.throughput import DecayedRate
+from embedserve.upstream.throughput import DecayedRate
 
 #: The averages' half-life: about one Prometheus scrape interval, so each scrape sees the
 #: last few scrapes' traffic; the autoscalers smooth further (stabilisation windows).

@@ -17,8 +17,8 @@ from pydantic import PlainValidator, WithJsonSchema
 
 from embedserve.config.model import ModelSettings
 from embedserve.contracts.wire import Matrix
+from embedserve.core.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.gateway.errors import APIError
-from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.settings_errors import ConfigError
 
 #: What a request does with an over-long input: cut it, refuse it (400), or embed it whole.

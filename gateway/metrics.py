@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from embedserve.config import GatewayLimits
-from embedserve.engines.pool import EnginePool
+from embedserve.upstream.pool import EnginePool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)

@@ -32,9 +32,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 import embedserve
 from embedserve.config.tracing import TracingSettings
-from embedserve.gateway import tracing
+from embedserve.core import tracing
+from embedserve.core.tracing import EngineCallTrace, RequestTrace, Tokenized
 from embedserve.gateway.middleware import ASGIApp, Message, Receive, Scope, Send
-from embedserve.gateway.tracing import EngineCallTrace, RequestTrace, Tokenized
 from embedserve.logs import request_id_var
 
 W3C = TraceContextTextMapPropagator()

@@ -13,15 +13,16 @@ from typing import Any
 
 from embedserve.config import GatewaySettings
 from embedserve.contracts.wire import Matrix
-from embedserve.gateway import late_chunking, tracing
+from embedserve.core import tracing
+from embedserve.core.tokenize import ModelTokenizer, TokenizedInput
+from embedserve.core.vectors import encode_rows, shape_vectors
+from embedserve.gateway import late_chunking
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.long_inputs import TRUNCATE, LongInputs, plan, refuse_ids
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text, check_tokens
 from embedserve.gateway.schemas import EmbeddingRequest
-from embedserve.gateway.tokenize import ModelTokenizer, TokenizedInput
-from embedserve.gateway.vectors import encode_rows, shape_vectors
 from embedserve.model_info import ModelInfo
 
 TOKEN_IDS_REFUSED = (

@@ -1,5 +1,5 @@
 """Request priority, as vLLM and SGLang take it: an integer, lower first, default 0. Every route
-accepts it; the coalescer orders waiting work by it (``gateway/coalesce.py``) and ages it, so
+accepts it; the coalescer orders waiting work by it (``service/core/coalesce.py``) and ages it, so
 less urgent work is delayed, never starved. Admission is blind to it: a request past the
 tokens-in-flight bound gets 429 whatever its priority."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field, StrictInt
 
-from embedserve.gateway.coalesce import StageTimes
+from embedserve.core.coalesce import StageTimes
 from embedserve.gateway.metrics import GatewayMetrics
 
 Priority = StrictInt

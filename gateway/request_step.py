@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from embedserve.contracts.wire import Matrix
+from embedserve.core.tokenize import ItemTokens, blank
 from embedserve.gateway.engine_call import EngineCaller
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
-from embedserve.gateway.tokenize import ItemTokens, blank
 
 
 def check_text(text: str, where: str, param: str, max_chars: int) -> None:

@@ -7,10 +7,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from embedserve.core.vectors import OutputType
 from embedserve.gateway.late_chunking import LateChunking
 from embedserve.gateway.long_inputs import Truncate
 from embedserve.gateway.priority import PRIORITY, Priority
-from embedserve.gateway.vectors import OutputType
 
 TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]

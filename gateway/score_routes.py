@@ -22,12 +22,12 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from embedserve.core.scorers import PairJob
 from embedserve.gateway.errors import APIError, validation_error, what
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.request_scope import Handler, answered, unless_gone
 from embedserve.gateway.routes import json_response, read_object
 from embedserve.gateway.score_schemas import RerankBody, ScoreBody, TeiRerankBody
-from embedserve.gateway.scorers import PairJob
 from embedserve.gateway.scoring import ScorePipeline, ScoreRequest, ScoreResult
 
 Shaped = tuple[Any, dict[str, str]]

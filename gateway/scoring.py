@@ -19,12 +19,12 @@ import numpy as np
 
 from embedserve.config import GatewaySettings
 from embedserve.config.served import RerankLimits
-from embedserve.gateway import tracing
+from embedserve.core import tracing
+from embedserve.core.scorers import PairJob, Scorer, Scores, sigmoid
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.request_step import Limits, Naming, RequestStep, Tokenized, check_text
-from embedserve.gateway.scorers import PairJob, Scorer, Scores, sigmoid
 from embedserve.model_info import ModelInfo
 
 

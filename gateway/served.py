@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 from embedserve.catalog import CatalogEntry
 from embedserve.config import GatewayLimits
-from embedserve.engines.client import EngineClient
-from embedserve.engines.pool import EnginePool
-from embedserve.engines.protocols import protocol_for
-from embedserve.gateway.admission import TokenAdmission
-from embedserve.gateway.coalesce import Coalescer
+from embedserve.core.admission import TokenAdmission
+from embedserve.core.coalesce import Coalescer
+from embedserve.core.scorers import scorer_for
+from embedserve.core.tokenize import ModelTokenizer
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.late_chunking import refusal
@@ -26,10 +25,11 @@ from embedserve.gateway.long_inputs import long_inputs
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingPipeline, EmbeddingResult
 from embedserve.gateway.schemas import EmbeddingRequest
-from embedserve.gateway.scorers import scorer_for
 from embedserve.gateway.scoring import ScoredModel
-from embedserve.gateway.tokenize import ModelTokenizer
 from embedserve.model_info import ModelInfo
+from embedserve.upstream.client import EngineClient
+from embedserve.upstream.pool import EnginePool
+from embedserve.upstream.protocols import protocol_for
 
 
 @dataclass

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from embedserve.contracts import score_wire
 from embedserve.contracts.score_wire import EncodeRequest
 from embedserve.contracts.wire import EngineRequest, encode_response
-from embedserve.engines.client import JSON, CallFailed, CallTimeout
+from embedserve.upstream.client import JSON, CallFailed, CallTimeout
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from embedserve.contracts.wire import Matrix
-from embedserve.gateway.coalesce import Coalescer
+from embedserve.core.coalesce import Coalescer
 
 
 class SteppedEngine:

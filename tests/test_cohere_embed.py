@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedserve.config import Settings
+from embedserve.core.tokenize import ModelTokenizer
 from embedserve.gateway.app import create_app
 from embedserve.gateway.cohere_routes import TASKS
-from embedserve.gateway.tokenize import ModelTokenizer
 from tests import fake_engine
 from tests.conftest import MINILM_DIR
 from tests.fake_engine import FakeEngine, HttpxEngineClient

@@ -280,8 +280,8 @@ def test_controller_selects_serving_pods_only_and_may_evict():
 
 
 def test_controller_may_make_every_call_of_a_surge():
-    """The Role covers what service/runtime/kube.py asks of each owner of the count."""
-    from embedserve.runtime.kube import COUNT_FIELDS
+    """The Role covers what service/controller/kube.py asks of each owner of the count."""
+    from embedserve.controller.kube import COUNT_FIELDS
 
     role = _one("Role")
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout
+from embedserve.upstream.client import AiohttpEngineClient, CallFailed, CallTimeout
 
 ANSWER = b'{"data": []}'
 

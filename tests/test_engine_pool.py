@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from embedserve.contracts.wire import EngineRequest, encode_response
-from embedserve.engines.pool import EnginePool, EngineUnavailable
+from embedserve.upstream.pool import EnginePool, EngineUnavailable
 
 A, B, C = "http://a", "http://b", "http://c"
 
@@ -91,7 +91,7 @@ class FlakyHealthClient(GatedClient):
         self.down = True
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        from embedserve.engines.client import CallFailed
+        from embedserve.upstream.client import CallFailed
 
         if self.down:
             raise CallFailed("ClientConnectorError")

@@ -20,12 +20,12 @@ from embedserve.config import Settings
 from embedserve.contracts.memory import GpuDevice, MemoryReport, ProcessMemory
 from embedserve.engines import sglang as sglang_launch
 from embedserve.engines.launch import engine_launch
-from embedserve.engines.pool import EnginePool
 from embedserve.engines.sizing import ModelShape, SizingError, engine_memory, plan_engines_per_gpu
 from embedserve.health.sources.nvml import GpuReading
 from embedserve.model_info import ModelInfo
 from embedserve.runtime import replace
 from embedserve.runtime.model_plan import resolve_engines_per_gpu
+from embedserve.upstream.pool import EnginePool
 
 # The published Qwen3-Embedding configs (config.json), the fields that decide memory.
 QWEN3_4B = {"model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,

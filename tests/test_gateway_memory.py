@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from embedserve.config import BUNDLED_MODEL, resolve_model_path
-from embedserve.gateway import tokenize
-from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.core import tokenize
+from embedserve.core.tokenize import ModelTokenizer
 from embedserve.gateway.trim import LARGE_BODY_BYTES, MemoryTrimmer, glibc_malloc_trim
 from tests.conftest import wait_until
 from tests.fake_engine import FakeEngine

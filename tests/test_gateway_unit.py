@@ -231,7 +231,8 @@ class SteppingClock:
 
 
 def test_request_id_and_stage_headers(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    from embedserve.gateway import coalesce, pipeline
+    from embedserve.core import coalesce
+    from embedserve.gateway import pipeline
 
     with make_client(engine) as c:
         wait_ready(c)
@@ -298,7 +299,7 @@ def test_short_texts_tokenise_on_the_loop_unless_configured_off(
 ) -> None:
     import threading
 
-    from embedserve.gateway.tokenize import ModelTokenizer
+    from embedserve.core.tokenize import ModelTokenizer
 
     seen: list[str] = []
     original = ModelTokenizer.encode_texts

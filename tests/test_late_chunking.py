@@ -17,10 +17,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from embedserve.config import BUNDLED_MODEL, Settings, resolve_model_path
+from embedserve.core.tokenize import ModelTokenizer
 from embedserve.engines.cpu import CpuEmbedder, create_engine_app
 from embedserve.engines.cpu_backends import OnnxForward
 from embedserve.gateway.app import create_app
-from embedserve.gateway.tokenize import ModelTokenizer
 from tests.fake_engine import FakeEngine, HttpxEngineClient
 from tests.test_gateway_unit import wait_ready
 

@@ -18,12 +18,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("embedserve.config", "embedserve.catalog",
                 "embedserve.settings_errors", "embedserve.model_info", "embedserve.logs", "embedserve.nvml",
                 "embedserve.http_server", "embedserve.background")),
-    ("core", ("embedserve.gateway.tokenize", "embedserve.gateway.admission", "embedserve.gateway.coalesce",
-              "embedserve.gateway.vectors", "embedserve.gateway.scorers", "embedserve.gateway.pairs",
-              "embedserve.gateway.tracing")),
+    ("core", ("embedserve.core",)),
     ("engines", ("embedserve.engines",)),
+    ("upstream", ("embedserve.upstream",)),
     ("health", ("embedserve.health",)),
     ("api", ("embedserve.gateway",)),
+    ("controller", ("embedserve.controller",)),
     ("runtime", ("embedserve.runtime", "embedserve.__main__")),
 ]
 # The load generator and the quality gate are clients: they speak the contracts and nothing

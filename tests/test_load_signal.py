@@ -16,8 +16,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.config import BUNDLED_MODEL
-from embedserve.engines.throughput import DecayedRate
 from embedserve.gateway.load import REFUSING_SHARE, LoadCollector, LoadSignal
+from embedserve.upstream.throughput import DecayedRate
 from tests.conftest import start_stack
 
 

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sentence_transformers.util.quantization import quantize_embeddings
 
-from embedserve.gateway.vectors import quantize, shape_vectors
+from embedserve.core.vectors import quantize, shape_vectors
 from tests import fake_engine
 from tests.fake_engine import FakeEngine
 from tests.test_gateway_unit import MODEL, assert_error, make_client, post, wait_ready

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from embedserve.contracts.wire import Matrix
-from embedserve.gateway.coalesce import Coalescer
+from embedserve.core.coalesce import Coalescer
 from embedserve.gateway.priority import priority_label
 from tests.fake_engine import FakeEngine
 from tests.test_coalesce import SteppedEngine, settle

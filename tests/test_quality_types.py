@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 
 from embedserve.contracts.quality import Corpus, CorpusInfo, Passage, Query
-from embedserve.gateway.vectors import quantize, shape_vectors
+from embedserve.core.vectors import quantize, shape_vectors
 from embedserve.loadtest.quality.cli import type_quality
 from embedserve.loadtest.quality.client import Embedder, Limits, ServedModel, decode
 

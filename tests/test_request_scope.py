@@ -19,8 +19,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from embedserve.config import Settings
+from embedserve.core.coalesce import Coalescer
 from embedserve.gateway.app import create_app
-from embedserve.gateway.coalesce import Coalescer
 from embedserve.logs import JsonFormatter
 from embedserve.model_info import ModelInfo
 from tests.asgi_post import post_and_stay

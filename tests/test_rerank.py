@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.core.tokenize import ModelTokenizer
 from tests.conftest import MINILM_DIR, metric, metric_samples, wait_until
 from tests.fake_engine import FakeEngine, fake_vector
 from tests.test_gateway_unit import assert_error, make_client, wait_ready

@@ -19,10 +19,7 @@ from hypothesis import strategies as st
 
 from embedserve.config import BUNDLED_MODEL, ModelSettings, Settings
 from embedserve.contracts.wire import WireError
-from embedserve.engines.onnx_export import export_folder
-from embedserve.engines.protocols import ENCODE, LabelScores
-from embedserve.engines.sglang import LaunchConfigError, build_launch
-from embedserve.gateway.pairs import (
+from embedserve.core.pairs import (
     QWEN3_RERANK_PREFIX,
     QWEN3_RERANK_SUFFIX,
     QWEN3_RERANK_TASK,
@@ -32,9 +29,12 @@ from embedserve.gateway.pairs import (
     load_tokenizer,
     longest_first,
 )
-from embedserve.gateway.tokenize import UnknownTokens
+from embedserve.core.tokenize import UnknownTokens
+from embedserve.engines.onnx_export import export_folder
+from embedserve.engines.sglang import LaunchConfigError, build_launch
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
+from embedserve.upstream.protocols import ENCODE, LabelScores
 from tests.conftest import CROSS_ENCODER, MINILM_DIR, QWEN3_RERANKER, RunningStack, start_stack, wait_until
 from tests.test_models import EMBED
 

@@ -14,9 +14,8 @@ import pytest
 
 from embedserve.config import ControllerSettings, Settings
 from embedserve.contracts.memory import MemoryReport, ResourceForecast
-from embedserve.health.report import advice
-from embedserve.runtime.kube import EvictionBlocked, KubeApi, ServiceAccountToken
-from embedserve.runtime.restart_decision import (
+from embedserve.controller.kube import EvictionBlocked, KubeApi, ServiceAccountToken
+from embedserve.controller.restart_decision import (
     Decision,
     MemoryVerdict,
     Observation,
@@ -25,8 +24,9 @@ from embedserve.runtime.restart_decision import (
     decide,
     policy_from,
 )
-from embedserve.runtime.restart_observe import parse_health_memory
-from embedserve.runtime.restart_round import run_once
+from embedserve.controller.restart_observe import parse_health_memory
+from embedserve.controller.restart_round import run_once
+from embedserve.health.report import advice
 
 # ---------------------------------------------------------------- reports
 # Every /health/memory answer below is built by health's own producer (forecasts ->
@@ -370,7 +370,7 @@ def test_evict_raises_blocked_on_429():
 
 
 def test_http_fetcher_reads_the_gateway(monkeypatch):
-    from embedserve.runtime import restart_observe as rc
+    from embedserve.controller import restart_observe as rc
 
     seen = []
 

@@ -21,11 +21,11 @@ import pytest
 
 from embedserve.config import BUNDLED_MODEL, Settings
 from embedserve.contracts.launch import LaunchSpec
-from embedserve.engines.pool import EnginePool
 from embedserve.runtime import replace, stack
 from embedserve.runtime.replace import Due, EngineReplacer
 from embedserve.runtime.stack import run_stack
 from embedserve.runtime.watchdog import watch_hung
+from embedserve.upstream.pool import EnginePool
 from tests.conftest import free_port, start_stack, wait_until
 from tests.test_engine_pool import GatedClient
 

@@ -18,12 +18,12 @@ from pydantic import ValidationError
 
 from embedserve.config import ControllerSettings, Settings
 from embedserve.contracts.surge import SURGE_ANNOTATION, Surge
+from embedserve.controller import surge as surging
+from embedserve.controller.kube import KubeApi
+from embedserve.controller.restart_decision import Decision, MemoryVerdict, PodState, Policy
+from embedserve.controller.restart_observe import parse_health_memory, parse_load
+from embedserve.controller.restart_round import ControllerMetrics, run_once
 from embedserve.runtime import cli
-from embedserve.runtime import surge as surging
-from embedserve.runtime.kube import KubeApi
-from embedserve.runtime.restart_decision import Decision, MemoryVerdict, PodState, Policy
-from embedserve.runtime.restart_observe import parse_health_memory, parse_load
-from embedserve.runtime.restart_round import ControllerMetrics, run_once
 from tests.test_restart_controller import FLAT, GPU_LEAK_WARNING
 
 NS = "ml"

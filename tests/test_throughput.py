@@ -12,8 +12,8 @@ import pytest
 from fastapi import FastAPI
 
 from embedserve.config import Settings
-from embedserve.engines.throughput import Throughput
 from embedserve.gateway.app import create_app
+from embedserve.upstream.throughput import Throughput
 from tests.fake_engine import FakeEngine, HttpxEngineClient
 
 T = TypeVar("T")

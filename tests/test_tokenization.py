@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from embedserve.gateway.tokenize import ModelTokenizer, UnknownTokens
+from embedserve.core.tokenize import ModelTokenizer, UnknownTokens
 from tests.conftest import MINILM_DIR
 
 TEXTS = ["short", "数据 模型 😀 " * 300, "word " * 1000, "x"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from embedserve.gateway.tokenize import ModelTokenizer
+from embedserve.core.tokenize import ModelTokenizer
 from tests.conftest import MINILM_DIR
 from tests.test_tokenization import TEXTS
 

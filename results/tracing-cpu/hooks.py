@@ -5,8 +5,8 @@ import sys
 import timeit
 from types import SimpleNamespace
 
-from embedserve.gateway import tracing
-from embedserve.gateway.tracing import request_trace
+from embedserve.core import tracing
+from embedserve.core.tracing import request_trace
 
 one = [SimpleNamespace(trace=None, truncated=False)]
 call = [SimpleNamespace(trace=None, truncated=False) for _ in range(256)]

@@ -33,9 +33,9 @@ from embedserve.config import Settings, load_settings
 from embedserve.contracts import late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
+from embedserve.core.pairs import label_ids
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
-from embedserve.gateway.pairs import label_ids
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
 

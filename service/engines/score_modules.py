@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from embedserve.gateway.pairs import label_ids
+from embedserve.core.pairs import label_ids
 from embedserve.model_info import ModelInfo
 
 
@@ -56,7 +56,7 @@ def sep_id_of(model: Any, info: ModelInfo) -> int | None:
     """The ``[SEP]`` id when the model reads segment types, else None."""
     if int(getattr(model.config, "type_vocab_size", 1) or 1) < 2:
         return None
-    from embedserve.gateway.pairs import CrossEncoderPairs
+    from embedserve.core.pairs import CrossEncoderPairs
 
     middle = CrossEncoderPairs(info.path, info.max_seq_len).middle
     return middle[0] if middle else None

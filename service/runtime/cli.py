@@ -30,7 +30,7 @@ _DELEGATED = {
         "build a random-weight Qwen3-Embedding checkpoint with Qwen3's tokenizer",
     ),
     "restart-controller": (
-        "embedserve.runtime.restart_controller",
+        "embedserve.controller.restart_controller",
         "evict one embedserve pod at a time when its hours-to-OOM run low",
     ),
 }

@@ -20,11 +20,11 @@ import psutil
 
 from embedserve.config import Settings
 from embedserve.contracts.memory import MACHINE_RAM, GpuDevice, MemoryReport, ProcessMemory
-from embedserve.engines.pool import EnginePool
 from embedserve.health.sources.nvml import NvmlSource
 from embedserve.health.sources.processes import read_processes
 from embedserve.runtime.ports import check_free, check_owner
 from embedserve.runtime.supervisor import ProcessSupervisor
+from embedserve.upstream.pool import EnginePool
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,7 @@ import uvicorn
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings
-from embedserve.engines.client import JSON
 from embedserve.engines.launch import engine_launch
-from embedserve.engines.protocols import protocol_for
 from embedserve.engines.sglang import LaunchConfigError
 from embedserve.http_server import QuietServer, bounded_httptools
 from embedserve.logs import resolve_format
@@ -31,6 +29,8 @@ from embedserve.runtime.preflight import check_api_keys, check_ports, check_trac
 from embedserve.runtime.replace import EngineReplacer, run_replacers
 from embedserve.runtime.supervisor import EngineStartError, ProcessSupervisor
 from embedserve.runtime.watchdog import watch_hung
+from embedserve.upstream.client import JSON
+from embedserve.upstream.protocols import protocol_for
 
 log = logging.getLogger(__name__)
 

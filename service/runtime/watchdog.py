@@ -8,8 +8,8 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from embedserve.engines.pool import EnginePool
 from embedserve.runtime.supervisor import ProcessSupervisor
+from embedserve.upstream.pool import EnginePool
 
 #: one model's engines: their supervisors (a replacement swaps its own in) and the gateway's pool
 Engines = tuple[Sequence[ProcessSupervisor], EnginePool]

@@ -6,7 +6,7 @@ become one score per pair. No HTTP here; ``gateway/scoring.py`` runs the steps.
   a pair scores the cosine of the two vectors: what vLLM's score API does for embedding models.
   The query is embedded once however many documents it is paired with.
 
-- ``PairScorer``: a reranker. Each pair is one input (``gateway/pairs.py`` frames and cuts it),
+- ``PairScorer``: a reranker. Each pair is one input (``service/core/pairs.py`` frames and cuts it),
   and the engine answers its logit: a cross-encoder's one label, or Qwen3-Reranker's "yes" over
   "no"; the relevance score is its sigmoid.
 
@@ -23,8 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from embedserve.contracts.wire import Matrix
-from embedserve.gateway.pairs import CrossEncoderPairs, PairIds, YesNoPrompts
-from embedserve.gateway.tokenize import ItemTokens, ModelTokenizer, UnknownTokens
+from embedserve.core.pairs import CrossEncoderPairs, PairIds, YesNoPrompts
+from embedserve.core.tokenize import ItemTokens, ModelTokenizer, UnknownTokens
 from embedserve.model_info import ModelInfo
 
 Scores = npt.NDArray[np.float64]

@@ -23,7 +23,7 @@ import orjson
 
 from embedserve.contracts import late_chunks, score_wire, wire
 from embedserve.contracts.wire import Matrix, WireError
-from embedserve.gateway.pairs import label_ids
+from embedserve.core.pairs import label_ids
 from embedserve.model_info import ModelInfo
 
 #: probabilities are clipped here before their log ratio: a logit of at most about +-69

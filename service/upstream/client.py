@@ -12,7 +12,7 @@ from typing import Protocol
 
 import aiohttp
 
-from embedserve.gateway.tracing import engine_headers
+from embedserve.core.tracing import engine_headers
 
 JSON = {"content-type": "application/json"}
 

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from embedserve.config import ControllerSettings
 from embedserve.contracts.surge import SURGE_ANNOTATION, Surge
-from embedserve.runtime import surge as surging
-from embedserve.runtime.kube import EvictionBlocked, KubeApi
-from embedserve.runtime.restart_decision import Decision, Observation, Policy, decide
-from embedserve.runtime.restart_observe import HealthFetcher, LoadFetcher, observe
+from embedserve.controller import surge as surging
+from embedserve.controller.kube import EvictionBlocked, KubeApi
+from embedserve.controller.restart_decision import Decision, Observation, Policy, decide
+from embedserve.controller.restart_observe import HealthFetcher, LoadFetcher, observe
 
 log = logging.getLogger("embedserve.restart_controller")
 

@@ -19,9 +19,9 @@ from embedserve.background import start_task, stop_tasks
 from embedserve.contracts import late_chunks, wire
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
-from embedserve.engines.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
-from embedserve.engines.protocols import EMBEDDINGS, EngineProtocol
-from embedserve.engines.throughput import Throughput
+from embedserve.upstream.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
+from embedserve.upstream.protocols import EMBEDDINGS, EngineProtocol
+from embedserve.upstream.throughput import Throughput
 
 log = logging.getLogger(__name__)
 

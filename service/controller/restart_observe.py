@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from embedserve.config import ControllerSettings
 from embedserve.contracts.memory import MemoryReport
-from embedserve.runtime.kube import KubeApi
-from embedserve.runtime.restart_decision import MemoryVerdict, Observation, PodState
+from embedserve.controller.kube import KubeApi
+from embedserve.controller.restart_decision import MemoryVerdict, Observation, PodState
 
 
 def parse_health_memory(body: bytes | str) -> MemoryVerdict:

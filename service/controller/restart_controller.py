@@ -19,11 +19,11 @@ import httpx
 from prometheus_client import start_http_server
 
 from embedserve.config import Settings, load_settings
+from embedserve.controller.kube import KubeApi
+from embedserve.controller.restart_decision import policy_from
+from embedserve.controller.restart_observe import http_health_fetcher, http_load_fetcher, pod_client
+from embedserve.controller.restart_round import ControllerMetrics, run_once
 from embedserve.logs import setup_logging
-from embedserve.runtime.kube import KubeApi
-from embedserve.runtime.restart_decision import policy_from
-from embedserve.runtime.restart_observe import http_health_fetcher, http_load_fetcher, pod_client
-from embedserve.runtime.restart_round import ControllerMetrics, run_once
 
 log = logging.getLogger("embedserve.restart_controller")
 

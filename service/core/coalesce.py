@@ -26,7 +26,7 @@ import numpy as np
 from embedserve.background import start_task, stop_tasks
 from embedserve.contracts import late_chunks
 from embedserve.contracts.wire import Matrix
-from embedserve.gateway.tracing import RequestTrace, engine_call, request_trace
+from embedserve.core.tracing import RequestTrace, engine_call, request_trace
 
 #: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``), one per
 #: input, or per chunk of a late-chunked input (``contracts/late_chunks.py``).

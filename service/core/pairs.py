@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from embedserve.gateway.tokenize import UnknownTokens, unknown_tokens
+from embedserve.core.tokenize import UnknownTokens, unknown_tokens
 
 #: Qwen3-Reranker's prompt, from its model card.
 QWEN3_RERANK_PREFIX = (
