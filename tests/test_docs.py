@@ -328,3 +328,15 @@ def test_the_clients_snippets_run_against_the_cpu_stack(minilm_stack: RunningSta
     namespace, ran, _ = _run_paragraphs(code, "Clients")
     assert namespace["model"] == minilm_stack.model_name  # taken from /v1/models
     assert len(ran) >= 4, ran
+
+
+def test_the_readmes_first_screen_is_the_two_commands() -> None:
+    """Before the GPU quick start: the title, the two set-up commands and a few lines on what they
+    do; the detail (export timings, int8, Ctrl-C figures) lives in docs/, where a reader looks."""
+    readme = (ROOT / "README.md").read_text()
+    first = readme[: readme.index("## GPU quick start")]
+    blocks = re.findall(r"```bash\n(.*?)```", first, re.S)
+    assert [b.count("\n") for b in blocks] == [1, 1], blocks  # exactly two one-line commands
+    assert "embedserve up" in blocks[0] and "python -m tests" in blocks[1]
+    prose = [line for line in first.splitlines() if line.strip() and not line.startswith(("```", "#"))]
+    assert len(prose) <= 24, f"{len(prose)} lines of prose before the GPU quick start"
