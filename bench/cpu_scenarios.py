@@ -21,7 +21,7 @@ import httpx
 from harness import GATEWAY, INSTANT, UP, Host, Kind, Side, slug
 from measure import Case, Load, children_cpu
 from peers import IN_PROCESS, INFINITY
-from runner import Step, lifecycle, step_compare, step_quality, step_stop, step_vectors
+from runner import Step, lifecycle, resolve, step_compare, step_quality, step_stop, step_vectors
 
 OPEN = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}  # admission never caps a run
 CPU = {"EMBEDSERVE_ENGINE__KIND": "cpu", **OPEN}  # `up`'s engine (a gateway given engines starts none)
@@ -194,13 +194,13 @@ def step_rerank_scores(host: Host, budget_end: float, sides: Any = None) -> dict
 
     texts = [WordBuilder(99).build(64, Random(99), i)[0] for i in range(9)]
     got = {}
-    for side in sides or rerank_sides(host)[1:]:
+    for side in resolve(host, sides) if sides else rerank_sides(host)[1:]:
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.post(f"http://127.0.0.1:{side.port}{side.kind.rerank}", timeout=120, json={
                 "model": host.served_name(side.shape), "query": texts[0], "documents": texts[1:]})
             ranked = sorted(r.json()["results"], key=lambda x: x["index"])
             got[side.name] = [x["relevance_score"] for x in ranked]
-    diff = max(abs(a - b) for a, b in zip(*got.values(), strict=True)) if len(got) == 2 else None
+    diff = max((abs(a - b) for a, *bs in zip(*got.values(), strict=True) for b in bs), default=None)  # vs 1st
     return {"scores": got, "notes": [f"Cross-encoder scores of the same 8 pairs, largest difference: {diff}"]}
 
 

@@ -351,6 +351,21 @@ def test_the_pooled_last_layer_is_for_qwen3_embedding_models_without_compiled_pr
         build_launch(make(bert, pooled_last_layer=True))
 
 
+def test_the_vectorised_cross_encoder_is_for_xlmr_cross_encoders_without_the_prefix_cache(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from embedserve.runtime.synth_rerank import build_cross_encoder
+
+    xlmr = build_cross_encoder(tmp_path / "xlmr", "tiny-xlmr")
+    spec = build_launch(make(xlmr, vectorised_cross_encoder=True))
+    assert spec.argv == build_launch(make(xlmr)).argv  # the plugin does it: SGLang's flags as they are
+    assert launched_engine(spec)["vectorised_cross_encoder"] is True
+    with pytest.raises(LaunchConfigError, match="needs engine\\.prefix_cache off"):
+        build_launch(make(xlmr, vectorised_cross_encoder=True, prefix_cache=True))
+    with pytest.raises(LaunchConfigError, match="needs an XLM-R cross-encoder"):
+        build_launch(make(model_dir, vectorised_cross_encoder=True))
+
+
 # -- the embedding-only forward as the default: each auto value resolved, with its reason -----------
 
 #: what the embedding-only forward's three settings set explicitly (bench variant nokv+overlap+pooled)

@@ -277,6 +277,21 @@ def test_the_pooled_last_layer_adds_its_model_hooks_with_room_for_twice_the_batc
     assert model_hooks[0][1].keywords == {"slots": 2 * 128 * 2} and model_hooks[1][2] == "around"
 
 
+def test_the_vectorised_cross_encoder_adds_its_model_hook_only_when_asked(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from embedserve.engines import cross_encoder
+
+    monkeypatch.chdir(tmp_path)
+    registered = _fake_sglang(monkeypatch)
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
+    sglang_plugin.register()
+    assert not [t for t, _, _ in registered if ".models." in t]
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__VECTORISED_CROSS_ENCODER", "true")
+    sglang_plugin.register()
+    assert [(t, h, k) for t, h, k in registered if ".models." in t] == [
+        (f"{cross_encoder.MODEL_CLASS}.__init__", cross_encoder.after_init, "after")]
+
+
 def test_hook_targets_exist_in_sglang_0_5_17() -> None:
     """The targets are methods that SGLang 0.5.17 defines, read from its wheel
     (tests/fixtures/extract_sglang_hooks.py), and the registry API the plugin calls exists."""

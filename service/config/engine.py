@@ -85,6 +85,12 @@ class EngineSettings(BaseModel):
         "row: 2.3% of the 4B's linear-layer work saved. auto: on where kv_cache resolves to none "
         "(docs/SGLANG.md), else off",
     )
+    vectorised_cross_encoder: bool = Field(
+        False,
+        description="XLM-R cross-encoders (bge-reranker) on SGLang: position ids built and the "
+        "classifier head run once per batch instead of in SGLang's loops over its sequences, which "
+        "wait on the GPU for each. Not yet measured on a GPU (docs/SGLANG.md); needs prefix_cache off",
+    )
     mem_fraction_static: float = Field(0.85, gt=0, lt=1)
     gpu_memory_budget_gb: float | None = Field(
         None, gt=0, description="cap the engine's static GPU memory at this many GB"

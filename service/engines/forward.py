@@ -5,6 +5,8 @@ unquantised Qwen3 embedding model with the prefix cache off, that is no KV pool
 
 from __future__ import annotations
 
+import json
+
 from embedserve.config import Settings
 from embedserve.model_info import ModelInfo
 
@@ -28,6 +30,18 @@ def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
     if compiles_prefill(extra_args):
         raise LaunchConfigError("engine.pooled_last_layer does not go with SGLang's tc_piecewise prefill "
                                 "graphs (engine.extra_args), which compile the forward it hooks: drop one")
+
+
+def check_vectorised_cross_encoder(settings: Settings, info: ModelInfo) -> None:
+    """``engine.vectorised_cross_encoder`` needs what its hooks assume (embedserve/engines/cross_encoder.py):
+    SGLang's XLM-R cross-encoder, whose sequences all start at position 0 (no prefix cache)."""
+    config = json.loads((info.path / "config.json").read_text())
+    if "XLMRobertaForSequenceClassification" not in (config.get("architectures") or []):
+        raise LaunchConfigError(f"engine.vectorised_cross_encoder needs an XLM-R cross-encoder (XLMRoberta"
+                                f"ForSequenceClassification), but {info.path} is not one: turn it off")
+    if settings.engine.prefix_cache:
+        raise LaunchConfigError("engine.vectorised_cross_encoder needs engine.prefix_cache off (each "
+                                "sequence's positions count from 0): turn one off")
 
 
 def describe_gpu(capability: tuple[int, int] | None) -> str:
@@ -137,6 +151,8 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
     if backend == "auto":
         backend = auto_attention_backend(capability, fa3, notes)
     kv_cache = resolve_kv_cache(settings, info, backend, capability, notes)
+    if eng.vectorised_cross_encoder:
+        check_vectorised_cross_encoder(settings, info)
     return settings.with_engine(
         attention_backend=backend,
         kv_cache=kv_cache,

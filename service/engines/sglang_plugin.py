@@ -309,6 +309,10 @@ def register() -> None:
         from embedserve.engines import pooled_layer
 
         pooled_layer.register(HookRegistry, HookType, slots)
+    if settings.engine.vectorised_cross_encoder:
+        from embedserve.engines import cross_encoder
+
+        cross_encoder.register(HookRegistry, HookType)
 
 
 def pooled_row_slots(settings: Settings) -> int:
