@@ -10,34 +10,21 @@ import re
 import shlex
 import sys
 import tomllib
-import typing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
-from pydantic import BaseModel
 
 from embedserve.config import CHILD_SETTINGS_ENV, NOT_SETTINGS, Settings
 from embedserve.engines.drill import LEAK_ENV
+from embedserve.settings_errors import setting_variables
 from tests.conftest import E2E_URL, RunningStack
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-
-
-def _setting_variables(model: type[BaseModel], prefix: str = "EMBEDSERVE_") -> set[str]:
-    out = set()
-    for name, info in model.model_fields.items():
-        var = prefix + name.upper()
-        out.add(var)
-        inner = [a for a in (info.annotation, *typing.get_args(info.annotation)) if isinstance(a, type)]
-        for sub in inner:
-            if issubclass(sub, BaseModel):
-                out |= _setting_variables(sub, var + "__")
-    return out
 
 
 def _other_variables() -> set[str]:
@@ -50,7 +37,7 @@ def _other_variables() -> set[str]:
 
 
 def test_every_variable_the_docs_name_exists() -> None:
-    known = _setting_variables(Settings) | _other_variables()
+    known = setting_variables(Settings) | _other_variables()
     assert "EMBEDSERVE_GATEWAY__HEADER_TIMEOUT_S" in known  # the walk reaches nested fields
     unknown: dict[str, str] = {}
     for doc in DOCS:
