@@ -4,7 +4,6 @@ environment for this process; engines that ``up`` starts get the resolved settin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -171,9 +170,7 @@ def _config(argv: list[str]) -> int:
 
     overrides = _overrides(args)
     settings, unresolved = _identified(load_settings(overrides, FLAG_OF))
-    shown = json.loads(config_report(settings, overrides, FLAG_OF).model_dump_json())
-    shown["limits"] = _limits(settings, unresolved)
-    print(json.dumps(shown, indent=2))
+    print(config_report(settings, overrides, FLAG_OF, unresolved=unresolved).model_dump_json(indent=2))
     return 0
 
 
@@ -189,17 +186,6 @@ def _identified(settings: Any) -> tuple[Any, str | None]:
         return asyncio.run(identify_engines(settings, wait_s=0)), None
     except EngineStartError as exc:
         return settings, f"{exc}; until they answer, the defaults below are SGLang's"
-
-
-def _limits(settings: Any, unresolved: str | None) -> dict[str, object]:
-    """Each model's gateway limits as the gateway would resolve them."""
-    from embedserve.catalog import served_models
-    from embedserve.runtime.model_plan import resolve_engine_kind
-
-    shown: dict[str, object] = {"unresolved": unresolved} if unresolved else {}
-    for entry in served_models(settings):
-        shown[entry.name] = entry.limits(resolve_engine_kind(entry.settings)).model_dump()
-    return shown
 
 
 # Commands run here: name -> (function, one-line help).

@@ -13,11 +13,12 @@ from typing import Any
 
 from pydantic import Field
 
+from embedserve.catalog import served_models
 from embedserve.config import ModelSettings, Settings, dotenv_names
 from embedserve.engines.cores import usable_cores
 from embedserve.engines.sglang import kv_pool_tokens
 from embedserve.model_info import model_folder
-from embedserve.runtime.model_plan import PlannedModel, plan_models
+from embedserve.runtime.model_plan import PlannedModel, plan_models, resolve_engine_kind
 from embedserve.settings_errors import ENV_PREFIX, dotted, setting_variables
 
 
@@ -31,6 +32,9 @@ class ConfigReport(Settings):
 
     model: ModelReport
     sources: dict[str, str] = Field(default_factory=dict)
+    #: each served model's gateway limits (``GatewayLimits``), and ``unresolved``: why engines
+    #: elsewhere did not say what they are, where they did not
+    limits: dict[str, Any] = Field(default_factory=dict)
 
 
 MACHINE_KIND = "derived from the machine (SGLang and an NVIDIA GPU: sglang, else cpu)"
@@ -99,22 +103,22 @@ def _derive(settings: Settings, plan: PlannedModel) -> tuple[dict[str, Any], dic
     if kind == "sglang" and eng.kv_pool_tokens is None:
         put("engine", "kv_pool_tokens", kv_pool_tokens(own, info.max_seq_len),
             "derived from engine.batch_token_budget, engine.overlap_schedule and model.max_seq_len")
-    for field, value in (
-        ("max_tokens_in_flight", own.tokens_in_flight_limit(kind)),
-        ("max_tokens_per_engine_call", own.engine_call_tokens(kind)),
-        ("engine_calls_per_engine", own.engine_calls(kind)),
-        ("inline_tokenize_chars", own.inline_tokenize_limit(kind)),
-    ):
+    for field, value in own.gateway_limits(kind).model_dump(exclude={"engine_kind"}).items():
         if getattr(gw, field) is None:
             put("gateway", field, value, f"derived from the engine kind ({kind})")
     return values, why
 
 
 def config_report(
-    settings: Settings, overrides: Mapping[str, Any], flags: Mapping[str, str], gpu_bytes: int | None = None
+    settings: Settings, overrides: Mapping[str, Any], flags: Mapping[str, str], gpu_bytes: int | None = None,
+    unresolved: str | None = None,
 ) -> ConfigReport:
-    """The report ``embedserve config`` prints; ``ConfigError`` for what ``up`` would refuse."""
+    """The report ``embedserve config`` prints; ``ConfigError`` for what ``up`` would refuse.
+    ``unresolved``: why engines elsewhere did not say what they are (the limits are then SGLang's)."""
     given = given_sources(overrides, flags)
+    limits: dict[str, Any] = {"unresolved": unresolved} if unresolved else {}
+    for entry in served_models(settings):
+        limits[entry.name] = entry.limits(resolve_engine_kind(entry.settings)).model_dump()
     asked = settings
     settings, planned = plan_models(settings, gpu_bytes)
     data = settings.model_dump()
@@ -149,4 +153,4 @@ def config_report(
     sources = {dotted(loc): _source(given, loc) for loc in _leaves(data)}
     sources.update(derived)
     sources["model.folder"] = "derived from model.path"
-    return ConfigReport.model_validate({**data, "sources": sources})
+    return ConfigReport.model_validate({**data, "sources": sources, "limits": limits})
