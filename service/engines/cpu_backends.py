@@ -139,6 +139,8 @@ class TorchScoreForward:
         return out
 
     def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Never called: the engine refuses late chunking for a model that does not embed
+        (``cpu._late_problem``) before it reaches the forward; the protocol asks for it."""
         raise NotImplementedError("a reranker's forward gives scores, not token states")
 
 
