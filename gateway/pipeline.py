@@ -211,10 +211,11 @@ class EmbeddingPipeline:
         t0 = time.perf_counter()
         mode = self.long_inputs.mode(req.truncate)
         whole = mode == "chunk" and late is None
+        left = req.truncation_direction.lower() == "left"  # cut an over-long input at its start
         offsets: list[list[tuple[int, int]]] = []
         if texts is not None:
             self._check_texts(texts)
-            encode = self._encoder(req, whole)
+            encode = self._encoder(req, whole, left)
             texts = self._apply_instruction(req, texts)
             inputs = await self._tokenise(encode, texts)
             if late is not None:
@@ -232,7 +233,6 @@ class EmbeddingPipeline:
                     code="invalid_value",
                 )
             self._check_ids(id_batch)
-            left = req.truncation_direction.lower() == "left"
             inputs = [self.tokenizer.frame_token_ids(ids, left) for ids in id_batch]
             if whole and any(x.truncated for x in inputs):
                 raise refuse_ids()
@@ -248,7 +248,6 @@ class EmbeddingPipeline:
         if late is not None:
             assert texts is not None  # _check_late
             check_tokens(tokenized, limits, INPUTS)  # an input refused for its length, before its chunks
-            left = req.truncation_direction.lower() == "left"
             late_plan = late_chunking.plan(late, texts, inputs, offsets, self.tokenizer, left)
             tokenized = Tokenized(late_plan.inputs, tokenized.items, tokenize_s)
         done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings",
@@ -276,11 +275,13 @@ class EmbeddingPipeline:
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers, vectors)
 
-    def _encoder(self, req: EmbeddingRequest, whole: bool) -> Callable[[list[str]], list[TokenizedInput]]:
+    def _encoder(
+        self, req: EmbeddingRequest, whole: bool, left: bool
+    ) -> Callable[[list[str]], list[TokenizedInput]]:
         """The tokeniser call for ``req``'s truncation side (``whole``: over-long inputs keep all
         their content, to be embedded in windows); cut from the start, a query keeps its
         instruction (the template's tokens before the text)."""
-        if req.truncation_direction.lower() != "left":
+        if not left:
             return partial(self.tokenizer.encode_texts, whole=True) if whole else self.tokenizer.encode_texts
         template = self.info.query_template
         head = 0
