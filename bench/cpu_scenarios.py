@@ -188,20 +188,25 @@ def step_cross_encoder(host: Host, budget_end: float) -> dict[str, Any]:
 
 
 def step_rerank_scores(host: Host, budget_end: float, sides: Any = None) -> dict[str, Any]:
-    """The cross-encoder sides' relevance scores for the same 8 pairs, against each other
-    (``sides``: two sides; default the CPU scenario's cross-encoders)."""
+    """The cross-encoder sides' relevance scores for the same 8 pairs, each side's largest difference
+    from the first side's (``sides``: the first is the reference; default the CPU scenario's
+    cross-encoders), and the tokens each side says it read."""
     from embedserve.loadtest.textbuild import WordBuilder
 
     texts = [WordBuilder(99).build(64, Random(99), i)[0] for i in range(9)]
-    got = {}
+    got, tokens = {}, {}
     for side in resolve(host, sides) if sides else rerank_sides(host)[1:]:
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
             r = httpx.post(f"http://127.0.0.1:{side.port}{side.kind.rerank}", timeout=120, json={
-                "model": host.served_name(side.shape), "query": texts[0], "documents": texts[1:]})
+                "model": host.served_name(side.shape), "query": side.wrap[0].format(texts[0]),
+                "documents": [side.wrap[1].format(x) for x in texts[1:]]})
             ranked = sorted(r.json()["results"], key=lambda x: x["index"])
             got[side.name] = [x["relevance_score"] for x in ranked]
-    diff = max((abs(a - b) for a, *bs in zip(*got.values(), strict=True) for b in bs), default=None)  # vs 1st
-    return {"scores": got, "notes": [f"Cross-encoder scores of the same 8 pairs, largest difference: {diff}"]}
+            tokens[side.name] = (r.json().get("usage") or {}).get("total_tokens")
+    first = next(iter(got.values()), [])
+    diffs = {k: max(abs(a - b) for a, b in zip(first, v, strict=True)) for k, v in list(got.items())[1:]}
+    return {"scores": got, "tokens": tokens, "largest_difference": diffs,
+            "notes": [f"Scores of the same 8 pairs, largest difference from {next(iter(got), '?')}: {diffs}"]}
 
 
 RERANK_LOADS = [Case(f"1 query x {n} passages of 64 words, {conc} in flight",

@@ -1,8 +1,11 @@
-"""rerank-gpu (bench/README.md): a cross-encoder on embedserve's SGLang and vLLM's ``/rerank``. Its servers
-start with the vllm scenario's and are measured once that one's first are ready: no start-up shares a GPU."""
+"""rerank-gpu (bench/README.md): a cross-encoder and Qwen3-Reranker on embedserve (SGLang, and its own
+torch engine) and vLLM's ``/rerank``, each side's scores against a transformers forward in fp32. Its
+servers start with the vllm scenario's and are measured once that one's first are ready: no start-up
+shares a GPU."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -13,42 +16,94 @@ from measure import Case, Load
 from peers import VLLM, VLLM_TUNED_ARGS
 from runner import Step, step_compare, step_start, step_stop
 
-SHAPE = "bge-reranker-v2-m3"
+from embedserve.core.pairs import QWEN3_RERANK_PREFIX, QWEN3_RERANK_SUFFIX, QWEN3_RERANK_TASK
+
+CROSS_ENCODER, QWEN3 = "bge-reranker-v2-m3", "qwen3-reranker-0.6b"
 ENV = UNCAPPED | {"CUDA_VISIBLE_DEVICES": "0", "EMBEDSERVE_ENGINE__DTYPE": "bfloat16"}  # as vLLM (fp32 files)
-SIDES = [Side("embedserve, cross-encoder (SGLang)", UP, 8960, SHAPE, ENV, tag="rerank-gpu-embedserve"),
-         Side("vllm tuned, cross-encoder", VLLM, 8970, SHAPE, args=VLLM_TUNED_ARGS, tag="rerank-gpu-vllm")]
+TORCH = ENV | {"EMBEDSERVE_ENGINE__KIND": "torch"}
+# vLLM reads Qwen3-Reranker as a one-label classifier from the lm_head's "no" and "yes" rows; the client
+# frames the prompt (its docs' example), as embedserve's gateway does from the same model card
+QWEN3_VLLM = ("--hf-overrides", json.dumps({"architectures": ["Qwen3ForSequenceClassification"],
+                                            "classifier_from_token": ["no", "yes"],
+                                            "is_original_qwen3_reranker": True}))
+QWEN3_WRAP = (f"{QWEN3_RERANK_PREFIX}<Instruct>: {QWEN3_RERANK_TASK}\n<Query>: {{}}\n",
+              f"<Document>: {{}}{QWEN3_RERANK_SUFFIX}")
 
 
-def sides(host: Host) -> list[Side]:  # an embedserve stack more per --embedserve-variants entry (vectorised)
-    return [SIDES[0], *(Side(f"embedserve {n}, cross-encoder (SGLang)", UP, 8980 + 10 * k, SHAPE, ENV | env,
-                             tag=slug(f"rerank-gpu-{n}")) for k, (n, env) in enumerate(host.variants)),
-            SIDES[1]]
+def reference(shape: str, port: int) -> Side:
+    """transformers' forward of the same checkpoint in fp32 behind the same gateway: scores only."""
+    fp32 = TORCH | {"EMBEDSERVE_ENGINE__DTYPE": "float32"}
+    return Side("reference: transformers fp32", UP, port, shape, fp32, tag=slug(f"rerank-gpu-{shape}-fp32"))
+
+
+def load_sides(host: Host, shape: str, port: int) -> list[Side]:
+    """embedserve on SGLang, one more stack per --embedserve-variants entry (cross-encoder only), its
+    torch engine, vLLM tuned."""
+    qwen3 = shape == QWEN3
+    variants = [] if qwen3 else host.variants
+    return [Side("embedserve (SGLang)", UP, port, shape, ENV, tag=slug(f"rerank-gpu-{shape}-sglang")),
+            *(Side(f"embedserve {n}", UP, port + 10 * (k + 1), shape, ENV | env,
+                   tag=slug(f"rerank-gpu-{shape}-{n}")) for k, (n, env) in enumerate(variants)),
+            Side("embedserve (torch engine)", UP, port + 40, shape, TORCH,
+                 tag=slug(f"rerank-gpu-{shape}-torch")),
+            Side("vllm tuned", VLLM, port + 50, shape, args=VLLM_TUNED_ARGS + (QWEN3_VLLM if qwen3 else ()),
+                 tag=slug(f"rerank-gpu-{shape}-vllm"), wrap=QWEN3_WRAP if qwen3 else ("{}", "{}"))]
+
+
+PORTS = {CROSS_ENCODER: 8960, QWEN3: 9060}
+
+
+def every_side(host: Host) -> list[Side]:
+    return [s for shape, port in PORTS.items()
+            for s in (reference(shape, port + 60), *load_sides(host, shape, port))]
+
+
 CASES = [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
               Load(f"fixed:{words}", conc, seconds=15, warmup=2, words=True, rerank=n), 3)
          for n, words, conc in ((32, 128, 16), (100, 64, 4), (16, 64, 1))]
 
 
 def step_model(host: Host, budget_end: float) -> dict[str, Any]:
-    """The checkpoint (on a dry run without a GPU: the tiny XLM-R, under the same name)."""
+    """The checkpoints (on a dry run without a GPU: tiny ones, under the same names)."""
+    from embedserve.runtime.synth_model import build_qwen3_reranker
     from embedserve.runtime.synth_rerank import build_cross_encoder
 
-    out = Path(host.model(SHAPE))
-    if not (out / "config.json").exists():
-        build_cross_encoder(out, "tiny-xlmr" if host.cpu else SHAPE)
-    return {"model": str(out)}
+    built = {}
+    for shape in PORTS:
+        out = Path(host.model(shape))
+        if not (out / "config.json").exists():
+            if shape == QWEN3:
+                build_qwen3_reranker(out, "tiny" if host.cpu else "0.6b", device=host.device)
+            else:
+                build_cross_encoder(out, "tiny-xlmr" if host.cpu else shape)
+        built[shape] = str(out)
+    return {"models": built}
 
 
 def start_steps() -> list[Step]:
     """Built, then started without waiting (before the vllm scenario's servers)."""
-    return [Step("rerank-gpu-model", ("rerank-gpu",), step_model, 60),
-            Step("rerank-gpu-start", ("rerank-gpu",), partial(step_start, sides=sides, wait=False), 30)]
+    return [Step("rerank-gpu-model", ("rerank-gpu",), step_model, 90),
+            Step("rerank-gpu-start", ("rerank-gpu",), partial(step_start, sides=every_side, wait=False), 30)]
+
+
+def shape_steps(shape: str, seed: int) -> list[Step]:
+    port = PORTS[shape]
+
+    def sides(host: Host) -> list[Side]:
+        return load_sides(host, shape, port)
+
+    def scored(host: Host) -> list[Side]:
+        return [reference(shape, port + 60), *sides(host)]
+
+    return [Step(f"rerank-gpu-scores-{shape}", ("rerank-gpu",),
+                 partial(step_rerank_scores, sides=scored), 20),
+            Step(f"rerank-gpu-load-{shape}", ("rerank-gpu",), partial(
+                step_compare, sides=sides, cases=CASES, seed=seed,
+                section=f"Rerank on one GPU, {shape}, pairs/s (inputs/s)",
+                warm=Load("fixed:64", 8, seconds=4, warmup=0, words=True, rerank=16)), 420)]
 
 
 def measure_steps() -> list[Step]:
-    return [Step("rerank-gpu-ready", ("rerank-gpu",), partial(step_start, sides=sides), 150),
-            Step("rerank-gpu-scores", ("rerank-gpu",), partial(step_rerank_scores, sides=sides), 10),
-            Step("rerank-gpu-load", ("rerank-gpu",), partial(
-                step_compare, sides=sides, cases=CASES, seed=13,
-                section="Rerank on one GPU, pairs/s (inputs/s)",
-                warm=Load("fixed:64", 8, seconds=4, warmup=0, words=True, rerank=16)), 420),
-            Step("rerank-gpu-stop", ("rerank-gpu",), partial(step_stop, sides=sides), 30, always=True)]
+    return [Step("rerank-gpu-ready", ("rerank-gpu",), partial(step_start, sides=every_side), 200),
+            *shape_steps(CROSS_ENCODER, 13), *shape_steps(QWEN3, 17),
+            Step("rerank-gpu-stop", ("rerank-gpu",), partial(step_stop, sides=every_side), 30, always=True)]

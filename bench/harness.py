@@ -105,6 +105,7 @@ class Side:
     tag: str = ""  # the process's name in the work dir (default: name and shape)
     ids: bool | None = None  # sent token ids or texts (default: the kind's)
     cwd: str | None = None
+    wrap: tuple[str, str] = ("{}", "{}")  # a rerank query's and passage's text as sent (a prompt's frame)
 
     @property
     def key(self) -> str:

@@ -75,6 +75,7 @@ class Target:
     in_process: bool = False
     timeout_s: float = 300.0  # a request unanswered this long counts as an error
     rerank_url: str | None = None
+    wrap: tuple[str, str] = ("{}", "{}")  # Side.wrap
 
 
 def target(host: Host, side: Side) -> Target:
@@ -84,7 +85,7 @@ def target(host: Host, side: Side) -> Target:
     return Target(base + side.kind.route, host.model(side.shape), host.served_name(side.shape),
                   side.takes_ids, host.cap_of(side.shape), metrics, own if side.kind.front else None,
                   own, side.kind.in_process, side.kind.timeout_s,
-                  base + side.kind.rerank if side.kind.rerank else None)
+                  base + side.kind.rerank if side.kind.rerank else None, side.wrap)
 
 
 def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
@@ -182,7 +183,8 @@ def run_rerank(t: Target, load: Load, seed: int) -> dict[str, Any]:
         nonlocal errors
         while (t0 := time.monotonic()) < start + load.seconds:
             texts = [builder.build(words if i else 8, rng, next(serial))[0] for i in range(load.rerank + 1)]
-            body = {"model": t.model, "query": texts[0], "documents": texts[1:]}
+            body = {"model": t.model, "query": t.wrap[0].format(texts[0]),
+                    "documents": [t.wrap[1].format(x) for x in texts[1:]]}
             ok = (await client.post(str(t.rerank_url), json=body)).status_code == 200
             if t0 >= start and ok:
                 lat.append(time.monotonic() - t0)

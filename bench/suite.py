@@ -66,7 +66,8 @@ def step_finish(host: Host, budget_end: float) -> dict[str, Any]:
 
 def plan(selected: tuple[str, ...], vllm_shapes: tuple[str, ...] = gs.VLLM_SHAPES) -> list[Step]:
     both = {"raw-vs-gateway", "fp8"}
-    shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",)
+    shapes: tuple[str, ...] = ("4b", "0.6b") if both & set(selected) else ("4b",) if set(selected) - {
+        "rerank-gpu"} else ()  # the rerankers build their own
     if "vllm" in selected:
         shapes = tuple(dict.fromkeys((*shapes, *vllm_shapes))) if set(selected) - {"vllm"} else vllm_shapes
     vllm = gs.vllm_steps(vllm_shapes)  # rerank-gpu is measured once the first vLLM servers are ready

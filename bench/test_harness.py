@@ -232,7 +232,7 @@ def test_every_gpu_scenario_runs_end_to_end_on_stand_ins(tmp_path: Path, stand_i
     host = Host(WorkDir(tmp_path / "w"), device="cuda", models=models,
                 variants=(("x2", {"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": "2"}),), out=tmp_path / "out",
                 vllm_cmd=("python3", "bench/inprocess.py"))
-    skip = {"models", "drill", "up-2", "scale-load-2"}  # need checkpoints, two GPUs
+    skip = {"models", "rerank-gpu-model", "drill", "up-2", "scale-load-2"}  # need checkpoints, two GPUs
     steps = [s for s in suite.plan(suite.GPU_SCENARIOS)  # profiles: test_the_same_requests_are_profiled...
              if s.name not in skip and "profile" not in s.name and "kernels" not in s.name]
     assert suite.run(host, steps, tmp_path / "out", None, []) == 0

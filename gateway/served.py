@@ -79,7 +79,7 @@ def build_runtime(
         client=engine_client,
         base64_vectors=eng.base64_vectors,
         capacity_call_tokens=limits.max_tokens_per_engine_call // 4,
-        gpus=settings.engine_gpus() if engine_kind == "sglang" else None,
+        gpus=settings.engine_gpus() if engine_kind in ("sglang", "torch") else None,
         protocol=protocol_for(info),
     )
     coalescer = Coalescer(

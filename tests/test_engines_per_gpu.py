@@ -287,3 +287,49 @@ def test_the_replacers_readings_run_in_a_thread_not_on_the_event_loop(
     d, loop_thread = asyncio.run(check())
     assert d is not None and d.index == 1  # the engine holding most of GPU 0
     assert read_on and loop_thread not in read_on
+
+
+# -- embedserve's own engine on a GPU (engine.kind torch) -----------------------------------------
+
+
+def test_torch_engines_run_the_own_engine_each_on_its_gpu(tmp_path: Path) -> None:
+    folder = checkpoint(tmp_path, QWEN3_06B)
+    settings = Settings(model={"path": str(folder)}, engine={"replicas": 2, "engines_per_gpu": 2})
+    specs = [engine_launch(settings, "torch", i) for i in range(4)]
+    assert all(s.argv[1:3] == ["-m", "embedserve.engines.cpu"] for s in specs)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "0", "1", "1"]
+    child = Settings.model_validate_json(specs[3].env["EMBEDSERVE_SETTINGS_JSON"])
+    assert child.engine.kind == "torch" and child.engine.port == 30003
+    # the CPU engine is told nothing about GPUs
+    assert "CUDA_VISIBLE_DEVICES" not in engine_launch(settings, "cpu", 3).env
+
+
+def test_torch_engines_per_gpu_are_as_asked_and_auto_is_one(tmp_path: Path) -> None:
+    folder = checkpoint(tmp_path, QWEN3_06B)
+    settings = Settings(model={"path": str(folder)})
+    info = ModelInfo.load(settings.model)
+    assert resolve_engines_per_gpu(settings, info, "torch").engine.engines_per_gpu == 1
+    two = settings.with_engine(engines_per_gpu=2)
+    assert resolve_engines_per_gpu(two, info, "torch").engine.engines_per_gpu == 2
+    assert resolve_engines_per_gpu(two, info, "cpu").engine.engines_per_gpu == 1
+
+
+def test_the_torch_engine_runs_on_the_gpu_in_bfloat16_unless_told() -> None:
+    import torch
+
+    from embedserve.engines.cpu_backends import torch_device
+
+    assert torch_device(Settings(engine={"kind": "torch"})) == ("cuda", torch.bfloat16)
+    assert torch_device(Settings(engine={"kind": "torch", "dtype": "float32"})) == ("cuda", torch.float32)
+    assert torch_device(Settings(engine={"kind": "cpu"})) == ("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "torch"])
+def test_a_gpu_engine_kind_without_a_gpu_is_one_sentence(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedserve.runtime import preflight
+    from embedserve.settings_errors import ConfigError
+
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ConfigError, match=f"is '{kind}', but no NVIDIA GPU is visible"):
+        preflight.check_engine_kind(Settings(engine={"kind": kind}), kind)

@@ -34,13 +34,16 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["auto", "cpu", "sglang", "external"] = Field(
-        "auto", description="auto: sglang when a GPU and sglang are present, else cpu"
+    kind: Literal["auto", "cpu", "sglang", "torch", "external"] = Field(
+        "auto",
+        description="auto: sglang when a GPU and sglang are present, else cpu. torch: embedserve's own "
+        "engine (the CPU engine's server) running the model on a GPU with torch and transformers "
+        "(dtype auto = bfloat16, PyTorch's SDPA attention), for rerankers (docs/RERANK.md)",
     )
     urls: list[str] = Field(
         default_factory=list, description="engines to use instead of starting one (external)"
     )
-    external_kind: Literal["ask", "cpu", "sglang"] = Field(
+    external_kind: Literal["ask", "cpu", "sglang", "torch"] = Field(
         "ask",
         description="what the engines at urls are, which sets the gateway's defaults as for engines "
         "`up` starts (engine calls, tokens per call, tokens in flight, inline tokenising). ask: "

@@ -42,13 +42,13 @@ class EngineRequest(BaseModel):
 
 class EngineInfo(BaseModel):
     """``GET {engine}/get_model_info``, read by a gateway in front of engines it did not start to
-    learn what they are (``engine.external_kind``). The CPU engine says ``engine: "cpu"``;
-    SGLang's own answer has no such field, so an answer without it is SGLang's."""
+    learn what they are (``engine.external_kind``). embedserve's own engine says ``engine: "cpu"``, or
+    ``"torch"`` on a GPU; SGLang's own answer has no such field, so an answer without it is SGLang's."""
 
     model_config = ConfigDict(extra="allow")
 
     model_path: str = ""
-    engine: Literal["cpu", "sglang"] = "sglang"
+    engine: Literal["cpu", "sglang", "torch"] = "sglang"
 
 
 def encode_request(model: str, batch: list[list[int]], base64_vectors: bool = True) -> bytes:

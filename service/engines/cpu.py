@@ -1,5 +1,7 @@
 """The CPU engine: the model on ONNX Runtime (or torch) behind SGLang's token-id ``/v1/embeddings``
-(and, for a reranker, ``/encode`` or ``/v1/score``: ``contracts/score_wire.py``).
+(and, for a reranker, ``/encode`` or ``/v1/score``: ``contracts/score_wire.py``). The engine kind
+``torch`` is the same server with the torch backend on a GPU: its allocator is then watched and
+emptied by the rules SGLang's engines follow (``sglang_plugin.Monitor``).
 
 It speaks exactly what SGLang speaks when launched with ``--is-embedding
 --skip-tokenizer-init`` (docs/ARCHITECTURE.md), so the gateway cannot tell the two apart.
@@ -20,7 +22,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import psutil
@@ -34,10 +36,14 @@ from embedserve.contracts import late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
 from embedserve.core.pairs import label_ids
+from embedserve.engines.cache_policy import CachePolicy
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
+
+if TYPE_CHECKING:
+    from embedserve.engines.sglang_plugin import Monitor
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,7 @@ class CpuEmbedder:
         self.dimension = self.forward.dimension
         self.vocab_size = self.forward.vocab_size
         self.lock = threading.Lock()
+        self.monitor = gpu_monitor(settings) if settings.engine.kind == "torch" else None
 
     def embed(
         self, batch: list[list[int]], cancelled: threading.Event | None = None,
@@ -103,6 +110,8 @@ class CpuEmbedder:
                     vectors, states = self.forward.with_tokens(ids, mask)
                 else:
                     vectors = self.forward(ids, mask)
+                if self.monitor is not None:
+                    self.monitor.on_batch()
             for row, i, s in late:
                 chunks[i] = pool_spans(states[row], s)
             if out is None:  # the width is what the model produced
@@ -113,6 +122,17 @@ class CpuEmbedder:
         if not chunks:
             return out
         return np.concatenate([chunks[i] if i in chunks else out[i : i + 1] for i in range(len(batch))])
+
+
+def gpu_monitor(settings: Settings) -> Monitor:
+    """The GPU engine's allocator rules and statistics file, as SGLang's engines have them."""
+    from embedserve.engines.sglang_plugin import CudaBackend, Monitor
+
+    eng = settings.engine
+    monitor = Monitor(CudaBackend(), CachePolicy.from_settings(eng.cache_clear), eng.stats_dir,
+                      eng.stats_interval_s)
+    monitor.stats.model = settings.model.served_name
+    return monitor
 
 
 def load_embedder(settings: Settings) -> CpuEmbedder:
@@ -138,6 +158,10 @@ def create_engine_app(
     proc = psutil.Process()
 
     async def publish_stats(stats_dir: str) -> None:
+        monitor = state["embedder"].monitor
+        while monitor is not None:  # the GPU's allocator, on the thread that runs the forwards
+            await asyncio.get_running_loop().run_in_executor(executor, monitor.on_idle)
+            await asyncio.sleep(settings.engine.stats_interval_s)
         while True:
             rss = proc.memory_info().rss
             stats.allocated_bytes = stats.reserved_bytes = stats.rss_bytes = rss
@@ -182,7 +206,8 @@ def create_engine_app(
     async def model_info() -> Response:
         e: CpuEmbedder = state["embedder"]
         info = wire.EngineInfo.model_validate(
-            {"model_path": str(e.path), "engine": "cpu", "is_generation": False, "hidden_size": e.dimension}
+            {"model_path": str(e.path), "engine": "torch" if e.monitor else "cpu", "is_generation": False,
+             "hidden_size": e.dimension}
         )
         return Response(info.model_dump_json(), media_type="application/json")
 

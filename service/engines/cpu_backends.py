@@ -84,6 +84,17 @@ class OnnxForward:
         return vectors, states
 
 
+def torch_device(settings: Settings) -> tuple[str, Any]:
+    """Where the torch backend runs and in what dtype: the engine kind ``torch`` on this process's
+    first visible GPU (``engine.dtype`` auto: bfloat16), else the CPU in float32."""
+    import torch
+
+    if settings.engine.kind != "torch":
+        return "cpu", torch.float32
+    name = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype
+    return "cuda", getattr(torch, name)
+
+
 class TorchForward:
     """sentence-transformers on torch, the model folder's own pooling."""
 
@@ -93,8 +104,11 @@ class TorchForward:
 
         torch.set_num_threads(compute_threads(settings))
         self._torch = torch
+        self.device, dtype = torch_device(settings)
         path = str(settings.model.resolved_path)
-        self.model = SentenceTransformer(path, device="cpu", local_files_only=True)
+        self.model = SentenceTransformer(
+            path, device=self.device, local_files_only=True, model_kwargs={"dtype": dtype}
+        )
         self.model.eval()
         dim_of = (
             getattr(self.model, "get_embedding_dimension", None)
@@ -103,7 +117,7 @@ class TorchForward:
         self.dimension = int(dim_of() or 0)
         transformer: Any = self.model[0].auto_model
         self.vocab_size = int(transformer.get_input_embeddings().num_embeddings)
-        self.description = "torch"
+        self.description = f"torch ({self.device}, {dtype})"
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return self.with_tokens(ids, mask)[0]
@@ -111,10 +125,11 @@ class TorchForward:
     def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         torch = self._torch
         with torch.inference_mode():
-            features = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+            features = {"input_ids": torch.from_numpy(ids).to(self.device),
+                        "attention_mask": torch.from_numpy(mask).to(self.device)}
             out = self.model.forward(features)
-            vectors = torch.nn.functional.normalize(out["sentence_embedding"].float(), dim=-1).numpy()
-            states = out["token_embeddings"].float().numpy()
+            vectors = torch.nn.functional.normalize(out["sentence_embedding"].float(), dim=-1).cpu().numpy()
+            states = out["token_embeddings"].float().cpu().numpy()
         return vectors, states
 
 
@@ -128,15 +143,18 @@ class TorchScoreForward:
 
         torch.set_num_threads(compute_threads(settings))
         self._torch = torch
-        self.module = load_score_module(info)
+        self.device, dtype = torch_device(settings)
+        self.module = load_score_module(info, dtype, self.device)
         self.dimension = 1
         self.vocab_size = vocab_size(self.module)
-        self.description = f"torch ({info.scoring})"
+        self.description = f"torch ({info.scoring}, {self.device}, {dtype})"
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        with self._torch.inference_mode():
-            out: np.ndarray = self.module(self._torch.from_numpy(ids), self._torch.from_numpy(mask)).numpy()
-        return out
+        torch = self._torch
+        with torch.inference_mode():
+            out = self.module(torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device))
+            scores: np.ndarray = out.float().cpu().numpy()
+        return scores
 
     def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Never called: the engine refuses late chunking for a model that does not embed
@@ -145,7 +163,8 @@ class TorchScoreForward:
 
 
 def load_forward(settings: Settings) -> Forward:
-    if settings.engine.cpu_backend == "onnx":
+    """The engine kind ``torch`` runs the torch backend on its GPU, whatever ``cpu_backend`` says."""
+    if settings.engine.cpu_backend == "onnx" and settings.engine.kind != "torch":
         return OnnxForward(settings)
     info = ModelInfo.load(settings.model)
     return TorchForward(settings) if info.embeds else TorchScoreForward(settings, info)

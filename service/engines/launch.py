@@ -18,19 +18,20 @@ def engine_launch(
     settings: Settings, kind: str, index: int, port: int | None = None, drill_leak: float | None = None
 ) -> LaunchSpec:
     """Local engine ``index`` listens on ``engine.port + index`` (or ``port``: a replacement);
-    SGLang engine ``index`` runs on GPU ``index // engines_per_gpu``. ``drill_leak``: bytes/s the
-    engine grows on purpose (host memory for the CPU engine, GPU memory for SGLang)."""
+    a GPU engine ``index`` (sglang, torch) runs on GPU ``index // engines_per_gpu``.
+    ``drill_leak``: bytes/s the engine grows on purpose (host memory for the CPU engine, GPU
+    memory for SGLang)."""
     own = settings.for_replica(index).with_engine(kind=kind)
     if port is not None:
         own = own.with_engine(port=port)
-    if kind == "cpu":
-        env = {"HF_HUB_OFFLINE": "1", **QUIET, **own.child_env()}
+    several = settings.engine.replicas > 1
+    gpu = {"CUDA_VISIBLE_DEVICES": visible_gpu(settings.engine_gpu(index))} if several else {}
+    if kind in ("cpu", "torch"):  # embedserve's own engine; torch: on a GPU
+        env = {"HF_HUB_OFFLINE": "1", **QUIET, **own.child_env(), **(gpu if kind == "torch" else {})}
         drill = ["--drill-leak", repr(drill_leak)] if drill_leak else []
         return LaunchSpec([sys.executable, "-m", "embedserve.engines.cpu", *drill], env)
     spec = build_launch(own)
-    env = dict(spec.env)
-    if settings.engine.replicas > 1:
-        env["CUDA_VISIBLE_DEVICES"] = visible_gpu(settings.engine_gpu(index))
+    env = dict(spec.env) | gpu
     if drill_leak:
         env[LEAK_ENV] = repr(drill_leak)
     return LaunchSpec(spec.argv, env, spec.notes)

@@ -62,22 +62,22 @@ def sep_id_of(model: Any, info: ModelInfo) -> int | None:
     return middle[0] if middle else None
 
 
-def load_score_module(info: ModelInfo) -> torch.nn.Module:
-    """The model folder's reranker as a module in eval mode (fp32, CPU)."""
+def load_score_module(
+    info: ModelInfo, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> torch.nn.Module:
+    """The model folder's reranker as a module in eval mode (fp32 on the CPU unless asked),
+    attention by PyTorch's SDPA."""
+    options: dict[str, Any] = {"local_files_only": True, "dtype": dtype, "attn_implementation": "sdpa"}
     if info.scoring == "cross-encoder":
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(
-            str(info.path), local_files_only=True, dtype=torch.float32
-        ).eval()
-        return CrossEncoderScore(model, sep_id_of(model, info)).eval()
+        model = AutoModelForSequenceClassification.from_pretrained(str(info.path), **options)
+        return CrossEncoderScore(model, sep_id_of(model, info)).to(device).eval()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(info.path), local_files_only=True, dtype=torch.float32
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(info.path), **options)
     no_id, yes_id = label_ids(info.path)
-    return YesNoScore(model, no_id, yes_id).eval()
+    return YesNoScore(model, no_id, yes_id).to(device).eval()
 
 
 def vocab_size(module: torch.nn.Module) -> int:

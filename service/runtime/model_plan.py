@@ -53,10 +53,14 @@ def resolve_engine_kind(settings: Settings) -> str:
 
 def resolve_engines_per_gpu(settings: Settings, info: ModelInfo, kind: str) -> Settings:
     """``engine.engines_per_gpu`` as a number: SGLang's from the model and the GPU (fewer than
-    asked for by ``auto`` when they would not fit, with the reason logged); one otherwise."""
+    asked for by ``auto`` when they would not fit, with the reason logged); the torch engine's as
+    asked (``auto``: one); one otherwise."""
+    if kind == "torch":
+        n = settings.engine.engines_per_gpu
+        return settings.with_engine(engines_per_gpu=n if isinstance(n, int) else 1)
     if kind != "sglang":
         if settings.engine.engines_per_gpu not in ("auto", 1):
-            log.warning("engines_per_gpu applies to SGLang engines only: starting one",
+            log.warning("engines_per_gpu applies to GPU engines only: starting one",
                         extra={"engine_kind": kind})
         return settings.with_engine(engines_per_gpu=1)
     plan = plan_engines(settings, info)

@@ -30,8 +30,8 @@ def check_engine_kind(settings: Settings, kind: str) -> None:
             f"{KIND} is 'sglang', but SGLang is not installed: install the gpu extra "
             "(pip install 'embedserve[gpu]'), or use 'auto' or 'cpu'"
         )
-    if kind == "sglang" and gpu_count() == 0:
-        raise ConfigError(f"{KIND} is 'sglang', but no NVIDIA GPU is visible here: use 'auto' or 'cpu'")
+    if kind in ("sglang", "torch") and gpu_count() == 0:
+        raise ConfigError(f"{KIND} is {kind!r}, but no NVIDIA GPU is visible here: use 'auto' or 'cpu'")
 
 
 def _installed(module: str) -> bool:
