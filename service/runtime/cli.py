@@ -63,9 +63,10 @@ def _stack_parser(prog: str, doc: str) -> argparse.ArgumentParser:
                     "`embedserve config` prints where it lies)")
     ap.add_argument("--model-name", help="model id clients send (default: the folder's name)")
     ap.add_argument("--max-seq-len", metavar="TOKENS", help="the one sequence-length cap")
-    ap.add_argument("--engine-kind", metavar="{auto,cpu,sglang,external}",
+    ap.add_argument("--engine-kind", metavar="{auto,cpu,sglang,torch,external}",
                     help="auto (default): SGLang when a GPU and the gpu extra are present, else the "
-                    "CPU engine; external: no local engine, use --engine-url")
+                    "CPU engine; torch: embedserve's own engine on a GPU (rerankers); external: no "
+                    "local engine, use --engine-url")
     ap.add_argument("--engine-url", action="append", help="use these engines (repeatable)")
     ap.add_argument("--host", help="gateway address (default 127.0.0.1)")
     ap.add_argument("--port", help="gateway port (default 8000)")
