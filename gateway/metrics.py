@@ -121,6 +121,13 @@ class GatewayMetrics:
             "Requests that waited gateway.priority_aging_s and then went ahead of their priority",
             registry=registry,
         )
+        self.output_inputs = Counter(
+            "embedserve_output_inputs",
+            "Inputs answered with a model's outputs other than its dense vector alone, by output "
+            "(dense, sparse, colbert)",
+            ["output"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "embedserve_client_disconnects",
             "Requests abandoned by their client",
