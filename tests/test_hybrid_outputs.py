@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -347,3 +348,13 @@ def test_a_call_carries_only_inputs_that_ask_the_same_outputs_and_the_others_go_
     calls = asyncio.run(go()).calls
     # the dense requests' turns pass the sparse one over, which then goes first, not after them
     assert calls[1:] == [([[1], [2], [1], [2]], None), ([[5], [6]], ["sparse"]), ([[2], [1]], None)]
+
+
+def test_loadtest_outputs_are_sent_in_every_request() -> None:
+    from embedserve.loadtest.args import build_parser
+    from embedserve.loadtest.cli import prepare
+
+    a = build_parser().parse_args(["http://127.0.0.1:9/v1", "--model", MODEL, "--mix", "fixed:8",
+                                   "--outputs", "dense,colbert", "--requests", "1"])
+    _, factory, _ = prepare(a)
+    assert orjson.loads(factory.make().body)["outputs"] == ["dense", "colbert"]
