@@ -166,6 +166,7 @@ def test_the_metrics_count_each_output_and_the_tei_routes_requests(m3: TestClien
 
 def test_models_list_each_models_outputs(m3: TestClient) -> None:
     assert m3.get(f"/v1/models/{MODEL}").json()["outputs"] == list(M3)
+    assert m3.get("/v1/models").json()["data"][0]["outputs"] == list(M3)
 
 
 # -- TEI's shapes ----------------------------------------------------------------------------------
