@@ -21,6 +21,7 @@ import httpx
 from harness import GATEWAY, INSTANT, UP, Host, Kind, Side, slug
 from measure import Case, Load, children_cpu
 from peers import IN_PROCESS, INFINITY
+from procs import child_env, embedserve_cmd
 from runner import Step, lifecycle, resolve, step_compare, step_quality, step_stop, step_vectors
 
 OPEN = {"EMBEDSERVE_GATEWAY__MAX_TOKENS_IN_FLIGHT": str(10**9)}  # admission never caps a run
@@ -224,6 +225,20 @@ TRACED = [up(f"tracing {name}", 8900 + 10 * i, **({"EMBEDSERVE_TRACING__ENDPOINT
               (("off", 0, ""), ("on, OTLP/HTTP", 14318, "http/protobuf"), ("on, OTLP/gRPC", 14319, "grpc")))]
 
 
+# dense only against dense + sparse + ColBERT from one forward of a model with BGE-M3's heads (random weights)
+HYBRID = [Side("embedserve, BGE-M3 heads", UP, 8940, "bge-m3", CPU, tag="hybrid")]
+HYBRID_LOADS = [Case(f"64-word texts x 8 per request, 4 in flight, {name}", Load(
+    "fixed:64", 4, "8", seconds=15, warmup=2, words=True, outputs=outputs), 3) for name, outputs in (
+    ("dense", None), ("dense + sparse + colbert", "dense,sparse,colbert"))]
+
+
+def step_bge_m3(host: Host, budget_end: float) -> dict[str, Any]:
+    if not (Path(out := host.model("bge-m3")) / "config.json").exists():
+        subprocess.run([*embedserve_cmd(), "synth-model", "tiny-xlmr", out, "--kind", "bge-m3"], check=True,
+                       env=child_env(), timeout=600)
+    return {"model": out}
+
+
 def spans_received(host: Host, budget_end: float) -> dict[str, Any]:
     return {"notes": [f"Spans received: {httpx.get('http://127.0.0.1:14318').json()['spans']:,}"]}
 
@@ -266,7 +281,10 @@ def cpu_steps() -> list[Step]:
         step("tracing-cpu", step_compare, 900, sides=TRACED, start=[RECEIVER, *TRACED], stop=TRACED, seed=21,
              cases=[PEER_LOADS[0], PEER_LOADS[2]], section="Tracing off and on: the CPU stack"),
         step("tracing-cpu-spans", spans_received, 10),
-        step("tracing-cpu-stop", step_stop, 10, sides=[RECEIVER])]
+        step("tracing-cpu-stop", step_stop, 10, sides=[RECEIVER]), step("hybrid-cpu-model", step_bge_m3, 600),
+        step("hybrid-cpu", step_compare, 450, sides=HYBRID, start=HYBRID, stop=HYBRID, cases=HYBRID_LOADS,
+             seed=31, section="Dense only against dense + sparse + ColBERT on CPU, inputs/s")]
 
 
-SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "quality-cpu", "rerank-cpu", "tracing-cpu")
+SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "quality-cpu", "rerank-cpu", "tracing-cpu",
+             "hybrid-cpu")

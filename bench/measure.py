@@ -47,6 +47,7 @@ class Load:
     encoding: str | None = None  # encoding_format sent
     batches: tuple[int, ...] = ()  # what an in-process side runs for it (default: inputs)
     rerank: int = 0  # a rerank load: passages per request, one query of 8 words
+    outputs: str | None = None  # the model's outputs asked (loadtest --outputs), e.g. "dense,sparse"
 
     def scaled(self, factor: float) -> Load:
         return dataclasses.replace(self, seconds=max(2.0, round(self.seconds * factor, 1)),
@@ -98,6 +99,7 @@ def loadtest_argv(t: Target, load: Load, out: Path, seed: int) -> list[str]:
     argv += [] if load.words else ["--tokenizer", t.model_dir]
     argv += ["--input", "ids"] if t.ids else []
     argv += ["--encoding-format", load.encoding] if load.encoding else []
+    argv += ["--outputs", load.outputs] if load.outputs else []
     argv += ["--repeat-rate", "0.5"] if load.repeated_content else []
     return argv
 

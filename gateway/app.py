@@ -38,6 +38,7 @@ from embedserve.gateway.routes import add_routes, embeddings_handler
 from embedserve.gateway.score_routes import add_score_routes
 from embedserve.gateway.scoring import ScorePipeline
 from embedserve.gateway.served import ModelRouter, build_runtime
+from embedserve.gateway.tei_routes import add_tei_routes
 from embedserve.gateway.trim import MemoryTrimmer, glibc_malloc_trim
 from embedserve.health import EngineView, create_health
 from embedserve.model_info import ModelInfo
@@ -161,8 +162,11 @@ def create_app(
     add_score_routes(app, scoring, metrics)
     embedders = [r for r in runtimes if r.info.embeds] or runtimes
     add_cohere_routes(app, router.embed, metrics, embedders[0].name)
+    add_tei_routes(app, router.embed, metrics,
+                   lambda output: next((r for r in embedders if output in r.info.outputs), embedders[0]).name)
 
-    api = ("/v1", "/v2/", "/rerank", "/score")  # the score routes keep vLLM's and TEI's paths
+    # the score routes keep vLLM's and TEI's paths, and TEI's sparse and per-token routes theirs
+    api = ("/v1", "/v2/", "/rerank", "/score", "/embed_sparse", "/embed_all")
     protected = (
         api + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
     )

@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 from embedserve.core.vectors import OutputType, encode_rows
 from embedserve.gateway.cohere_schemas import COHERE_TYPES, CohereEmbedBody
-from embedserve.gateway.errors import APIError, error_response, validation_error, what
+from embedserve.gateway.errors import APIError, error_response, renamed, validation_error, what
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.routes import ClientGone, Handler, json_response, read_object, unless_gone
@@ -111,11 +111,7 @@ def shape(body: CohereEmbedBody, result: EmbeddingResult, version: int) -> dict[
 
 def cohere_error(err: APIError) -> APIError:
     """The pipeline's error with Cohere's field names."""
-    message = err.message
-    for ours, theirs in NAMES.items():
-        message = message.replace(ours, theirs)
-    param = PARAMS.get(err.param or "", err.param)
-    return APIError(err.status, message, param=param, code=err.code, headers=err.headers)
+    return renamed(err, NAMES, PARAMS)
 
 
 def cohere_handler(

@@ -9,7 +9,10 @@ rerank request takes its turn in the same coalescer and the same admission as em
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+from embedserve.contracts.hybrid import HybridOutputs, Output
 from embedserve.contracts.wire import Matrix
 from embedserve.core.admission import TokenAdmission
 from embedserve.core.coalesce import Coalescer, StageTimes
@@ -18,6 +21,8 @@ from embedserve.gateway.load import LoadSignal
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.priority import count_waited
 from embedserve.upstream.pool import EngineError, EngineTimeout
+
+T = TypeVar("T")
 
 
 class ServingGate:
@@ -71,6 +76,20 @@ class EngineCaller:
     ) -> tuple[Matrix, StageTimes]:
         """The engines' rows for ``inputs``, in order; ``APIError`` 413 / 429 / 503 / 504
         (``param``: the request field a 413 names; ``priority``: lower is served first)."""
+        return await self._admitted(inputs, param, priority, lambda: self.coalescer.embed(inputs, priority))
+
+    async def run_outputs(
+        self, inputs: list[list[int]], outputs: tuple[Output, ...], param: str = "input", priority: int = 0
+    ) -> tuple[HybridOutputs, StageTimes]:
+        """``run``, for a model's ``outputs`` (sparse, ColBERT, with or without the dense vector)."""
+        return await self._admitted(
+            inputs, param, priority, lambda: self.coalescer.embed_outputs(inputs, outputs, priority)
+        )
+
+    async def _admitted(
+        self, inputs: list[list[int]], param: str, priority: int,
+        work: Callable[[], Awaitable[tuple[T, StageTimes]]],
+    ) -> tuple[T, StageTimes]:
         total = sum(map(len, inputs))
         self._check_capacity(total, param)
         self.load.offered(total)
@@ -86,7 +105,7 @@ class EngineCaller:
         self._in_flight_changed()
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                rows, times = await self.coalescer.embed(inputs, priority)
+                rows, times = await work()
             count_waited(self.metrics, priority, times)
             return rows, times
         except TimeoutError as exc:

@@ -37,6 +37,15 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def renamed(err: APIError, names: dict[str, str], params: dict[str, str]) -> APIError:
+    """``err`` in another API's words: ``names`` replaced in its message, its param by ``params``."""
+    message = err.message
+    for ours, theirs in names.items():
+        message = message.replace(ours, theirs)
+    param = params.get(err.param or "", err.param)
+    return APIError(err.status, message, param=param, code=err.code, headers=err.headers)
+
+
 def head_too_large(max_bytes: int) -> APIError:
     """431 for a request head over the cap (the parser's backstop sends the same text)."""
     return APIError(431, head_too_large_message(max_bytes), code=HEAD_TOO_LARGE)

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from embedserve.config import GatewayLimits
+from embedserve.contracts.hybrid import OUTPUTS
 from embedserve.upstream.pool import EnginePool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -121,6 +122,15 @@ class GatewayMetrics:
             "Requests that waited gateway.priority_aging_s and then went ahead of their priority",
             registry=registry,
         )
+        self.output_inputs = Counter(
+            "embedserve_output_inputs",
+            "Inputs of requests that asked a model's sparse or ColBERT output, by output asked (dense, "
+            "sparse, colbert); a request for the dense vector alone counts in embedserve_inputs only",
+            ["output"],
+            registry=registry,
+        )
+        for output in OUTPUTS:  # each series from the start, at 0
+            self.output_inputs.labels(output)
         self.client_disconnects = Counter(
             "embedserve_client_disconnects",
             "Requests abandoned by their client",

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from embedserve.config import GatewaySettings
+from embedserve.contracts.hybrid import HybridOutputs, Output
 from embedserve.contracts.wire import Matrix
 from embedserve.core import tracing
+from embedserve.core.hybrid import DENSE, ordered
 from embedserve.core.tokenize import ModelTokenizer, TokenizedInput
 from embedserve.core.vectors import encode_rows, shape_vectors
-from embedserve.gateway import late_chunking
+from embedserve.gateway import hybrid_items, late_chunking
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.long_inputs import TRUNCATE, LongInputs, plan, refuse_ids
@@ -42,6 +46,7 @@ class EmbeddingResult:
     body: dict[str, Any]
     headers: dict[str, str]
     vectors: Matrix  # as shaped (dimensions, normalised): other routes encode their own types
+    outputs: HybridOutputs | None = None  # a request for a model's other outputs: as kept (top-k)
 
 
 def _as_batch(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -113,6 +118,43 @@ class EmbeddingPipeline:
                     param="dimensions",
                     code="invalid_dimensions",
                 )
+
+    def _outputs(self, req: EmbeddingRequest) -> tuple[Output, ...]:
+        """What ``req`` asks of the model's outputs; ``APIError`` 400 for one the model has not,
+        or an option that does not apply to what it asks."""
+        asked = ordered(req.outputs or DENSE)
+        missing = [o for o in asked if o not in self.info.outputs]
+        if missing:
+            what = f"'outputs' asks {missing[0]}" if req.outputs else "this request asks its dense vector"
+            raise APIError(
+                400,
+                f"The model '{req.model}' has the outputs {list(self.info.outputs)}; {what} (send 'outputs' "
+                "with some of those)",
+                param="outputs",
+                code="unsupported_output",
+            )
+        if "sparse" not in asked and (req.sparse_top_k is not None or req.sparse_min_weight is not None):
+            field = "sparse_top_k" if req.sparse_top_k is not None else "sparse_min_weight"
+            raise APIError(400, f"'{field}' applies to the sparse output; add 'sparse' to 'outputs'",
+                           param=field, code="invalid_value")
+        if asked == DENSE:
+            return asked
+        refused = (
+            ("dimensions", req.dimensions is not None),
+            ("embedding_type", req.embedding_type != "float"),
+            ("truncate", req.truncate == "chunk"),
+            ("late_chunking", req.late_chunking is not None),
+        )
+        shaping = next((f for f, bad in refused if bad), None)
+        if shaping is not None:
+            raise APIError(
+                400,
+                f"'{shaping}' shapes the dense vector alone; with 'outputs' {list(asked)} leave it out "
+                "(or ask the dense vector in a request of its own)",
+                param=shaping,
+                code="invalid_value",
+            )
+        return asked
 
     def _check_count(self, count: int) -> None:
         if count > self.settings.max_inputs:
@@ -204,12 +246,15 @@ class EmbeddingPipeline:
     async def run(self, req: EmbeddingRequest) -> EmbeddingResult:
         self.gate.check()
         self._check_request(req)
+        outputs = self._outputs(req)
         texts, id_batch = _as_batch(req.input)
         late = req.late_chunking
         if late is not None:
             self._check_late(req, texts)
         t0 = time.perf_counter()
         mode = self.long_inputs.mode(req.truncate)
+        if mode == "chunk" and outputs != DENSE:
+            mode = "truncate"  # the model's default: a sparse or per-token output of windows is no answer
         whole = mode == "chunk" and late is None
         left = req.truncation_direction.lower() == "left"  # cut an over-long input at its start
         offsets: list[list[tuple[int, int]]] = []
@@ -250,6 +295,8 @@ class EmbeddingPipeline:
             check_tokens(tokenized, limits, INPUTS)  # an input refused for its length, before its chunks
             late_plan = late_chunking.plan(late, texts, inputs, offsets, self.tokenizer, left)
             tokenized = Tokenized(late_plan.inputs, tokenized.items, tokenize_s)
+        if outputs != DENSE:
+            return await self._other_outputs(req, tokenized, limits, outputs)
         done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings",
                                    priority=req.priority)
         rows = chunks.pool(done.rows) if chunks else done.rows
@@ -274,6 +321,31 @@ class EmbeddingPipeline:
         if req.input_type == "query":
             headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
         return EmbeddingResult(body, headers, vectors)
+
+    async def _other_outputs(
+        self, req: EmbeddingRequest, tokenized: Tokenized, limits: Limits, outputs: tuple[Output, ...]
+    ) -> EmbeddingResult:
+        """A request for the model's sparse or ColBERT outputs (with or without its dense vector)."""
+        if "colbert" in outputs:
+            hybrid_items.check_colbert_tokens(tokenized.inputs, self.settings.max_colbert_tokens_per_request)
+        done = await self.step.run(self.caller, tokenized, limits, INPUTS, self.info.name, "embeddings",
+                                   priority=req.priority, outputs=outputs)
+        assert done.outputs is not None
+        kept = hybrid_items.kept(done.outputs, req.sparse_top_k, req.sparse_min_weight,
+                                 self.settings.normalize)
+        body = {
+            "object": "list",
+            "data": hybrid_items.data(kept, req.encoding_format == "base64"),
+            "model": req.model,
+            "usage": {"prompt_tokens": done.tokens, "total_tokens": done.tokens},
+            "truncated_inputs": done.truncated,
+            "unknown_token_inputs": done.unknown,
+        }
+        headers = dict(done.headers)
+        if req.input_type == "query":
+            headers["x-embedserve-instruction"] = "applied" if self.info.query_template else "none"
+        dense = kept.dense if kept.dense is not None else np.empty((0, 0), dtype=np.float32)
+        return EmbeddingResult(body, headers, dense, kept)
 
     def _encoder(
         self, req: EmbeddingRequest, whole: bool, left: bool

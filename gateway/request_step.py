@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from embedserve.contracts.hybrid import HybridOutputs, Output
 from embedserve.contracts.wire import Matrix
 from embedserve.core.tokenize import ItemTokens, blank
 from embedserve.gateway.engine_call import EngineCaller
@@ -65,6 +68,7 @@ class StepResult:
     truncated: list[dict[str, int]]
     unknown: list[dict[str, int]]
     headers: dict[str, str]
+    outputs: HybridOutputs | None = None  # what a request for a model's outputs got (rows: its dense)
 
 
 def check_tokens(tokenized: Tokenized, limits: Limits, naming: Naming) -> int:
@@ -106,10 +110,19 @@ class RequestStep:
         model: str,
         route: str,
         priority: int = 0,
+        outputs: tuple[Output, ...] | None = None,
     ) -> StepResult:
-        """The engines' rows for a tokenised request, counted under ``model`` and ``route``."""
+        """The engines' rows for a tokenised request, counted under ``model`` and ``route``;
+        ``outputs``: a model's outputs to ask instead of its dense vector alone."""
         total = check_tokens(tokenized, limits, naming)
-        rows, times = await caller.run(tokenized.inputs, param=naming.param, priority=priority)
+        answer = None
+        if outputs is None:
+            rows, times = await caller.run(tokenized.inputs, param=naming.param, priority=priority)
+        else:
+            answer, times = await caller.run_outputs(tokenized.inputs, outputs, naming.param, priority)
+            rows = answer.dense if answer.dense is not None else np.empty((0, 0), dtype=np.float32)
+            for output in outputs:
+                self.metrics.output_inputs.labels(output).inc(len(tokenized.items))
         items = tokenized.items
         truncated = [
             {"index": i, "original_tokens": x.original_tokens, "kept_tokens": x.kept_tokens}
@@ -143,4 +156,4 @@ class RequestStep:
             "x-embedserve-truncated-inputs": str(len(truncated)),
             "x-embedserve-unknown-token-inputs": str(len(unknown)),
         }
-        return StepResult(rows, total, truncated, unknown, headers)
+        return StepResult(rows, total, truncated, unknown, headers, answer)

@@ -96,6 +96,7 @@ def add_routes(
             "kind": r.kind,  # embed: /v1/embeddings and rerank by cosine; rerank: /v1/rerank and /v1/score
             "dimension": info.dimension,
             "max_seq_len": info.max_seq_len,
+            "outputs": list(info.outputs) if info.embeds else [],  # what /v1/embeddings' 'outputs' may ask
         }
 
     @app.get("/v1/models")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
+from embedserve.contracts.hybrid import Output
 from embedserve.core.vectors import OutputType
 from embedserve.gateway.late_chunking import LateChunking
 from embedserve.gateway.long_inputs import Truncate
@@ -53,4 +54,16 @@ class EmbeddingRequest(BaseModel):
         None,
         description="one pass over each input, its token states mean-pooled per chunk: one vector per "
         "chunk (data items with input_index and span); CPU engine, mean-pooling models only",
+    )
+    outputs: Annotated[list[Output], Field(min_length=1)] | None = Field(
+        None,
+        description="what each item carries, of the model's outputs (GET /v1/models): dense ('embedding'), "
+        "sparse ('sparse_embedding': {indices, values}), colbert ('colbert_embedding': a vector per token). "
+        "Default: dense",
+    )
+    sparse_top_k: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None, description="keep each sparse vector's K largest weights"
+    )
+    sparse_min_weight: Annotated[StrictInt | StrictFloat, Field(ge=0)] | None = Field(
+        None, description="drop sparse weights below this"
     )

@@ -20,7 +20,7 @@ import numpy as np
 from embedserve.config import GatewaySettings
 from embedserve.config.served import RerankLimits
 from embedserve.core import tracing
-from embedserve.core.scorers import PairJob, Scorer, Scores, sigmoid
+from embedserve.core.scorers import PairJob, PreparedTokens, Scorer, Scores, sigmoid
 from embedserve.gateway.engine_call import EngineCaller, ServingGate
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
@@ -114,6 +114,14 @@ class ScorePipeline:
     async def run(self, req: ScoreRequest) -> ScoreResult:
         self.gate.check()
         model = self.models(req.model, "model")
+        if model.info.embeds and not {"dense", "colbert"} & set(model.info.outputs):
+            raise APIError(
+                400,
+                f"The model '{model.info.name}' has the outputs {list(model.info.outputs)}; rerank and score "
+                "need a dense vector (cosine) or a colbert output (MaxSim)",
+                param="model",
+                code="unsupported_output",
+            )
         self._check_texts(req)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -122,9 +130,14 @@ class ScorePipeline:
         tracing.tokenized(model.info.name, t0, tokenize_s, prepared.pairs)
         tokenized = Tokenized(prepared.inputs, prepared.pairs, tokenize_s)
         limits = Limits(req.truncate, model.max_seq_len, self.limits.max_tokens_per_request)
+        outputs = prepared.outputs if isinstance(prepared, PreparedTokens) else None
         done = await self.step.run(model.caller, tokenized, limits, _naming(req), model.info.name, req.route,
-                                   priority=req.priority)
-        raw = prepared.combine(done.rows)
+                                   priority=req.priority, outputs=outputs)
+        if isinstance(prepared, PreparedTokens):
+            assert done.outputs is not None and done.outputs.colbert is not None
+            raw = prepared.combine(done.outputs.colbert)
+        else:
+            raw = prepared.combine(done.rows)
         if not np.isfinite(raw).all():  # a model's answer, not the client's input: never a 200
             raise APIError(503, "the engine returned a score that is not a number", code="engine_unavailable")
         scores = sigmoid(raw) if model.scorer.score_kind == "logit" else raw

@@ -90,6 +90,7 @@ def build_runtime(
         max_inputs_per_call=gw.max_inputs_per_engine_call,
         aging_s=gw.priority_aging_s,
         on_aged=metrics.priority_aged.inc,
+        embed_outputs=pool.embed_outputs,
     )
     admission = TokenAdmission(limits.max_tokens_in_flight)
     load = LoadSignal(pool.tokens_per_s, admission.limit, lambda: pool.any_ready)

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoding-format", choices=("float", "base64"),
                    help="send this encoding_format (default: omit the field)")
     g.add_argument("--dimensions", type=int, help="send this dimensions value")
+    g.add_argument("--outputs", help="send these outputs, comma-separated: dense, sparse, colbert "
+                                     "(a model's other outputs; default: omit the field)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--build-workers", type=int, metavar="N",
                    help="processes that build requests ahead (default: none on 4 cores or "

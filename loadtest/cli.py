@@ -156,6 +156,8 @@ def prepare(a: argparse.Namespace) -> tuple[RunConfig, RequestFactory, dict[str,
         extra["encoding_format"] = a.encoding_format
     if a.dimensions:
         extra["dimensions"] = a.dimensions
+    if a.outputs:
+        extra["outputs"] = a.outputs.split(",")
     factory = RequestFactory(mix, builder, a.input_kind, parse_count(a.inputs), a.model or "",
                              a.seed, a.max_tokens, extra, a.repeat_rate)
     closed = a.rate is None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from embedserve.config import ModelSettings
+from embedserve.contracts.hybrid import Output
 from embedserve.settings_errors import ConfigError
 
 #: How a model mistake names the setting (``up``, ``gateway`` and ``config`` take the flags); a
@@ -48,6 +49,7 @@ class ModelInfo:
     is_qwen3: bool
     created: int
     scoring: Scoring = "cosine"
+    outputs: tuple[Output, ...] = ("dense",)
 
     def serves(self, model: str) -> bool:
         return model == self.name or model in self.aliases

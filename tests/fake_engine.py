@@ -17,7 +17,8 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from embedserve.contracts import score_wire
+from embedserve.contracts import hybrid, score_wire
+from embedserve.contracts.hybrid import HybridOutputs, Sparse
 from embedserve.contracts.score_wire import EncodeRequest
 from embedserve.contracts.wire import EngineRequest, encode_response
 from embedserve.upstream.client import JSON, CallFailed, CallTimeout
@@ -62,6 +63,32 @@ def fake_vector(ids: list[int], dim: int) -> np.ndarray:
     return (v / np.linalg.norm(v)).astype(np.float32)
 
 
+#: the width of the fake engine's ColBERT vectors
+COLBERT_DIM = 16
+
+
+def fake_sparse(ids: list[int]) -> Sparse:
+    """A weight per distinct id of the input but its first and last (the special tokens), ids
+    ascending: a function of the id alone, so a test can recompute it."""
+    kept = sorted(set(ids[1:-1]))
+    values = [0.05 + (t * 7919 % 1000) / 1000 for t in kept]
+    return Sparse(np.asarray(kept, dtype=np.int64), np.asarray(values, dtype=np.float32))
+
+
+def fake_colbert(ids: list[int]) -> np.ndarray:
+    """A unit vector per token after the first (BGE-M3 drops its CLS), a function of the token."""
+    rows = np.stack([np.random.default_rng(t).standard_normal(COLBERT_DIM) for t in ids[1:]])
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+def fake_outputs(batch: list[list[int]], outputs: list[str], dim: int) -> HybridOutputs:
+    return HybridOutputs(
+        dense=np.stack([fake_vector(ids, dim) for ids in batch]) if "dense" in outputs else None,
+        sparse=[fake_sparse(ids) for ids in batch] if "sparse" in outputs else None,
+        colbert=[fake_colbert(ids) for ids in batch] if "colbert" in outputs else None,
+    )
+
+
 @dataclass
 class FakeEngine:
     dim: int = 384
@@ -69,6 +96,7 @@ class FakeEngine:
     fail_status: int | None = None
     calls: list[list[list[int]]] = field(default_factory=list)
     encodings: list[str | None] = field(default_factory=list)
+    asked: list[list[str] | None] = field(default_factory=list)  # each call's outputs (None: plain)
     cache_counters: tuple[int, int] = (0, 0)
     # while set, calls wait until a test opens it (``gate.set()``): work stays in the engine
     gate: threading.Event | None = None
@@ -106,6 +134,12 @@ class FakeEngine:
                 await asyncio.sleep(0.005)
             if self.fail_status:
                 return Response(b'{"message":"boom"}', status_code=self.fail_status)
+            self.asked.append(body.get("outputs"))
+            if body.get("outputs") is not None:
+                outs = fake_outputs(body["input"], body["outputs"], self.dim)
+                tokens = sum(map(len, body["input"]))
+                return Response(hybrid.encode_response(body["model"], outs, tokens),
+                                media_type="application/json")
             req = EngineRequest.model_validate(body)
             vectors = np.stack([fake_vector(ids, self.dim) for ids in req.batch()])
             tokens = sum(map(len, req.batch()))

@@ -118,7 +118,7 @@ def test_a_crash_answers_the_waiting_inputs_at_once_is_logged_and_the_task_resta
         c = Coalescer(engine.embed, token_budget=4, max_wait_s=0, max_concurrent_calls=1)
         take = c._take
 
-        def broken() -> list[Any]:
+        def broken() -> Any:
             c._take = take  # type: ignore[method-assign]
             raise RuntimeError("injected")
 

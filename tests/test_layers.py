@@ -178,7 +178,7 @@ def test_no_module_over_the_line_limit() -> None:
 
 #: The workshop stays smaller than the house: bench/ (its tests included) within this many lines
 #: of Python, each file within the modules' limit.
-MAX_BENCH_LINES = 4590  # +60: rerank-gpu measures two rerankers and scores them against fp32
+MAX_BENCH_LINES = 4610  # rerank-gpu measures two rerankers against fp32; hybrid-cpu measures the outputs
 
 
 def test_the_benchmarks_stay_within_their_line_budget() -> None:

@@ -29,6 +29,12 @@ class GatewaySettings(BaseModel):
     )
     max_head_bytes: int = Field(32 * 1024, ge=1024, description="request line + headers; 431 beyond")
     max_string_chars: int = Field(1_000_000, ge=1, description="longest string accepted before tokenisation")
+    max_colbert_tokens_per_request: int = Field(
+        16_384,
+        ge=1,
+        description="tokens of one request that asks a model's ColBERT output (a vector per token: 4 KiB "
+        "each at 1,024 dimensions, about three times that as JSON numbers); more: 400",
+    )
     batch_max_wait_ms: float = Field(
         0.0, ge=0, description="extra wait for more inputs while all engine calls are busy"
     )

@@ -11,6 +11,11 @@ A request's ``priority`` (vLLM's meaning: lower first, default 0) orders the tur
 takes from the most urgent requests waiting, in turn, and from no less urgent one. A request
 that has waited ``aging_s`` takes its turns among the most urgent ones, so low priority is
 delayed, never starved.
+
+A request may ask a model's sparse or ColBERT outputs (``contracts/hybrid.py``) instead of, or
+beside, its dense vector: a call carries the inputs of requests that ask the same outputs (the
+turns of the others wait for the next call, at the head of the line), so a dense request's call
+stays the plain one and an answer holds only what its inputs asked for.
 """
 
 from __future__ import annotations
@@ -25,31 +30,38 @@ import numpy as np
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.contracts import late_chunks
+from embedserve.contracts.hybrid import HybridOutputs, Output
 from embedserve.contracts.wire import Matrix
+from embedserve.core import hybrid
 from embedserve.core.tracing import RequestTrace, engine_call, request_trace
 
 #: One engine call: token-id inputs in, their vectors out (the engine pool's ``embed``), one per
 #: input, or per chunk of a late-chunked input (``contracts/late_chunks.py``).
 EmbedBatch = Callable[[list[list[int]]], Awaitable[Matrix]]
+#: One engine call for other outputs than the dense vector alone (the pool's ``embed_outputs``).
+OutputsBatch = Callable[[list[list[int]], list[Output]], Awaitable[HybridOutputs]]
+#: The outputs a request asks; None: the dense vector alone, on the plain wire.
+Outputs = tuple[Output, ...] | None
 
 
 @dataclass(slots=True)
 class _Item:
     ids: list[int]
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[np.ndarray | HybridOutputs]
     enqueued: float
     dispatched: float = 0.0
     engine_s: float = 0.0
     trace: RequestTrace | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # found in a line by identity
 class _Turns:
     """One request's inputs still waiting, and where they wait."""
 
     items: deque[_Item]
     enqueued: float
     level: int  # the priority its turns are taken at: its own, or the most urgent once aged
+    outputs: Outputs = None  # only requests that ask the same outputs share a call
 
 
 @dataclass(slots=True)
@@ -79,11 +91,14 @@ class Coalescer:
         aging_s: float = 10.0,
         on_aged: Callable[[], object] = lambda: None,
         clock: Callable[[], float] | None = None,
+        embed_outputs: OutputsBatch | None = None,
     ) -> None:
         """``aging_s``: how long a request waits at its own priority before it takes its turns
         among the most urgent requests (``on_aged`` is called for each); ``clock``: seconds
-        (default: ``time.monotonic``, looked up at each call)."""
+        (default: ``time.monotonic``, looked up at each call); ``embed_outputs``: the call for
+        requests that ask other outputs than the dense vector alone."""
         self._embed = embed
+        self._embed_outputs = embed_outputs
         self._aging_s = aging_s
         self._on_aged = on_aged
         self._clock = clock or (lambda: time.monotonic())
@@ -135,13 +150,27 @@ class Coalescer:
     async def embed(self, inputs: list[list[int]], priority: int = 0) -> tuple[Matrix, StageTimes]:
         if not inputs:  # nothing to queue: a request always has at least one input in line
             return np.empty((0, 0), dtype=np.float32), StageTimes()
+        vectors, times = await self._queued(inputs, priority, None)
+        return np.vstack(vectors), times  # type: ignore[arg-type]  # an input's rows (late chunks) follow one another
+
+    async def embed_outputs(
+        self, inputs: list[list[int]], outputs: tuple[Output, ...], priority: int = 0
+    ) -> tuple[HybridOutputs, StageTimes]:
+        """``outputs`` (in the wire's order) for each of ``inputs``, in order."""
+        parts, times = await self._queued(inputs, priority, outputs)
+        return hybrid.join(parts), times  # type: ignore[arg-type]  # the answers of an outputs call
+
+    async def _queued(
+        self, inputs: list[list[int]], priority: int, outputs: Outputs
+    ) -> tuple[list[np.ndarray | HybridOutputs], StageTimes]:
+        """Each input's answer, once the calls that carried them are back."""
         loop = asyncio.get_running_loop()
         now = self._clock()
         trace = request_trace.get()
         items = [_Item(ids, loop.create_future(), now, trace=trace) for ids in inputs]
         if trace is not None:
             trace.queued(inputs)
-        self._levels.setdefault(priority, deque()).append(_Turns(deque(items), now, priority))
+        self._levels.setdefault(priority, deque()).append(_Turns(deque(items), now, priority, outputs))
         self._queued_inputs += len(items)
         self._queued_tokens += sum(len(ids) for ids in inputs)
         self._wakeup.set()
@@ -160,7 +189,7 @@ class Coalescer:
             queue_s=max(it.dispatched - it.enqueued for it in items),
             engine_s=max(it.engine_s for it in items),
         )
-        return np.vstack(vectors), times  # an input's rows (late chunks) follow one another
+        return vectors, times
 
     def _age(self) -> None:
         """Requests that waited ``aging_s`` at a less urgent priority join the most urgent turns.
@@ -185,21 +214,31 @@ class Coalescer:
             else:
                 del self._levels[priority]
 
-    def _take(self) -> list[_Item]:
-        """The next call's inputs: one from each waiting request of the most urgent priority in
-        turn, within the budget. A call carries one priority's inputs: urgent work is not held up
-        by less urgent inputs topping its call up (the CPU engine's time is per token, and
-        SGLang batches concurrent calls itself)."""
+    def _take(self) -> tuple[list[_Item], Outputs]:
+        """The next call's inputs and the outputs they ask: one from each waiting request of the
+        most urgent priority in turn, within the budget, among the requests that ask what the
+        first one asks (the others keep their place at the head of the line). A call carries one
+        priority's inputs: urgent work is not held up by less urgent inputs topping its call up
+        (the CPU engine's time is per token, and SGLang batches concurrent calls itself)."""
         self._age()
         batch: list[_Item] = []
         tokens = 0
         taking = 0
+        outputs: Outputs = None
+        passed: _Turns | None = None  # the first request passed over for asking other outputs
         while self._levels and len(batch) < self._max_inputs:
             level = min(self._levels)
             if batch and level != taking:
                 break
             taking = level
             waiting = self._levels[level]
+            if batch and waiting[0].outputs != outputs:
+                at = next((i for i, t in enumerate(waiting) if t.outputs == outputs), None)
+                if at is None:
+                    break
+                passed = passed or waiting[0]
+                waiting.rotate(-at)  # the turns keep their circular order
+            outputs = waiting[0].outputs
             queue = waiting[0].items
             item = queue[0]
             abandoned = item.future.done()
@@ -219,7 +258,10 @@ class Coalescer:
                     del self._levels[level]
             elif not abandoned:
                 waiting.rotate(-1)  # this request's turn is over: to the back of the line
-        return batch
+        if passed is not None and passed in self._levels.get(taking, ()):  # eq=False: identity
+            waiting = self._levels[taking]
+            waiting.rotate(-waiting.index(passed))  # its turn comes first in the next call
+        return batch, outputs
 
     async def _run(self) -> None:
         while True:
@@ -230,18 +272,18 @@ class Coalescer:
                     await self._wakeup.wait()
                 if self._inflight_calls and self._max_wait and self._queued_tokens < self._budget:
                     await asyncio.sleep(self._max_wait)
-                batch = self._take()
+                batch, outputs = self._take()
             except BaseException:
                 self._slots.release()
                 raise
             if not batch:
                 self._slots.release()
                 continue
-            task = asyncio.create_task(self._dispatch(batch))
+            task = asyncio.create_task(self._dispatch(batch, outputs))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
 
-    async def _dispatch(self, batch: list[_Item]) -> None:
+    async def _dispatch(self, batch: list[_Item], outputs: Outputs) -> None:
         self._inflight_calls += 1
         start = self._clock()
         for item in batch:
@@ -249,7 +291,12 @@ class Coalescer:
         ids = [it.ids for it in batch]
         traces = [it.trace for it in batch if it.trace is not None]
         call_trace = engine_call(traces, ids) if traces else None  # sets the call's traceparent
-        call = asyncio.ensure_future(self._embed(ids))
+        call: asyncio.Future[Matrix | HybridOutputs]
+        if outputs is None:
+            call = asyncio.ensure_future(self._embed(ids))
+        else:
+            assert self._embed_outputs is not None, "a request for outputs needs embed_outputs"
+            call = asyncio.ensure_future(self._embed_outputs(ids, list(outputs)))
         if call_trace is not None:
             call.add_done_callback(call_trace.end)
 
@@ -273,7 +320,12 @@ class Coalescer:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        vectors = late_chunks.per_input(call.result(), ids)
+        answer = call.result()
+        vectors = (
+            hybrid.split(answer, len(ids))
+            if isinstance(answer, HybridOutputs)
+            else late_chunks.per_input(answer, ids)
+        )
         elapsed = self._clock() - start
         self.stats.batches += 1
         self.stats.inputs += len(batch)

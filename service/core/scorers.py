@@ -6,6 +6,10 @@ become one score per pair. No HTTP here; ``gateway/scoring.py`` runs the steps.
   a pair scores the cosine of the two vectors: what vLLM's score API does for embedding models.
   The query is embedded once however many documents it is paired with.
 
+- ``MaxSimScorer``: a model with a ColBERT output (BGE-M3). The query and each document are
+  tokenised as for ``CosineScorer`` and the engine answers their token vectors; a pair scores
+  their MaxSim (``core/hybrid.py``). The query's vectors are computed once per request.
+
 - ``PairScorer``: a reranker. Each pair is one input (``service/core/pairs.py`` frames and cuts it),
   and the engine answers its logit: a cross-encoder's one label, or Qwen3-Reranker's "yes" over
   "no"; the relevance score is its sigmoid.
@@ -22,7 +26,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from embedserve.contracts.hybrid import Output
 from embedserve.contracts.wire import Matrix
+from embedserve.core.hybrid import maxsim
 from embedserve.core.pairs import CrossEncoderPairs, PairIds, YesNoPrompts
 from embedserve.core.tokenize import ItemTokens, ModelTokenizer, UnknownTokens
 from embedserve.model_info import ModelInfo
@@ -51,11 +57,21 @@ class PreparedPairs:
     combine: Callable[[Matrix], Scores]  # the engine's rows (one per input) -> raw score per pair
 
 
+@dataclass
+class PreparedTokens:
+    """What to send the engine for its ``outputs`` (ColBERT's), and how to score them."""
+
+    inputs: list[list[int]]
+    pairs: list[ItemTokens]
+    outputs: tuple[Output, ...]
+    combine: Callable[[list[Matrix]], Scores]  # each input's token vectors -> raw score per pair
+
+
 class Scorer(Protocol):
-    #: what the raw score is: "cosine", or "logit" (a relevance probability after the sigmoid)
+    #: what the raw score is: "cosine", "maxsim", or "logit" (a relevance probability after the sigmoid)
     score_kind: str
 
-    def prepare(self, job: PairJob) -> PreparedPairs: ...
+    def prepare(self, job: PairJob) -> PreparedPairs | PreparedTokens: ...
 
 
 def sigmoid(x: Scores) -> Scores:
@@ -63,10 +79,9 @@ def sigmoid(x: Scores) -> Scores:
     return out
 
 
-class CosineScorer:
-    """An embedding model's cosine between the query's vector and each document's."""
-
-    score_kind = "cosine"
+class _QueryDocuments:
+    """An embedding model's pairs: the queries (in its instruction format) and the documents
+    embedded alone."""
 
     def __init__(self, info: ModelInfo, tokenizer: ModelTokenizer) -> None:
         self.info = info
@@ -79,7 +94,8 @@ class CosineScorer:
         task = job.instruction or self.info.default_task
         return [template.format(task=task, text=q) for q in job.queries]
 
-    def prepare(self, job: PairJob) -> PreparedPairs:
+    def _tokens(self, job: PairJob) -> tuple[list[list[int]], list[ItemTokens]]:
+        """The queries' ids, then the documents', each cut to the cap; each pair's tokens."""
         queries = self.tokenizer.encode_texts(self._query_texts(job), job.max_pair_tokens)
         frame = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
         own = job.max_document_tokens + frame if job.max_document_tokens else None
@@ -93,7 +109,17 @@ class CosineScorer:
             )
             for q, d in zip(job.query_of, documents, strict=True)
         ]
-        n_queries = len(queries)
+        return [x.ids for x in queries + documents], pairs
+
+
+class CosineScorer(_QueryDocuments):
+    """An embedding model's cosine between the query's vector and each document's."""
+
+    score_kind = "cosine"
+
+    def prepare(self, job: PairJob) -> PreparedPairs:
+        inputs, pairs = self._tokens(job)
+        n_queries = len(job.queries)
         query_of = np.asarray(job.query_of)
 
         def combine(rows: Matrix) -> Scores:
@@ -102,7 +128,25 @@ class CosineScorer:
             cos: Scores = np.einsum("pd,pd->p", unit[:n_queries][query_of], unit[n_queries:])
             return cos
 
-        return PreparedPairs([x.ids for x in queries + documents], pairs, combine)
+        return PreparedPairs(inputs, pairs, combine)
+
+
+class MaxSimScorer(_QueryDocuments):
+    """A ColBERT model's MaxSim between the query's token vectors and each document's."""
+
+    score_kind = "maxsim"
+
+    def prepare(self, job: PairJob) -> PreparedTokens:
+        inputs, pairs = self._tokens(job)
+        n_queries = len(job.queries)
+
+        def combine(vectors: list[Matrix]) -> Scores:
+            return np.asarray(
+                [maxsim(vectors[q], vectors[n_queries + p]) for p, q in enumerate(job.query_of)],
+                dtype=np.float64,
+            )
+
+        return PreparedTokens(inputs, pairs, ("colbert",), combine)
 
 
 class PairScorer:
@@ -144,4 +188,8 @@ class PairScorer:
 
 
 def scorer_for(info: ModelInfo, tokenizer: ModelTokenizer) -> Scorer:
-    return CosineScorer(info, tokenizer) if info.embeds else PairScorer(info)
+    """A reranker scores its pairs; a model with a ColBERT output ranks by MaxSim; other
+    embedding models by cosine."""
+    if not info.embeds:
+        return PairScorer(info)
+    return MaxSimScorer(info, tokenizer) if "colbert" in info.outputs else CosineScorer(info, tokenizer)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.background import start_task, stop_tasks
-from embedserve.contracts import late_chunks, wire
+from embedserve.contracts import hybrid, late_chunks, wire
+from embedserve.contracts.hybrid import HybridOutputs, Output
 from embedserve.contracts.memory import EngineStatus
 from embedserve.contracts.wire import Matrix
 from embedserve.upstream.client import AiohttpEngineClient, CallFailed, CallTimeout, EngineClient
@@ -24,6 +27,7 @@ from embedserve.upstream.protocols import EMBEDDINGS, EngineProtocol
 from embedserve.upstream.throughput import Throughput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineError(Exception):
@@ -301,6 +305,20 @@ class EnginePool:
     async def embed(self, batch: list[list[int]]) -> Matrix:
         """Vectors for token-id inputs, in order (a late-chunked input's, one per chunk, follow
         one another: ``contracts/late_chunks.py``). Raises an ``EngineError`` subclass."""
+        body = self.protocol.encode(self._model, batch, self._base64)
+        rows = late_chunks.expected_rows(batch)
+        return await self._call(batch, self.protocol.path, body, lambda c: self.protocol.decode(c, rows))
+
+    async def embed_outputs(self, batch: list[list[int]], outputs: list[Output]) -> HybridOutputs:
+        """``outputs`` of a model that has them (``contracts/hybrid.py``), for token-id inputs,
+        in order. Raises an ``EngineError`` subclass."""
+        body = hybrid.encode_request(self._model, batch, outputs)
+        return await self._call(batch, EMBEDDINGS.path, body,
+                                lambda content: hybrid.decode_response(content, len(batch), outputs))
+
+    async def _call(self, batch: list[list[int]], path: str, body: bytes, decode: Callable[[bytes], T]) -> T:
+        """``body`` posted to ``path`` of the engine with the fewest outstanding tokens, and its
+        answer read by ``decode``; the engine's state follows what happened."""
         assert self._client is not None
         engine = self._pick()
         tokens = sum(len(ids) for ids in batch)
@@ -312,8 +330,7 @@ class EnginePool:
         engine.throughput.started(tokens)
         ok = False
         try:
-            body = self.protocol.encode(self._model, batch, self._base64)
-            status, content = await self._client.post_json(f"{engine.url}{self.protocol.path}", body)
+            status, content = await self._client.post_json(f"{engine.url}{path}", body)
             ok = status < 400
         except CallTimeout as exc:
             engine.stalled_since = engine.stalled_since or engine.inflight_since.get(call_id)
@@ -341,7 +358,7 @@ class EnginePool:
         engine.stalled_since = None
         engine.calls += 1
         try:
-            return self.protocol.decode(content, late_chunks.expected_rows(batch))
+            return decode(content)
         except wire.WireError as exc:
             # the engine's fault: 503 to the client, never a 500
             raise EngineUnavailable(f"the engine returned an invalid response: {exc}", engine.url) from exc
