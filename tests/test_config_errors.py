@@ -23,8 +23,8 @@ from embedserve.settings_errors import ConfigError
         ({}, {"engine": {"port": "70000"}},
          "EMBEDSERVE_ENGINE__PORT (--engine-port) must be a whole number from 1 to 65535, got '70000'"),
         ({"EMBEDSERVE_ENGINE__KIND": "gpu"}, {},
-         "EMBEDSERVE_ENGINE__KIND (--engine-kind) must be one of 'auto', 'cpu', 'sglang', 'torch', 'external', "
-         "got 'gpu'"),
+         "EMBEDSERVE_ENGINE__KIND (--engine-kind) must be one of 'auto', 'cpu', 'sglang', 'torch', "
+         "'external', got 'gpu'"),
         ({"EMBEDSERVE_LOG_FORMAT": "xml"}, {},
          "EMBEDSERVE_LOG_FORMAT must be one of 'auto', 'json', 'text', got 'xml'"),
         ({"EMBEDSERVE_ENGINE__QUANTIZATION": "int4"}, {}, "EMBEDSERVE_ENGINE__QUANTIZATION must be one of"),
