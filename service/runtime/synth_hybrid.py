@@ -56,7 +56,7 @@ def build_bge_m3(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
     config = XLMRobertaConfig(**dims)
     config.architectures = ["XLMRobertaModel"]
     torch.manual_seed(seed)
-    model = XLMRobertaModel(config, add_pooling_layer=False)
+    model = XLMRobertaModel(config)
     width = dims["hidden_size"]
     scale_weights(model, width)
     model.save_pretrained(out, safe_serialization=True)
