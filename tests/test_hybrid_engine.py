@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from embedserve.config import ModelSettings, Settings
 from embedserve.contracts import hybrid
-from embedserve.contracts.onnx_export import META_FILE, MODEL_FILE, M3_OUTPUTS, SPLADE_OUTPUTS
+from embedserve.contracts.onnx_export import M3_OUTPUTS, META_FILE, MODEL_FILE, SPLADE_OUTPUTS
 from embedserve.engines import hybrid_modules
 from embedserve.engines.cpu import CpuEmbedder, create_engine_app
 from embedserve.engines.export_check import ExportMismatch, refuse_mismatch
@@ -81,8 +81,9 @@ def m3_reference(folder: Path, ids: list[int]) -> tuple[np.ndarray, dict[int, fl
         weights = torch.relu(sparse_linear(h)).squeeze(-1)[0].tolist()
         colbert = colbert_linear(h[:, 1:]) * mask[:, 1:][:, :, None].float()
         colbert = torch.nn.functional.normalize(colbert, dim=-1)[0].numpy()
-    unused = {tokenizer.convert_tokens_to_ids(tokenizer.special_tokens_map[t])
-              for t in ("cls_token", "eos_token", "pad_token", "unk_token") if t in tokenizer.special_tokens_map}
+    named = tokenizer.special_tokens_map
+    unused = {tokenizer.convert_tokens_to_ids(named[t])
+              for t in ("cls_token", "eos_token", "pad_token", "unk_token") if t in named}
     lexical: dict[int, float] = {}
     for w, i in zip(weights, ids, strict=True):
         if i not in unused and w > 0 and w > lexical.get(i, 0.0):
@@ -196,7 +197,8 @@ def test_refusals_name_the_output_that_differs() -> None:
 
 
 def post(c: TestClient, batch: list[list[int]], outputs: list[Any] | None) -> Any:
-    body = hybrid.encode_request("m", batch, outputs) if outputs is not None else orjson.dumps({"input": batch})
+    plain = orjson.dumps({"input": batch})
+    body = hybrid.encode_request("m", batch, outputs) if outputs is not None else plain
     return c.post("/v1/embeddings", content=body)
 
 
@@ -206,7 +208,9 @@ def test_the_engine_answers_what_is_asked_and_refuses_what_the_model_has_not(
     batch = [[101, 2000, 3000, 2000, 102], [101, 4000, 102], [101]]
     with TestClient(create_engine_app(settings(tiny_m3_dir, cache))) as c:
         assert c.get("/get_model_info").json()["outputs"] == ["dense", "sparse", "colbert"]
-        for asked in (["dense"], ["sparse"], ["colbert"], ["sparse", "dense"], ["dense", "sparse", "colbert"]):
+        cases: list[list[hybrid.Output]] = [["dense"], ["sparse"], ["colbert"], ["sparse", "dense"],
+                                            ["dense", "sparse", "colbert"]]
+        for asked in cases:
             r = post(c, batch, asked)
             assert r.status_code == 200, r.text
             got = hybrid.decode_response(r.content, len(batch), asked)
@@ -285,7 +289,8 @@ def test_model_folders_say_their_outputs(
 def test_sglang_refuses_a_model_without_a_dense_vector(tiny_m3_dir: Path, tiny_splade_dir: Path) -> None:
     with pytest.raises(LaunchConfigError, match=r"sparse vectors only.*engine\.kind=cpu"):
         build_launch(Settings(_env_file=None, model={"path": str(tiny_splade_dir)}), gpu_capability=(9, 0))
-    argv = build_launch(Settings(_env_file=None, model={"path": str(tiny_m3_dir)}), gpu_capability=(9, 0)).argv
+    m3 = Settings(_env_file=None, model={"path": str(tiny_m3_dir)})
+    argv = build_launch(m3, gpu_capability=(9, 0)).argv
     assert "--is-embedding" in argv  # BGE-M3 runs there for its dense vector
 
 

@@ -152,7 +152,7 @@ class TorchHeadsForward:
 
         self.module = load_hybrid_module(info, dense)
         self.dimension = info.dimension
-        self.vocab_size = int(self.module.vocab_size)
+        self.vocab_size = self.module.vocab_size
         self.description = f"torch ({', '.join(info.outputs)})"
 
     def _run(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:

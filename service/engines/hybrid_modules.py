@@ -74,7 +74,7 @@ def splade_pooling(folder: Path) -> tuple[str, str]:
     return str(config.get("pooling_strategy", "max")), str(config.get("activation_function", "relu"))
 
 
-def load_hybrid_module(info: ModelInfo, dense: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+def load_hybrid_module(info: ModelInfo, dense: Callable[[], torch.nn.Module]) -> M3Heads | Splade:
     """The model folder's module in eval mode (fp32, CPU); ``dense`` builds a BGE-M3's dense module
     (ids and mask to unit vectors and token states)."""
     if "colbert" in info.outputs:
