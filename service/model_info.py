@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from embedserve.config import ModelSettings
-from embedserve.contracts.hybrid import Output
+from embedserve.contracts.wire import Output
 from embedserve.settings_errors import ConfigError
 
 #: How a model mistake names the setting (``up``, ``gateway`` and ``config`` take the flags); a
@@ -34,6 +34,9 @@ QWEN3_QUERY_TEMPLATE = "Instruct: {task}\nQuery:{text}"
 Scoring = Literal["cosine", "cross-encoder", "qwen3-reranker"]
 #: Sequence-classification models read as cross-encoders (their tokenizers frame a pair).
 CROSS_ENCODER_TYPES = ("bert", "xlm-roberta", "roberta", "distilbert", "electra", "camembert")
+#: BGE-M3's sparse and ColBERT heads, state dicts of a ``torch.nn.Linear`` each, beside the model
+#: as BAAI/bge-m3 ships them and FlagEmbedding loads them (both, or neither)
+M3_HEAD_FILES = ("sparse_linear.pt", "colbert_linear.pt")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ModelInfo:
     is_qwen3: bool
     created: int
     scoring: Scoring = "cosine"
+    #: what the model gives for an input (``outputs_of``)
     outputs: tuple[Output, ...] = ("dense",)
 
     def serves(self, model: str) -> bool:
@@ -80,8 +84,11 @@ class ModelInfo:
                 f"{setting('max_seq_len')} must be at most {positions}, the longest input the model has "
                 f"positions for (max_position_embeddings in {folder / 'config.json'}), got {m.max_seq_len}"
             )
+        outputs = outputs_of(folder, config) if scoring == "cosine" else ("dense",)
         if scoring != "cosine":
             dim = 1  # an engine answers one score per input
+        elif "dense" not in outputs:
+            dim = int(config.get("vocab_size") or dim)  # SPLADE: a weight per vocabulary id
         if m.query_template is not None:
             template = m.query_template or None
         else:
@@ -98,6 +105,7 @@ class ModelInfo:
             is_qwen3=is_qwen3,
             created=int(time.time()),
             scoring=scoring,
+            outputs=outputs,
         )
 
 
@@ -121,6 +129,28 @@ def scoring_of(
     if model_type == "qwen3" and "Qwen3ForCausalLM" in archs and not pooled:
         return "qwen3-reranker"
     return "cosine"
+
+
+def outputs_of(folder: Path, config: dict[str, Any]) -> tuple[Output, ...]:
+    """BGE-M3 (its two head files beside the model): dense, sparse and ColBERT from one forward;
+    SPLADE (sentence-transformers' ``SpladePooling`` in modules.json, or a ``*ForMaskedLM`` with no
+    sentence-transformers files): sparse only; any other embedding model: dense. A masked LM with
+    sentence-transformers pooling (all-mpnet-base-v2 is saved as ``MPNetForMaskedLM``) is dense."""
+    if all((folder / name).is_file() for name in M3_HEAD_FILES):
+        return ("dense", "sparse", "colbert")
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError):
+        modules = None
+    listed = modules if isinstance(modules, list) else []
+    kinds = [str(m.get("type", "")) for m in listed if isinstance(m, dict)]
+    archs = [str(a) for a in config.get("architectures") or []]
+    plain_mlm = modules is None and not (folder / "1_Pooling").exists()
+    if any(k.endswith("SpladePooling") for k in kinds) or (
+        plain_mlm and any(a.endswith("ForMaskedLM") for a in archs)
+    ):
+        return ("sparse",)
+    return ("dense",)
 
 
 def model_folder(m: ModelSettings, setting: Setting = MODEL_SETTINGS.__getitem__) -> Path:

@@ -185,6 +185,22 @@ def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_m3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight XLM-R with BGE-M3's sparse and ColBERT heads beside it (dense, sparse, colbert)."""
+    from embedserve.runtime.synth_hybrid import build_bge_m3
+
+    return build_bge_m3(tmp_path_factory.mktemp("tiny-m3") / "tiny-bge-m3")
+
+
+@pytest.fixture(scope="session")
+def tiny_splade_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight BERT masked LM with SPLADE pooling (sparse only)."""
+    from embedserve.runtime.synth_hybrid import build_splade
+
+    return build_splade(tmp_path_factory.mktemp("tiny-splade") / "tiny-splade")
+
+
+@pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding Qwen3-Embedding's tokenizer (tokenizer.json and its config)."""
     from embedserve.runtime.synth_model import write_tokenizer_files

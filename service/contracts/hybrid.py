@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 import orjson
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from embedserve.contracts.wire import EngineRequest, Matrix, WireError, encode_base64
+from embedserve.contracts.wire import EngineRequest, Matrix, Output, WireError, encode_base64
 
-Output = Literal["dense", "sparse", "colbert"]
 OUTPUTS: tuple[Output, ...] = ("dense", "sparse", "colbert")
 
 

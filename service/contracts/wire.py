@@ -19,6 +19,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 Matrix = npt.NDArray[np.float32]
+#: What a model gives for an input (``contracts/hybrid.py``): its pooled unit vector, a weight per
+#: vocabulary id, one unit vector per token (ColBERT).
+Output = Literal["dense", "sparse", "colbert"]
 
 
 class WireError(ValueError):
@@ -49,6 +52,8 @@ class EngineInfo(BaseModel):
 
     model_path: str = ""
     engine: Literal["cpu", "sglang", "torch"] = "sglang"
+    #: what the engine computes for an input; SGLang's answer has no such field: dense
+    outputs: list[Output] = ["dense"]
 
 
 def encode_request(model: str, batch: list[list[int]], base64_vectors: bool = True) -> bytes:

@@ -8,7 +8,9 @@ It speaks exactly what SGLang speaks when launched with ``--is-embedding
 Pooling and normalisation come from the model folder's sentence-transformers modules
 (mean for MiniLM, last token for Qwen3-Embedding), whichever backend runs them
 (``cpu_backends``). Beyond SGLang, it also serves late chunking (``contracts/late_chunks.py``):
-the mean of the last hidden states over spans of an input's tokens, one vector per span.
+the mean of the last hidden states over spans of an input's tokens, one vector per span; and a
+model's sparse and ColBERT outputs beside its dense vector (``contracts/hybrid.py``): a request
+that names ``outputs`` gets those, from one forward per micro-batch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -32,13 +34,14 @@ from starlette.responses import Response
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings, load_settings
-from embedserve.contracts import late_chunks, score_wire, wire
+from embedserve.contracts import hybrid, late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
 from embedserve.core.pairs import label_ids
 from embedserve.engines.cache_policy import CachePolicy
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
+from embedserve.engines.hybrid_rows import HybridAnswer, dropped_ids, outputs_problem
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
 
@@ -54,6 +57,15 @@ def _error(status: int, message: str) -> Response:
 
 class CallCancelled(Exception):
     """The caller left before its call was computed."""
+
+
+class EngineCall(late_chunks.LateChunkRequest, hybrid.HybridRequest):
+    """What ``/v1/embeddings`` reads: token ids, and late chunking's spans or hybrid outputs."""
+
+
+#: A SPLADE forward holds a logit per vocabulary id for every token of its micro-batch: its
+#: micro-batches are cut to keep those under this many bytes (at least one input each).
+MAX_LOGITS_BYTES = 256 << 20
 
 
 def pool_spans(states: Matrix, spans: list[tuple[int, int]]) -> Matrix:
@@ -72,6 +84,10 @@ class CpuEmbedder:
         # Qwen3-Reranker's "no" and "yes" ids, the labels its /v1/score answers for
         self.labels = label_ids(self.info.path) if self.info.scoring == "qwen3-reranker" else ()
         self.token_budget = settings.engine.batch_token_budget
+        if "dense" not in self.info.outputs:  # SPLADE
+            self.token_budget = min(self.token_budget, MAX_LOGITS_BYTES // (4 * self.info.dimension))
+        # BGE-M3's ids that its sparse vectors leave out
+        self.dropped = dropped_ids(self.info.path) if "colbert" in self.info.outputs else None
         self.path = str(settings.model.resolved_path)
         self.dimension = self.forward.dimension
         self.vocab_size = self.forward.vocab_size
@@ -86,10 +102,33 @@ class CpuEmbedder:
         ``cancelled`` is checked before each micro-batch: a call whose caller left stops.
         ``spans``: per input, the token spans to pool its token states over (late chunking),
         or None for the model's pooling; each input's rows then follow one another."""
-        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
         wanted = spans or [None] * len(batch)
         chunks: dict[int, Matrix] = {}
         out: np.ndarray | None = None
+        for group, ids, mask in self.micro_batches(batch, cancelled):
+            late = [(row, i, s) for row, i in enumerate(group) if (s := wanted[i]) is not None]
+            with self.lock:
+                if late:
+                    vectors, states = self.forward.with_tokens(ids, mask)
+                else:
+                    vectors = self.forward(ids, mask)
+                self.batch_done()
+            for row, i, s in late:
+                chunks[i] = pool_spans(states[row], s)
+            if out is None:  # the width is what the model produced
+                out = np.empty((len(batch), vectors.shape[1]), dtype=np.float32)
+            out[group] = vectors
+        assert out is not None, "an empty batch never reaches the model"
+        if not chunks:
+            return out
+        return np.concatenate([chunks[i] if i in chunks else out[i : i + 1] for i in range(len(batch))])
+
+    def micro_batches(
+        self, batch: list[list[int]], cancelled: threading.Event | None
+    ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+        """Length-sorted groups within the token budget: their inputs' places in ``batch``, and
+        their ids right-padded with their attention mask. ``cancelled`` is checked before each."""
+        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
         start = 0
         while start < len(order):
             if cancelled is not None and cancelled.is_set():
@@ -104,24 +143,26 @@ class CpuEmbedder:
             for row, i in enumerate(group):
                 ids[row, : len(batch[i])] = batch[i]
                 mask[row, : len(batch[i])] = 1
-            late = [(row, i, s) for row, i in enumerate(group) if (s := wanted[i]) is not None]
-            with self.lock:
-                if late:
-                    vectors, states = self.forward.with_tokens(ids, mask)
-                else:
-                    vectors = self.forward(ids, mask)
-                if self.monitor is not None:
-                    self.monitor.on_batch()
-            for row, i, s in late:
-                chunks[i] = pool_spans(states[row], s)
-            if out is None:  # the width is what the model produced
-                out = np.empty((len(batch), vectors.shape[1]), dtype=np.float32)
-            out[group] = vectors
+            yield group, ids, mask
             start = end
-        assert out is not None, "an empty batch never reaches the model"
-        if not chunks:
-            return out
-        return np.concatenate([chunks[i] if i in chunks else out[i : i + 1] for i in range(len(batch))])
+
+    def hybrid(
+        self, batch: list[list[int]], outputs: list[hybrid.Output], cancelled: threading.Event | None = None
+    ) -> hybrid.HybridOutputs:
+        """The ``outputs`` asked for, of each input, in input order: one forward per micro-batch
+        gives all of the model's outputs, and only those asked for are made into answers."""
+        answer = HybridAnswer(batch, outputs, self.dropped)
+        for group, ids, mask in self.micro_batches(batch, cancelled):
+            with self.lock:
+                got = self.forward.heads(ids, mask)
+                self.batch_done()
+            answer.add(group, got)
+        return answer.result()
+
+    def batch_done(self) -> None:
+        """A GPU engine's allocator rules, after each forward (under the lock)."""
+        if self.monitor is not None:
+            self.monitor.on_batch()
 
 
 def gpu_monitor(settings: Settings) -> Monitor:
@@ -207,7 +248,7 @@ def create_engine_app(
         e: CpuEmbedder = state["embedder"]
         info = wire.EngineInfo.model_validate(
             {"model_path": str(e.path), "engine": "torch" if e.monitor else "cpu", "is_generation": False,
-             "hidden_size": e.dimension}
+             "hidden_size": e.dimension, "outputs": list(e.info.outputs) if e.info.embeds else []}
         )
         return Response(info.model_dump_json(), media_type="application/json")
 
@@ -228,24 +269,36 @@ def create_engine_app(
                 )
         return None
 
-    def _late_problem(e: CpuEmbedder, req: Any, batch: list[list[int]]) -> Response | None:
-        """What is wrong with a request's late chunking (``contracts/late_chunks.py``)."""
-        if not isinstance(req, late_chunks.LateChunkRequest) or req.chunks is None:
+    def _extension_problem(e: CpuEmbedder, req: Any, batch: list[list[int]]) -> Response | None:
+        """What is wrong with a request's late chunking (``contracts/late_chunks.py``) or its
+        hybrid outputs (``contracts/hybrid.py``)."""
+        if not isinstance(req, EngineCall):
             return None
-        why = req.problem(batch) if e.info.embeds else f"late chunking needs an embedding model ({e.path})"
+        why = outputs_problem(e.info, req.outputs)
+        if why is None and req.chunks is not None and req.outputs is not None:
+            why = "late chunking ('chunks') does not go with 'outputs'"
+        elif why is None and req.chunks is not None:
+            refused = f"late chunking needs an embedding model ({e.path})"
+            why = req.problem(batch) if e.info.embeds else refused
         return None if why is None else _error(400, why)
 
-    async def _rows(request: Request, req: Any, batch: list[list[int]]) -> np.ndarray | Response:
-        """The model's rows for ``batch`` (``req``'s inputs), or the response that answers
-        instead (a refusal, or 499 when the caller left). When the caller leaves or this
-        handler is cancelled (the server stopping), the work stops at the next micro-batch."""
+    async def _rows(request: Request, req: Any, batch: list[list[int]]) -> Any:
+        """The model's rows for ``batch`` (``req``'s inputs; a request that names ``outputs``:
+        its ``HybridOutputs``), or the response that answers instead (a refusal, or 499 when the
+        caller left). When the caller leaves or this handler is cancelled (the server stopping),
+        the work stops at the next micro-batch."""
         e: CpuEmbedder = state["embedder"]
-        problem = _problem(e, batch) or _late_problem(e, req, batch)
+        problem = _problem(e, batch) or _extension_problem(e, req, batch)
         if problem is not None:
             return problem
-        spans = req.chunks if isinstance(req, late_chunks.LateChunkRequest) else None
         cancelled = threading.Event()
-        job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled, spans)
+        job: asyncio.Future[Any]
+        if isinstance(req, EngineCall) and req.outputs is not None:
+            outputs = req.outputs
+            job = asyncio.get_running_loop().run_in_executor(executor, e.hybrid, batch, outputs, cancelled)
+        else:
+            spans = req.chunks if isinstance(req, EngineCall) else None
+            job = asyncio.get_running_loop().run_in_executor(executor, e.embed, batch, cancelled, spans)
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # CallCancelled: retrieved
         watch = asyncio.ensure_future(wait_disconnect(request))
         racers: list[asyncio.Future[Any]] = [job, watch]
@@ -259,8 +312,7 @@ def create_engine_app(
             await asyncio.wait([job])
             return Response(status_code=499)
         stats.batches += 1
-        matrix: np.ndarray = job.result()
-        return matrix
+        return job.result()
 
     def _json(body: bytes) -> Response:
         return Response(body, media_type="application/json")
@@ -280,11 +332,13 @@ def create_engine_app(
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        got = await _call(request, late_chunks.LateChunkRequest, "{'input': [[token ids], ...]}")
+        got = await _call(request, EngineCall, "{'input': [[token ids], ...]}")
         if isinstance(got, Response):
             return got
         req, batch, rows = got
         tokens = sum(len(x) for x in batch)
+        if isinstance(rows, hybrid.HybridOutputs):
+            return _json(hybrid.encode_response(name, rows, tokens))
         return _json(wire.encode_response(name, rows, tokens, req.encoding_format == "base64"))
 
     @app.post("/encode")

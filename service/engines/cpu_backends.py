@@ -5,7 +5,9 @@ attention mask in, unit vectors out, one row per input.
 export is made in a child process, ``onnx_export``); ``torch`` runs sentence-transformers, or a
 reranker's module (``score_modules``). A reranker's "vectors" are one raw score each. An
 embedding model's forward also gives the last hidden state of every token (``with_tokens``),
-which late chunking pools.
+which late chunking pools, and a model with sparse or ColBERT outputs all of its graph's outputs
+from one forward (``heads``: ``contracts/onnx_export.graph_outputs``), on torch from the module the
+export traces (``hybrid_modules``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from embedserve.config import Settings
-from embedserve.contracts.onnx_export import MODEL_FILE, TOKEN_STATES_OUTPUT, VECTORS_OUTPUT
+from embedserve.contracts.onnx_export import MODEL_FILE, TOKEN_STATES_OUTPUT, VECTORS_OUTPUT, graph_outputs
 from embedserve.engines.cores import usable_cores
 from embedserve.engines.ort_session import open_session
 from embedserve.model_info import ModelInfo
@@ -33,6 +35,10 @@ class Forward(Protocol):
 
     def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The vectors and every token's last hidden state (batch, sequence, hidden)."""
+        ...
+
+    def heads(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """Every output of the graph but the token states, by name, from one forward."""
         ...
 
 
@@ -65,6 +71,7 @@ class OnnxForward:
         options = session_options(compute_threads(settings))
         self.session = open_session(folder / MODEL_FILE, options)
         self.output = self.session.get_outputs()[0].name  # a reranker's is its score
+        self.heads_names = [o.name for o in self.session.get_outputs() if o.name != TOKEN_STATES_OUTPUT]
         self.dimension = export.dimension
         self.vocab_size = export.vocab_size
         self.description = f"onnx ({export.quantization}, {folder})"
@@ -82,6 +89,10 @@ class OnnxForward:
             [VECTORS_OUTPUT, TOKEN_STATES_OUTPUT], {"input_ids": ids, "attention_mask": mask}
         )
         return vectors, states
+
+    def heads(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        out = self.session.run(self.heads_names, {"input_ids": ids, "attention_mask": mask})
+        return dict(zip(self.heads_names, out, strict=True))
 
 
 def torch_device(settings: Settings) -> tuple[str, Any]:
@@ -132,6 +143,49 @@ class TorchForward:
             states = out["token_embeddings"].float().cpu().numpy()
         return vectors, states
 
+    def heads(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        return {VECTORS_OUTPUT: self(ids, mask)}
+
+
+class TorchHeadsForward:
+    """A model with sparse or ColBERT outputs on torch: the module its ONNX export traces."""
+
+    def __init__(self, settings: Settings, info: ModelInfo) -> None:
+        import torch
+
+        from embedserve.engines.hybrid_modules import load_hybrid_module
+        from embedserve.engines.onnx_export import pooled
+
+        torch.set_num_threads(compute_threads(settings))
+        self._torch = torch
+        self.names = graph_outputs(info.outputs)
+
+        def dense() -> Any:
+            from sentence_transformers import SentenceTransformer
+
+            return pooled(SentenceTransformer(str(info.path), device="cpu", local_files_only=True).eval())
+
+        self.module = load_hybrid_module(info, dense)
+        self.dimension = info.dimension
+        self.vocab_size = self.module.vocab_size
+        self.description = f"torch ({', '.join(info.outputs)})"
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        with self._torch.inference_mode():
+            out = self.module(self._torch.from_numpy(ids), self._torch.from_numpy(mask))
+        return {name: t.numpy() for name, t in zip(self.names, out if isinstance(out, tuple) else (out,),
+                                                   strict=True)}
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return self._run(ids, mask)[VECTORS_OUTPUT]
+
+    def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = self._run(ids, mask)
+        return out[VECTORS_OUTPUT], out[TOKEN_STATES_OUTPUT]
+
+    def heads(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self._run(ids, mask).items() if k != TOKEN_STATES_OUTPUT}
+
 
 class TorchScoreForward:
     """A reranker on torch (``engines/score_modules.py``): one raw score per input."""
@@ -161,10 +215,16 @@ class TorchScoreForward:
         (``cpu._late_problem``) before it reaches the forward; the protocol asks for it."""
         raise NotImplementedError("a reranker's forward gives scores, not token states")
 
+    def heads(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """Never called: the engine refuses ``outputs`` for a reranker (``cpu._outputs_problem``)."""
+        raise NotImplementedError("a reranker's forward gives scores, not an embedding model's outputs")
+
 
 def load_forward(settings: Settings) -> Forward:
     """The engine kind ``torch`` runs the torch backend on its GPU, whatever ``cpu_backend`` says."""
     if settings.engine.cpu_backend == "onnx" and settings.engine.kind != "torch":
         return OnnxForward(settings)
     info = ModelInfo.load(settings.model)
-    return TorchForward(settings) if info.embeds else TorchScoreForward(settings, info)
+    if not info.embeds:
+        return TorchScoreForward(settings, info)
+    return TorchForward(settings) if info.outputs == ("dense",) else TorchHeadsForward(settings, info)

@@ -3,10 +3,13 @@
 The graph holds the whole model as sentence-transformers runs it (transformer, the folder's
 pooling, normalisation): token ids and attention mask in, unit vectors out, and beside them the
 transformer's last hidden state of every token (late chunking pools it); for a reranker, its
-module from ``score_modules`` (ids and mask in, one raw score out). It is traced by torch.onnx on
-a padded batch, then checked on padded batches of mixed lengths against torch run on each input
-alone (vectors and token states); an fp32 graph whose answers are not torch's is refused
-(``export_check``), never cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
+module from ``score_modules`` (ids and mask in, one raw score out); for a model with sparse or
+ColBERT outputs, its module from ``hybrid_modules`` (BGE-M3: the heads' outputs beside the
+vectors and token states, one forward for all; SPLADE: its vocabulary-wide weights). It is traced
+by torch.onnx on a padded batch, then checked on padded batches of mixed lengths against torch run
+on each input alone (vectors and token states against sentence-transformers, the heads against
+their module); an fp32 graph whose answers are not torch's is refused (``export_check``), never
+cached. int8 is ONNX Runtime's dynamic quantisation of the fp32 graph.
 
 Each export lives in a folder of its own under ``engine.cpu_export_dir``, named by a key of
 the model's files, the exporter, the quantisation and the library versions, and appears
@@ -45,8 +48,10 @@ import numpy as np
 from pydantic import ValidationError
 
 from embedserve.config import Settings, load_settings
+from embedserve.contracts import onnx_export as export_contract
 from embedserve.contracts.onnx_export import EMBEDDING_OUTPUTS, META_FILE, MODEL_FILE, OnnxExport
-from embedserve.engines.export_check import ExportMismatch, cosines, padded_batch, refuse_mismatch
+from embedserve.engines import export_check as agree
+from embedserve.engines.export_check import ExportMismatch, padded_batch
 from embedserve.logs import Progress
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
@@ -59,8 +64,8 @@ log = logging.getLogger(__name__)
 EXPORTER = "torchscript"
 OPSET = 17
 #: Bump when the graph's construction changes, so old exports are not reused (2: an embedding
-#: model's graph gives its token states too).
-FORMAT = 2
+#: model's graph gives its token states too; 3: BGE-M3's its sparse and ColBERT heads too).
+FORMAT = 3
 #: A temporary export folder: ``.<export folder's name>.<tempfile.mkdtemp's 8 characters>``.
 _WORK_FOLDER = re.compile(r"\..+-[0-9a-f]{20}\.[a-z0-9_]{8}")
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
@@ -175,6 +180,7 @@ class Exporter:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.info = ModelInfo.load(settings.model)
+        self.outputs = export_contract.graph_outputs(self.info.outputs, self.info.embeds)
         self._model: Any = None
         self._module: Any = None
 
@@ -193,10 +199,19 @@ class Exporter:
         if self._module is None:
             from embedserve.engines.score_modules import load_score_module
 
-            self._module = pooled(self.model) if self.info.embeds else load_score_module(self.info)
+            if not self.info.embeds:
+                self._module = load_score_module(self.info)
+            elif self.info.outputs == ("dense",):
+                self._module = pooled(self.model)
+            else:
+                from embedserve.engines.hybrid_modules import load_hybrid_module
+
+                self._module = load_hybrid_module(self.info, lambda: pooled(self.model))
         return self._module
 
     def vocab_size(self) -> int:
+        if self.info.outputs != ("dense",):  # a model with sparse or ColBERT outputs
+            return int(self.module.vocab_size)
         if self.info.embeds:
             return int(self.model[0].auto_model.get_input_embeddings().num_embeddings)
         from embedserve.engines.score_modules import vocab_size
@@ -207,9 +222,25 @@ class Exporter:
         """A BERT cross-encoder's [SEP], which the check batches carry to exercise its segments."""
         return getattr(self.module, "sep_id", None)
 
-    def check(self, graph: Path) -> float:
-        """Embeddings: the lowest cosine to torch's vectors; rerankers: the largest score difference."""
-        return self.min_cosine(graph) if self.info.embeds else self.max_score_diff(graph)
+    def check(self, onnx: Path) -> dict[str, float]:
+        """How close the graph comes to torch (``OnnxExport``'s ``*_vs_torch`` fields): the lowest
+        cosine of a vector or token state, the largest difference of a reranker's score or of a
+        sparse weight."""
+        if not self.info.embeds:
+            return {"max_score_diff_vs_torch": self.max_score_diff(onnx)}
+        dense = {"min_cosine_vs_torch": self.min_cosine(onnx)} if "dense" in self.info.outputs else {}
+        if self.outputs == EMBEDDING_OUTPUTS:
+            return dense
+        heads = self.compare(onnx, tuple(n for n in self.outputs if n not in EMBEDDING_OUTPUTS))
+        return {**heads, **{k: min(v, heads.get(k, v)) for k, v in dense.items()}}
+
+    def compare(self, onnx: Path, checked: tuple[str, ...], shortest: int = 2) -> dict[str, float]:
+        """The graph's ``checked`` outputs against the module's (``export_check.compare``)."""
+        from embedserve.engines.ort_session import open_session
+
+        cap = min(self.info.max_seq_len, 512)
+        return agree.compare(open_session(onnx), self.module, self.outputs, checked, cap, self.vocab_size(),
+                             self.sep_id(), shortest)
 
     def build(self, quantization: str) -> tuple[Path, OnnxExport]:
         """The export for ``quantization``, from the cache or made now (int8 from the fp32 one),
@@ -238,14 +269,12 @@ class Exporter:
                 self.trace(work / MODEL_FILE)
             agreement = self.check(work / MODEL_FILE)
             if quantization == "none":
-                refuse_mismatch(self.info.embeds, agreement)
+                agree.refuse_mismatch(**agreement)
             meta = OnnxExport(
                 key=export_key(self.info.path, quantization), model_path=str(self.info.path),
                 exporter=EXPORTER, quantization=quantization, opset=OPSET, versions=library_versions(),
                 dimension=self.info.dimension, vocab_size=self.vocab_size(),
-                export_seconds=round(time.monotonic() - t0, 2),
-                min_cosine_vs_torch=round(agreement, 7) if self.info.embeds else None,
-                max_score_diff_vs_torch=None if self.info.embeds else float(f"{agreement:.3g}"),
+                export_seconds=round(time.monotonic() - t0, 2), **agree.rounded(agreement),
             )
             (work / META_FILE).write_text(meta.model_dump_json(indent=2))
             publish(work, folder)
@@ -258,62 +287,26 @@ class Exporter:
         import torch
 
         ids, mask = padded_batch([8, 5], self.vocab_size(), np.random.default_rng(0), self.sep_id())
-        outputs = list(EMBEDDING_OUTPUTS) if self.info.embeds else ["score"]
-        tokens = {0: "batch", 1: "sequence"}  # the token states' axes too
-        axes = {"input_ids": tokens, "attention_mask": tokens, **dict.fromkeys(outputs[1:], tokens),
-                outputs[0]: {0: "batch"}}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's notes on Python branches it froze
             torch.onnx.export(
                 self.module, (torch.from_numpy(ids), torch.from_numpy(mask)), str(out),
-                input_names=["input_ids", "attention_mask"], output_names=outputs,
-                dynamic_axes=axes, opset_version=OPSET, dynamo=False,
+                input_names=["input_ids", "attention_mask"], output_names=list(self.outputs),
+                dynamic_axes=export_contract.dynamic_axes(self.outputs), opset_version=OPSET, dynamo=False,
             )
 
-    def min_cosine(self, graph: Path) -> float:
-        """The graph on padded batches of mixed lengths against torch on each input alone: the
-        lowest cosine of a vector, or of a token's state (late chunking pools those)."""
-        import torch
-
+    def min_cosine(self, onnx: Path) -> float:
+        """The lowest cosine of the graph's vectors and token states to sentence-transformers'
+        (``export_check.min_cosine``)."""
         from embedserve.engines.ort_session import open_session
 
-        session = open_session(graph)
-        rng = np.random.default_rng(1)
         cap = min(self.info.max_seq_len, 512)  # enough to cross every length the graph handles alike
-        worst = 1.0
-        for lengths in ([2, cap, 1 + cap // 7, 17], [3, 9, 30]):
-            ids, mask = padded_batch(lengths, self.vocab_size(), rng)
-            got, got_states = session.run(None, {"input_ids": ids, "attention_mask": mask})
-            with torch.inference_mode():
-                alone = [self.model({"input_ids": torch.from_numpy(ids[i : i + 1, :n]),
-                                     "attention_mask": torch.from_numpy(mask[i : i + 1, :n])})
-                         for i, n in enumerate(lengths)]
-            want = np.stack([out["sentence_embedding"][0].float().numpy() for out in alone])
-            states = [(got_states[i, :n], out["token_embeddings"][0].float().numpy())
-                      for i, (n, out) in enumerate(zip(lengths, alone, strict=True))]
-            for a, b in [(got, want), *states]:
-                worst = min(worst, float(cosines(a, b).min()))
-        return worst
+        return agree.min_cosine(open_session(onnx), self.model, cap, self.vocab_size())
 
-    def max_score_diff(self, graph: Path) -> float:
-        """A reranker's graph on padded batches of mixed lengths against torch on each input alone."""
-        import torch
-
-        from embedserve.engines.ort_session import open_session
-
-        session = open_session(graph)
-        rng = np.random.default_rng(1)
-        cap = min(self.info.max_seq_len, 512)
-        worst = 0.0
-        for lengths in ([4, cap, 1 + cap // 7, 17], [5, 9, 30]):
-            ids, mask = padded_batch(lengths, self.vocab_size(), rng, self.sep_id())
-            got = session.run(None, {"input_ids": ids, "attention_mask": mask})[0][:, 0]
-            with torch.inference_mode():
-                alone = [(torch.from_numpy(ids[i : i + 1, :n]), torch.from_numpy(mask[i : i + 1, :n]))
-                         for i, n in enumerate(lengths)]
-                want = np.array([float(self.module(*x)) for x in alone])
-            worst = max(worst, float(np.abs(got - want).max()))
-        return worst
+    def max_score_diff(self, onnx: Path) -> float:
+        """A reranker's graph on padded batches of mixed lengths (pairs of 4 tokens or more)
+        against torch on each input alone."""
+        return self.compare(onnx, self.outputs, shortest=4)["max_score_diff_vs_torch"]
 
 
 def pooled(st: Any) -> Any:

@@ -18,6 +18,7 @@ import uvicorn
 
 from embedserve.background import start_task, stop_tasks
 from embedserve.config import Settings
+from embedserve.contracts import hybrid
 from embedserve.engines.launch import engine_launch
 from embedserve.engines.sglang import LaunchConfigError
 from embedserve.http_server import QuietServer, bounded_httptools
@@ -44,7 +45,10 @@ async def warm_up(
     cap = info.max_seq_len
     n = max(1, settings.engine_call_tokens(kind) // cap)
     protocol = protocol_for(info)  # a reranker's call, for a reranker
-    body = protocol.encode(info.name, [[1] * cap for _ in range(n)], False)
+    batch = [[1] * cap for _ in range(n)]
+    body = protocol.encode(info.name, batch, False)
+    if "dense" not in info.outputs:  # SPLADE: a plain call asks for the dense vector it has not
+        body = hybrid.encode_request(info.name, batch, list(info.outputs))
     timings = []
     async with httpx.AsyncClient(timeout=settings.engine.startup_timeout_s) as client:
         for url in urls:

@@ -238,24 +238,32 @@ def build_qwen3_reranker(out: Path, shape: str = "tiny", seed: int = 0, device: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from embedserve.runtime import synth_rerank
+    from embedserve.runtime import synth_hybrid, synth_rerank
 
+    kinds = {"cross-encoder": synth_rerank.CROSS_ENCODER_SHAPES, "bge-m3": synth_hybrid.M3_SHAPES,
+             "splade": synth_hybrid.SPLADE_SHAPES}
     ap = argparse.ArgumentParser(prog="embedserve synth-model", description=__doc__)
-    ap.add_argument("shape", choices=sorted({*SHAPES, *synth_rerank.CROSS_ENCODER_SHAPES}))
+    ap.add_argument("shape", choices=sorted({*SHAPES, *(s for shapes in kinds.values() for s in shapes)}))
     ap.add_argument("out", type=Path)
-    ap.add_argument("--kind", choices=("embedding", "cross-encoder", "qwen3-reranker"), default="embedding",
+    ap.add_argument("--kind", choices=("embedding", "qwen3-reranker", *kinds), default="embedding",
                     help="cross-encoder: a BERT or XLM-R classifier with the bundled model's tokenizer "
                     f"(shapes {', '.join(synth_rerank.CROSS_ENCODER_SHAPES)}); qwen3-reranker: a Qwen3 "
-                    "causal LM as Qwen3-Reranker ships")
+                    "causal LM as Qwen3-Reranker ships; bge-m3: XLM-R with BGE-M3's sparse and ColBERT "
+                    f"heads (shapes {', '.join(synth_hybrid.M3_SHAPES)}); splade: a BERT masked LM with "
+                    f"SPLADE pooling (shapes {', '.join(synth_hybrid.SPLADE_SHAPES)})")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-seq-length", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    shapes = synth_rerank.CROSS_ENCODER_SHAPES if a.kind == "cross-encoder" else SHAPES
+    shapes = kinds.get(a.kind, SHAPES)
     if a.shape not in shapes:
         ap.error(f"a {a.kind} comes in the shapes {', '.join(sorted(shapes))}")
     if a.kind == "cross-encoder":
         synth_rerank.build_cross_encoder(a.out, a.shape, a.seed)
+    elif a.kind == "bge-m3":
+        synth_hybrid.build_bge_m3(a.out, a.shape, a.seed)
+    elif a.kind == "splade":
+        synth_hybrid.build_splade(a.out, a.shape, a.seed)
     elif a.kind == "qwen3-reranker":
         build_qwen3_reranker(a.out, a.shape, a.seed, a.device)
     else:

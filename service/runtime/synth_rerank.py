@@ -7,7 +7,8 @@ scores with a plain transformers forward of the same checkpoint.
   ms-marco-MiniLM-L-6-v2's shape) or an ``XLMRobertaForSequenceClassification`` with one segment
   type, as the bge-rerankers are (``tiny-xlmr``; ``bge-reranker-v2-m3``, XLM-R large with 8,194
   positions), which SGLang serves from token ids (it takes segment types only from text);
-- Qwen3-Reranker: ``synth_model.build_qwen3_reranker``.
+- Qwen3-Reranker: ``synth_model.build_qwen3_reranker``;
+- models with sparse and ColBERT outputs (BGE-M3, SPLADE): ``synth_hybrid``.
 """
 
 from __future__ import annotations
@@ -46,12 +47,9 @@ def build_cross_encoder(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
         XLMRobertaForSequenceClassification,
     )
 
-    source = resolve_model_path(BUNDLED_MODEL)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(source / name, out / name)
     dims = CROSS_ENCODER_SHAPES[shape]
     xlmr = dims["type_vocab_size"] == 1
+    copy_tokenizer(out, one_segment=xlmr)
     classes: tuple[Any, Any] = (
         (XLMRobertaConfig, XLMRobertaForSequenceClassification)
         if xlmr
@@ -59,18 +57,36 @@ def build_cross_encoder(out: Path, shape: str = "tiny", seed: int = 0) -> Path:
     )
     config = classes[0](**{"num_labels": 1, **dims})
     config.architectures = [classes[1].__name__]
-    if xlmr:  # one segment type: the tokenizer must not hand out type 1 for the second text
-        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-        tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
-        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     torch.manual_seed(seed)
     model = classes[1](config)
-    # 1/sqrt(width): larger than the default init, so that scores spread, and small enough that
-    # each layer keeps the activations' scale: deeper and wider at 0.2, the network turned
-    # chaotic and bf16 scores differed from fp32 ones by up to 0.36 (after the sigmoid)
-    std = float(dims["hidden_size"]) ** -0.5
+    scale_weights(model, dims["hidden_size"])
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def copy_tokenizer(out: Path, one_segment: bool = False, eos: str | None = None) -> None:
+    """The bundled model's tokenizer files into ``out``; ``one_segment``: the tokenizer hands out
+    no token types (a model with one segment type must not get type 1 for a second text);
+    ``eos``: the token it names its end of sequence."""
+    source = resolve_model_path(BUNDLED_MODEL)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, out / name)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    if one_segment:
+        tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
+    if eos is not None:
+        tokenizer_config["eos_token"] = eos
+        special = json.loads((out / "special_tokens_map.json").read_text())
+        (out / "special_tokens_map.json").write_text(json.dumps({**special, "eos_token": eos}, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def scale_weights(model: torch.nn.Module, width: int) -> None:
+    """Every matrix drawn at 1/sqrt(width): larger than the default init, so that scores spread,
+    and small enough that each layer keeps the activations' scale: deeper and wider at 0.2, the
+    network turned chaotic and bf16 scores differed from fp32 ones by up to 0.36 (after the sigmoid)."""
+    std = float(width) ** -0.5
     for name, p in model.named_parameters():
         if name.endswith("weight") and p.dim() == 2:
             torch.nn.init.normal_(p, std=std)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
