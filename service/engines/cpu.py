@@ -24,7 +24,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import psutil
@@ -38,15 +38,12 @@ from embedserve.contracts import hybrid, late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
 from embedserve.core.pairs import label_ids
-from embedserve.engines.cache_policy import CachePolicy
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
-from embedserve.engines.hybrid_rows import HybridAnswer, dropped_ids, outputs_problem
+from embedserve.engines.hybrid_rows import HybridAnswer, dropped_ids, outputs_problem, pool_spans
+from embedserve.engines.sglang_plugin import engine_monitor
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
 from embedserve.model_info import ModelInfo
-
-if TYPE_CHECKING:
-    from embedserve.engines.sglang_plugin import Monitor
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +65,6 @@ class EngineCall(late_chunks.LateChunkRequest, hybrid.HybridRequest):
 MAX_LOGITS_BYTES = 256 << 20
 
 
-def pool_spans(states: Matrix, spans: list[tuple[int, int]]) -> Matrix:
-    """One unit vector per span: the mean of ``states`` (one row per token) over it."""
-    means = np.stack([states[start:end].mean(axis=0) for start, end in spans])
-    return (means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)).astype(np.float32)
-
-
 class CpuEmbedder:
     """Runs batches one at a time on a dedicated thread (the backend uses the cores itself)."""
 
@@ -92,7 +83,7 @@ class CpuEmbedder:
         self.dimension = self.forward.dimension
         self.vocab_size = self.forward.vocab_size
         self.lock = threading.Lock()
-        self.monitor = gpu_monitor(settings) if settings.engine.kind == "torch" else None
+        self.monitor = engine_monitor(settings) if settings.engine.kind == "torch" else None
 
     def embed(
         self, batch: list[list[int]], cancelled: threading.Event | None = None,
@@ -163,17 +154,6 @@ class CpuEmbedder:
         """A GPU engine's allocator rules, after each forward (under the lock)."""
         if self.monitor is not None:
             self.monitor.on_batch()
-
-
-def gpu_monitor(settings: Settings) -> Monitor:
-    """The GPU engine's allocator rules and statistics file, as SGLang's engines have them."""
-    from embedserve.engines.sglang_plugin import CudaBackend, Monitor
-
-    eng = settings.engine
-    monitor = Monitor(CudaBackend(), CachePolicy.from_settings(eng.cache_clear), eng.stats_dir,
-                      eng.stats_interval_s)
-    monitor.stats.model = settings.model.served_name
-    return monitor
 
 
 def load_embedder(settings: Settings) -> CpuEmbedder:

@@ -1,5 +1,5 @@
 """The CPU engine's answer to a request that names ``outputs`` (``contracts/hybrid.py``), from its
-graph's outputs (``hybrid_modules``), in numpy.
+graph's outputs (``hybrid_modules``), in numpy; and late chunking's vectors from token states.
 
 BGE-M3's graph gives a weight per token; FlagEmbedding's ``_process_token_weights`` keeps, for
 each id of the input, its largest weight, leaving out zero weights and the tokenizer's cls, eos,
@@ -112,3 +112,9 @@ class HybridAnswer:
             sparse=self.sparse if "sparse" in self.outputs else None,
             colbert=self.colbert if "colbert" in self.outputs else None,
         )
+
+
+def pool_spans(states: Matrix, spans: list[tuple[int, int]]) -> Matrix:
+    """One unit vector per span: the mean of ``states`` (one row per token) over it."""
+    means = np.stack([states[start:end].mean(axis=0) for start, end in spans])
+    return (means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)).astype(np.float32)

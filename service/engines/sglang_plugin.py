@@ -191,6 +191,15 @@ class Monitor:
         return True
 
 
+def engine_monitor(settings: Settings, leak_bytes_per_s: float | None = None) -> Monitor:
+    """A GPU engine's allocator rules and statistics file (SGLang's scheduler, the torch engine)."""
+    eng = settings.engine
+    monitor = Monitor(CudaBackend(), CachePolicy.from_settings(eng.cache_clear), eng.stats_dir,
+                      eng.stats_interval_s, leak_bytes_per_s=leak_bytes_per_s)
+    monitor.stats.model = settings.model.served_name
+    return monitor
+
+
 _monitor: Monitor | None = None
 _disabled = False
 _errors = 0
@@ -213,11 +222,7 @@ def _get_monitor() -> Monitor | None:
         settings = load_settings()
         eng = settings.engine
         leak = float(os.environ.get(LEAK_ENV) or 0) or None
-        _monitor = Monitor(
-            CudaBackend(), CachePolicy.from_settings(eng.cache_clear),
-            eng.stats_dir, eng.stats_interval_s, leak_bytes_per_s=leak,
-        )
-        _monitor.stats.model = settings.model.served_name
+        _monitor = engine_monitor(settings, leak)
         log.info(
             "embedserve plugin active in pid %d: cache clear %s, stats to %s every %.1fs",
             os.getpid(), eng.cache_clear.model_dump(), eng.stats_dir, eng.stats_interval_s,
