@@ -326,7 +326,8 @@ def test_sglang_launches_rerankers_in_the_mode_that_scores_them(
         argv = build_launch(Settings(_env_file=None, model={"path": str(folder)})).argv
         assert ("--is-embedding" in argv) is embedding and "--skip-tokenizer-init" in argv
         assert {a for a in argv if a.startswith("--")} <= set(flags)
-        assert argv[argv.index("--context-length") + 1] == str((512 if embedding else 8192) + 1)
+        # generation mode keeps 5 tokens for output: a capped prompt still fits
+        assert argv[argv.index("--context-length") + 1] == str(513 if embedding else 8192 + 1 + 5)
     with pytest.raises(LaunchConfigError, match=r"token type ids.*engine\.kind=cpu"):
         build_launch(Settings(_env_file=None, model={"path": str(tiny_cross_encoder_dir)}))
     config = json.loads((xlmr / "config.json").read_text())

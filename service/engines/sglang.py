@@ -5,7 +5,9 @@
 (``ModelInfo.max_seq_len``, the gateway's truncation limit too), drives:
 
 * ``--context-length`` = cap + 1 (SGLang 0.5.17 rejects an input of exactly its context
-  length, so the longest input the gateway sends must be one shorter);
+  length, so the longest input the gateway sends must be one shorter), and 5 more in
+  generation mode (Qwen3-Reranker), where its scheduler keeps 5 tokens of the context for output
+  (``max_req_input_len = max_req_len - 5``);
 * ``--chunked-prefill-size`` and ``--max-prefill-tokens`` = the batch token budget, raised
   to the cap so that one capped input always fits one prefill;
 * ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens``, else the budget (twice
@@ -135,6 +137,11 @@ def engine_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+#: tokens of the context SGLang 0.5.17's scheduler keeps for output in generation mode: a request
+#: of cap tokens needs a context of cap + 1 + this (the 0.6B refused 512 tokens with 513: "507 allowed")
+GENERATION_RESERVE = 5
+
+
 def model_mode(info: ModelInfo) -> list[str]:
     """``--is-embedding`` for embedding models and cross-encoders (their pooled logit comes back
     from ``/encode``); none for Qwen3-Reranker, which SGLang scores in generation mode
@@ -212,7 +219,7 @@ def build_launch(
         "--skip-tokenizer-init",
         "--attention-backend", backend,
         "--dtype", eng.dtype,
-        "--context-length", str(cap + 1),
+        "--context-length", str(cap + 1 + (GENERATION_RESERVE if info.scoring == "qwen3-reranker" else 0)),
         # no KV cache: each request in one forward, so K/V never outlives it
         "--chunked-prefill-size", str(budget) if kv_cache == "paged" else "-1",
         "--max-prefill-tokens", str(budget),
