@@ -57,7 +57,7 @@ def test_eos_is_appended_when_tokenizer_forgets(tiny_qwen_dir: Path, tmp_path: P
 
 
 class CountingTokenizer:
-    """A ``tokenizers.Tokenizer`` that counts its one-at-a-time encodes (the second look)."""
+    """A ``tokenizers.Tokenizer`` that counts the texts it encodes with offsets (the second look)."""
 
     def __init__(self, tok: object) -> None:
         self.tok, self.encodes = tok, 0
@@ -65,6 +65,10 @@ class CountingTokenizer:
     def encode(self, *args: object, **kwargs: object) -> object:
         self.encodes += 1
         return self.tok.encode(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def encode_batch(self, texts: list[str], **kwargs: object) -> object:
+        self.encodes += len(texts)
+        return self.tok.encode_batch(texts, **kwargs)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.tok, name)

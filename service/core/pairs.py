@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from embedserve.core.tokenize import UnknownTokens, unknown_tokens
+from embedserve.core.tokenize import UnknownTokens, unknown_tokens_of
 
 #: Qwen3-Reranker's prompt, from its model card.
 QWEN3_RERANK_PREFIX = (
@@ -109,20 +109,21 @@ class CrossEncoderPairs:
         limit = min(self.max_seq_len, cap or self.max_seq_len)
         budget = max(limit - self.frame, 2)
         q_ids = [e.ids for e in self._tok.encode_batch_fast(queries, add_special_tokens=False)]
-        out = []
-        for text, enc, qi in zip(
-            documents, self._tok.encode_batch_fast(documents, add_special_tokens=False), query_of, strict=True
-        ):
+        cut = []  # each pair's query and document ids as kept, and its length uncut
+        encoded = self._tok.encode_batch_fast(documents, add_special_tokens=False)
+        for enc, qi in zip(encoded, query_of, strict=True):
             q, d = q_ids[qi], enc.ids
             original = len(q) + len(d) + self.frame
             d = d[:document_cap] if document_cap else d
             nq, nd = longest_first(len(q), len(d), budget)
-            unknown = UnknownTokens.of(
-                unknown_tokens(self._tok, self.unknown_id, queries[qi], q[:nq]),
-                unknown_tokens(self._tok, self.unknown_id, text, d[:nd]),
-            )
-            out.append(PairIds(self.prefix + q[:nq] + self.middle + d[:nd] + self.suffix, original, unknown))
-        return out
+            cut.append((qi, q[:nq], d[:nd], original))
+        tok, unknown_id = self._tok, self.unknown_id
+        in_queries = unknown_tokens_of(tok, unknown_id, [queries[c[0]] for c in cut], [c[1] for c in cut])
+        in_documents = unknown_tokens_of(tok, unknown_id, documents, [c[2] for c in cut])
+        return [
+            PairIds(self.prefix + q + self.middle + d + self.suffix, original, UnknownTokens.of(uq, ud))
+            for (_, q, d, original), uq, ud in zip(cut, in_queries, in_documents, strict=True)
+        ]
 
 
 class YesNoPrompts:

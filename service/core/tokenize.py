@@ -78,14 +78,25 @@ def unknown_tokens(
 ) -> UnknownTokens | None:
     """The unknown tokens among ``kept`` (the ids of ``text`` that stay, as ``tok`` encodes it
     without special tokens: its first ones, or the ``spans`` of its ids they were taken from) and
-    the characters they cover; None when there are none. The fast batch encoding has no offsets,
-    so only a text that holds the unknown id is encoded again."""
-    if unknown_id is None or unknown_id not in kept:
-        return None
-    enc = tok.encode(text, add_special_tokens=False)
-    where = spans or [(0, min(len(kept), len(enc.ids)))]
-    found = [enc.offsets[i] for start, stop in where for i in range(start, stop) if enc.ids[i] == unknown_id]
-    return UnknownTokens(len(found), sum(end - start for start, end in found))
+    the characters they cover; None when there are none."""
+    return unknown_tokens_of(tok, unknown_id, [text], [kept], [spans])[0]
+
+
+def unknown_tokens_of(
+    tok: Tokenizer, unknown_id: int | None, texts: list[str], kept: list[list[int]],
+    spans: list[list[tuple[int, int]] | None] | None = None,
+) -> list[UnknownTokens | None]:
+    """``unknown_tokens`` of each text. The fast batch encoding has no offsets, so the texts that
+    hold the unknown id are encoded again, together in one batch call (parallel in Rust)."""
+    out: list[UnknownTokens | None] = [None] * len(texts)
+    todo = [i for i, k in enumerate(kept) if unknown_id is not None and unknown_id in k]
+    encodings = tok.encode_batch([texts[i] for i in todo], add_special_tokens=False) if todo else []
+    for i, enc in zip(todo, encodings, strict=True):
+        ids, offsets = enc.ids, enc.offsets  # each read of these builds a new list: once, not per token
+        where = (spans[i] if spans else None) or [(0, min(len(kept[i]), len(ids)))]
+        found = [offsets[t] for start, stop in where for t in range(start, stop) if ids[t] == unknown_id]
+        out[i] = UnknownTokens(len(found), sum(end - start for start, end in found))
+    return out
 
 
 def blank(text: str) -> bool:
@@ -178,7 +189,10 @@ class ModelTokenizer:
         out: list[TokenizedInput] = []
         for group in char_groups(texts, GROUP_CHARS):
             encodings = self._tok.encode_batch_fast(group, add_special_tokens=False)
-            for text, enc in zip(group, encodings, strict=True):
+            cut: list[tuple[list[int], list[int]]] = []  # each input's ids and the ids it keeps
+            seen: list[list[int]] = []
+            where: list[list[tuple[int, int]] | None] = []
+            for enc in encodings:
                 ids = enc.ids
                 kept = ids[:budget]
                 spans = [(0, len(kept))]
@@ -186,12 +200,14 @@ class ModelTokenizer:
                     head = min(keep_head, budget)
                     spans = [(0, head), (len(ids) - (budget - head), len(ids))]
                     kept = ids[:head] + ids[spans[1][0]:]
-                seen, where = (ids, [(0, len(ids))]) if whole else (kept, spans)
-                unknown = unknown_tokens(self._tok, self.unknown_id, text, seen, where)
-                content = ids if whole and len(ids) > budget else None
-                framed = self.prefix + kept + self.suffix
-                out.append(TokenizedInput(framed, len(ids) + frame, unknown, content))
+                cut.append((ids, kept))
+                seen.append(ids if whole else kept)
+                where.append([(0, len(ids))] if whole else spans)
             del encodings  # before the next group's are made
+            unknown = unknown_tokens_of(self._tok, self.unknown_id, group, seen, where)
+            for (ids, kept), unk in zip(cut, unknown, strict=True):
+                content = ids if whole and len(ids) > budget else None
+                out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unk, content))
         return out
 
     def offsets(self, texts: list[str]) -> list[list[tuple[int, int]]]:
