@@ -333,3 +333,21 @@ def test_a_gpu_engine_kind_without_a_gpu_is_one_sentence(kind: str, monkeypatch:
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ConfigError, match=f"is '{kind}', but no NVIDIA GPU is visible"):
         preflight.check_engine_kind(Settings(engine={"kind": kind}), kind)
+
+
+def test_auto_serves_a_reranker_on_a_gpu_with_the_torch_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedserve.runtime import model_plan
+
+    embedder = ModelInfo.load(Settings(model={"path": str(checkpoint(tmp_path, QWEN3_06B))}).model)
+    reranker = embedder.__class__(**{**embedder.__dict__, "scoring": "cross-encoder"})
+    monkeypatch.setattr(model_plan.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(model_plan, "gpu_count", lambda: 1)
+    auto = Settings()
+    assert model_plan.resolve_engine_kind(auto, reranker) == "torch"
+    assert model_plan.resolve_engine_kind(auto, embedder) == "sglang"
+    assert model_plan.resolve_engine_kind(auto) == "sglang"
+    assert model_plan.resolve_engine_kind(Settings(engine={"kind": "sglang"}), reranker) == "sglang"
+    monkeypatch.setattr(model_plan, "gpu_count", lambda: 0)
+    assert model_plan.resolve_engine_kind(auto, reranker) == "cpu"
