@@ -41,8 +41,9 @@ def load_sides(host: Host, shape: str, port: int) -> list[Side]:
     torch engine, vLLM tuned."""
     qwen3 = shape == QWEN3
     variants = [] if qwen3 else host.variants
-    return [Side("embedserve (SGLang)", UP, port, shape, ENV, tag=slug(f"rerank-gpu-{shape}-sglang")),
-            *(Side(f"embedserve {n}", UP, port + 10 * (k + 1), shape, ENV | env,
+    sglang = ENV | {"EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang"}  # auto gives a reranker torch
+    return [Side("embedserve (SGLang)", UP, port, shape, sglang, tag=slug(f"rerank-gpu-{shape}-sglang")),
+            *(Side(f"embedserve {n}", UP, port + 10 * (k + 1), shape, sglang | env,
                    tag=slug(f"rerank-gpu-{shape}-{n}")) for k, (n, env) in enumerate(variants)),
             Side("embedserve (torch engine)", UP, port + 40, shape, TORCH,
                  tag=slug(f"rerank-gpu-{shape}-torch")),
