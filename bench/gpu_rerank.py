@@ -40,13 +40,15 @@ def load_sides(host: Host, shape: str, port: int) -> list[Side]:
     """embedserve on SGLang, one more stack per --embedserve-variants entry (cross-encoder only), its
     torch engine, vLLM tuned."""
     qwen3 = shape == QWEN3
-    variants = [] if qwen3 else host.variants
+    kinds = [k.split(":")[-1] for k in host.rerank_sides if ":" not in k or k.startswith(f"{shape}:")]
+    variants = [] if qwen3 or "sglang" not in kinds else host.variants
     sglang = ENV | {"EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang"}  # auto gives a reranker torch
-    return [Side("embedserve (SGLang)", UP, port, shape, sglang, tag=slug(f"rerank-gpu-{shape}-sglang")),
+    return [*[Side("embedserve (SGLang)", UP, port, shape, sglang, tag=slug(f"rerank-gpu-{shape}-sglang"))
+              ] * ("sglang" in kinds),
             *(Side(f"embedserve {n}", UP, port + 10 * (k + 1), shape, sglang | env,
                    tag=slug(f"rerank-gpu-{shape}-{n}")) for k, (n, env) in enumerate(variants)),
-            Side("embedserve (torch engine)", UP, port + 40, shape, TORCH,
-                 tag=slug(f"rerank-gpu-{shape}-torch")),
+            *[Side("embedserve (torch engine)", UP, port + 40, shape, TORCH,
+                   tag=slug(f"rerank-gpu-{shape}-torch"))] * ("torch" in kinds),
             Side("vllm tuned", VLLM, port + 50, shape, args=VLLM_TUNED_ARGS + (QWEN3_VLLM if qwen3 else ()),
                  tag=slug(f"rerank-gpu-{shape}-vllm"), wrap=QWEN3_WRAP if qwen3 else ("{}", "{}"))]
 

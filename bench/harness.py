@@ -49,6 +49,7 @@ class Host:
     vllm_kv_tokens: int | None = None
     variants: tuple[tuple[str, dict[str, str]], ...] = ()  # embedserve sides beyond the defaults
     vllm_sides: tuple[str, ...] = ("vllm", "vllm tuned")  # the vllm scenario's vLLM sides
+    rerank_sides: tuple[str, ...] = ("sglang", "torch")  # rerank-gpu's embedserve engines, per shape
 
     @property
     def cpu(self) -> bool:

@@ -165,6 +165,8 @@ def parser() -> argparse.ArgumentParser:
     add("--vllm-shapes", default="0.6b,4b", help="the vllm scenario's models, in this order")
     add("--vllm-kv-tokens", type=int, help="vLLM's KV pool in tokens (default: embedserve's engine's)")
     add("--vllm-sides", default="vllm,vllm tuned", help=f"vLLM's sides (vllm): {', '.join(gs.VLLM_SIDES)}")
+    add("--rerank-sides", default="sglang,torch", help="rerank-gpu's embedserve engines: SHAPE:KIND or KIND, "
+        "comma-separated (qwen3-reranker-0.6b:sglang,torch: SGLang for Qwen3-Reranker only)")
     add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
                                                  f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 models={k: str(Path(v).resolve()) for k, v in (m.split("=", 1) for m in a.model)},
                 quality_corpus=a.quality_corpus,
                 vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
-                vllm_kv_tokens=a.vllm_kv_tokens, variants=variants, vllm_sides=tuple(vllm_sides))
+                vllm_kv_tokens=a.vllm_kv_tokens, variants=variants, vllm_sides=tuple(vllm_sides),
+                rerank_sides=tuple(a.rerank_sides.split(",")))
     every = plan(selected, tuple(shapes))
     for name in [*a.skip, *([a.until] if a.until else [])]:
         if name not in {s.name for s in every}:

@@ -335,7 +335,7 @@ def test_a_gpu_engine_kind_without_a_gpu_is_one_sentence(kind: str, monkeypatch:
         preflight.check_engine_kind(Settings(engine={"kind": kind}), kind)
 
 
-def test_auto_serves_a_reranker_on_a_gpu_with_the_torch_engine(
+def test_auto_serves_a_cross_encoder_on_a_gpu_with_the_torch_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from embedserve.runtime import model_plan
@@ -346,6 +346,8 @@ def test_auto_serves_a_reranker_on_a_gpu_with_the_torch_engine(
     monkeypatch.setattr(model_plan, "gpu_count", lambda: 1)
     auto = Settings()
     assert model_plan.resolve_engine_kind(auto, reranker) == "torch"
+    qwen3 = embedder.__class__(**{**embedder.__dict__, "scoring": "qwen3-reranker"})
+    assert model_plan.resolve_engine_kind(auto, qwen3) == "sglang"
     assert model_plan.resolve_engine_kind(auto, embedder) == "sglang"
     assert model_plan.resolve_engine_kind(auto) == "sglang"
     assert model_plan.resolve_engine_kind(Settings(engine={"kind": "sglang"}), reranker) == "sglang"

@@ -36,7 +36,7 @@ class EngineSettings(BaseModel):
 
     kind: Literal["auto", "cpu", "sglang", "torch", "external"] = Field(
         "auto",
-        description="auto: on a GPU, torch for a reranker and sglang for an embedding model; else cpu. "
+        description="auto: on a GPU, torch for a cross-encoder and sglang for other models; else cpu. "
         "torch: embedserve's own "
         "engine (the CPU engine's server) running the model on a GPU with torch and transformers "
         "(dtype auto = bfloat16, PyTorch's SDPA attention), for rerankers (docs/RERANK.md)",

@@ -37,7 +37,7 @@ class ConfigReport(Settings):
     limits: dict[str, Any] = Field(default_factory=dict)
 
 
-MACHINE_KIND = "derived from the machine and model (a GPU: torch for a reranker, else sglang; no GPU: cpu)"
+MACHINE_KIND = "derived from machine and model (a GPU: torch for a cross-encoder, else sglang; no GPU: cpu)"
 CORES = "derived from the machine (the cores this process may use: affinity, cgroup quota)"
 ENTRY_ENGINE = "derived: the engine section with the entry's engine over it, ports after the model before"
 

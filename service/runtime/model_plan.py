@@ -43,9 +43,9 @@ class PlannedModel:
 
 
 def resolve_engine_kind(settings: Settings, info: ModelInfo | None = None) -> str:
-    """``auto``: on an NVIDIA GPU, embedserve's torch engine for a reranker (``info``; on one H100
-    it scored a cross-encoder's pairs 1.1-2.1x faster than SGLang: docs/RERANK.md) and SGLang for
-    an embedding model; the CPU engine without a GPU."""
+    """``auto``: on an NVIDIA GPU, embedserve's torch engine for a cross-encoder (``info``; on one
+    H100 it scored pairs 1.1-2.1x faster than SGLang: docs/RERANK.md), SGLang for the rest; the CPU
+    engine without a GPU."""
     kind = settings.engine.kind
     if kind != "auto":
         return kind
@@ -53,8 +53,7 @@ def resolve_engine_kind(settings: Settings, info: ModelInfo | None = None) -> st
         return "external"
     if gpu_count() == 0:
         return "cpu"
-    reranker = info is not None and not info.embeds
-    if reranker and importlib.util.find_spec("torch"):
+    if info is not None and info.scoring == "cross-encoder" and importlib.util.find_spec("torch"):
         return "torch"
     return "sglang" if importlib.util.find_spec("sglang") else "cpu"
 
