@@ -9,10 +9,11 @@ metrics registry are shared.
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from embedserve.catalog import CatalogEntry
 from embedserve.config import GatewayLimits
+from embedserve.contracts.hybrid import SGLANG_OUTPUTS
 from embedserve.core.admission import TokenAdmission
 from embedserve.core.coalesce import Coalescer
 from embedserve.core.scorers import scorer_for
@@ -68,6 +69,8 @@ def build_runtime(
     settings = entry.settings
     gw, eng = settings.gateway, settings.engine
     entry.check_kind(info)
+    if settings.gateway_kind(engine_kind) == "sglang":  # its engines give a model's dense vector only
+        info = replace(info, outputs=tuple(o for o in info.outputs if o in SGLANG_OUTPUTS))
     limits = entry.limits(engine_kind)
     pool = EnginePool(
         settings.engine_urls(),

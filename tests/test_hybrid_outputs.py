@@ -216,6 +216,22 @@ def test_an_output_the_model_lacks_is_a_400_naming_its_outputs(engine: FakeEngin
     assert engine.calls == []
 
 
+def test_in_front_of_sglang_a_bge_m3_offers_its_dense_vector_only(engine: FakeEngine) -> None:
+    """SGLang's embedding path gives no sparse or ColBERT output: the gateway says so, and never
+    sends it a request it would answer with the dense vector alone."""
+    sglang = {"kind": "external", "urls": ["http://fake-engine"], "external_kind": "sglang"}
+    settings = Settings(engine=sglang, health={"sample_interval_s": 60}, _env_file=None)
+    info = dataclasses.replace(ModelInfo.load(settings.model), outputs=M3)
+    transport = httpx.ASGITransport(app=engine.app())
+    with TestClient(create_app(settings, info=info, engine_client=HttpxEngineClient(transport))) as c:
+        wait_ready(c)
+        assert c.get(f"/v1/models/{MODEL}").json()["outputs"] == ["dense"]
+        body = {"model": MODEL, "input": "a", "outputs": ["sparse"]}
+        err = assert_error(c.post("/v1/embeddings", json=body), 400, "outputs")
+        assert "['dense']" in str(err["message"])
+    assert engine.calls == []
+
+
 def test_a_sparse_only_model_refuses_the_dense_vector_and_scoring(engine: FakeEngine) -> None:
     with client_for(engine, ("sparse",)) as c:  # SPLADE
         wait_ready(c)

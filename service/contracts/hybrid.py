@@ -27,6 +27,11 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from embedserve.contracts.wire import EngineRequest, Matrix, Output, WireError, encode_base64
 
 OUTPUTS: tuple[Output, ...] = ("dense", "sparse", "colbert")
+#: What an SGLang 0.5.17 engine gives of a model's outputs: its dense vector. SGLang's one sparse
+#: path (``SGLANG_EMBEDDINGS_SPARSE_HEAD``, docs/SGLANG.md) swaps a whole engine's dense pooler for
+#: BGE-M3's sparse head; it has no ColBERT head and no SPLADE pooling. The gateway in front of
+#: SGLang engines offers only these.
+SGLANG_OUTPUTS: tuple[Output, ...] = ("dense",)
 
 
 class HybridRequest(EngineRequest):

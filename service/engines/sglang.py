@@ -29,17 +29,12 @@ from pathlib import Path
 
 from embedserve.config import Settings, load_settings
 from embedserve.contracts.launch import LaunchSpec
-from embedserve.contracts.wire import Output
 from embedserve.engines.forward import LaunchConfigError, resolve_engine
 from embedserve.engines.sizing import EnginesPlan, ModelShape, SizingError, plan_engines_per_gpu
 from embedserve.model_info import ModelInfo
 from embedserve.nvml import gpu_compute_capability, gpu_total_bytes
 
 SGLANG_VERSION = "0.5.17"
-#: What an SGLang engine gives of a model's outputs (``ModelInfo.outputs``): the dense vector.
-#: SGLang's one sparse path (``SGLANG_EMBEDDINGS_SPARSE_HEAD``, docs/SGLANG.md) swaps a whole
-#: engine's dense pooler for BGE-M3's sparse head; it has no ColBERT head and no SPLADE pooling.
-SERVED_OUTPUTS: tuple[Output, ...] = ("dense",)
 ALLOC_CONF = "expandable_segments:True"
 
 
@@ -148,7 +143,7 @@ def model_mode(info: ModelInfo) -> list[str]:
     (``/v1/score`` reads the "yes" and "no" logprobs; with ``--is-embedding`` it refuses).
     ``LaunchConfigError`` for a cross-encoder that reads segment types: SGLang 0.5.17 takes token
     type ids only from text it tokenises itself, and token ids come with none; for a model without
-    a dense vector (SPLADE: ``SERVED_OUTPUTS``)."""
+    a dense vector (SPLADE: ``contracts/hybrid.SGLANG_OUTPUTS``)."""
     if "dense" not in info.outputs:
         raise LaunchConfigError(
             f"{info.path} gives {', '.join(info.outputs)} vectors only, which SGLang 0.5.17 does not serve "
