@@ -225,8 +225,8 @@ TRACED = [up(f"tracing {name}", 8900 + 10 * i, **({"EMBEDSERVE_TRACING__ENDPOINT
               (("off", 0, ""), ("on, OTLP/HTTP", 14318, "http/protobuf"), ("on, OTLP/gRPC", 14319, "grpc")))]
 
 
-# dense only against dense + sparse + ColBERT from one forward of a model with BGE-M3's heads (random weights)
-# (a 512-token cap: the warm-up's longest input at BGE-M3's 8,192 left the engine at 20.8 GB)
+# dense only against dense + sparse + ColBERT from one forward of a model of BGE-M3's shape (random weights),
+# capped at 512 tokens: the warm-up's longest input at BGE-M3's 8,192 left the engine at 20.8 GB
 HYBRID = [Side("embedserve, BGE-M3 heads", UP, 8940, "bge-m3", CPU | {"EMBEDSERVE_MODEL__MAX_SEQ_LEN": "512"},
                tag="hybrid")]
 HYBRID_LOADS = [Case(f"64-word texts x 4 per request, 2 in flight, {name}", Load(

@@ -71,16 +71,12 @@ def step_model(host: Host, budget_end: float) -> dict[str, Any]:
     from embedserve.runtime.synth_model import build_qwen3_reranker
     from embedserve.runtime.synth_rerank import build_cross_encoder
 
-    built = {}
     for shape in PORTS:
-        out = Path(host.model(shape))
-        if not (out / "config.json").exists():
-            if shape == QWEN3:
-                build_qwen3_reranker(out, "tiny" if host.cpu else "0.6b", device=host.device)
-            else:
-                build_cross_encoder(out, "tiny-xlmr" if host.cpu else shape)
-        built[shape] = str(out)
-    return {"models": built}
+        if not ((out := Path(host.model(shape))) / "config.json").exists() and shape == QWEN3:
+            build_qwen3_reranker(out, "tiny" if host.cpu else "0.6b", device=host.device)
+        elif not (out / "config.json").exists():
+            build_cross_encoder(out, "tiny-xlmr" if host.cpu else shape)
+    return {"models": {shape: host.model(shape) for shape in PORTS}}
 
 
 def start_steps() -> list[Step]:
@@ -91,9 +87,7 @@ def start_steps() -> list[Step]:
 
 def shape_steps(shape: str, seed: int) -> list[Step]:
     port = PORTS[shape]
-
-    def sides(host: Host) -> list[Side]:
-        return load_sides(host, shape, port)
+    sides = partial(load_sides, shape=shape, port=port)
 
     def scored(host: Host) -> list[Side]:
         return [reference(shape, port + 60), *sides(host)]
