@@ -22,6 +22,7 @@ import embedserve
 from embedserve.catalog import served_models
 from embedserve.config import Settings
 from embedserve.config.gateway import api_keys
+from embedserve.contracts.hybrid import Output
 from embedserve.gateway.cohere_routes import add_cohere_routes
 from embedserve.gateway.engine_call import ServingGate
 from embedserve.gateway.errors import install_error_handlers
@@ -40,6 +41,7 @@ from embedserve.gateway.scoring import ScorePipeline
 from embedserve.gateway.served import ModelRouter, build_runtime
 from embedserve.gateway.tei_routes import add_tei_routes
 from embedserve.gateway.trim import MemoryTrimmer, glibc_malloc_trim
+from embedserve.gateway.vllm_routes import add_vllm_routes
 from embedserve.health import EngineView, create_health
 from embedserve.model_info import ModelInfo
 from embedserve.upstream.client import EngineClient
@@ -162,11 +164,17 @@ def create_app(
     add_score_routes(app, scoring, metrics)
     embedders = [r for r in runtimes if r.info.embeds] or runtimes
     add_cohere_routes(app, router.embed, metrics, embedders[0].name)
-    add_tei_routes(app, router.embed, metrics,
-                   lambda output: next((r for r in embedders if output in r.info.outputs), embedders[0]).name)
 
-    # the score routes keep vLLM's and TEI's paths, and TEI's sparse and per-token routes theirs
-    api = ("/v1", "/v2/", "/rerank", "/score", "/embed_sparse", "/embed_all")
+    def default_model(output: Output) -> str:
+        return next((r for r in embedders if output in r.info.outputs), embedders[0]).name
+
+    add_tei_routes(app, router.embed, metrics, default_model)
+    add_vllm_routes(app, router.embed, metrics, default_model,
+                    lambda name: next((r.info.outputs for r in runtimes if r.info.serves(name)), None))
+
+    # the score routes keep vLLM's and TEI's paths, TEI's sparse and per-token routes and vLLM's
+    # pooling route theirs
+    api = ("/v1", "/v2/", "/rerank", "/score", "/embed_sparse", "/embed_all", "/pooling")
     protected = (
         api + (("/health",) if gw.protect_health else ()) + (("/metrics",) if gw.protect_metrics else ())
     )
