@@ -69,8 +69,8 @@ def pooling(client: TestClient, **body: Any) -> PoolingResponse:
 def embeddings(client: TestClient, **body: Any) -> dict[str, Any]:
     r = client.post("/v1/embeddings", json={"model": MODEL, **body})
     assert r.status_code == 200, r.text
-    body: dict[str, Any] = r.json()
-    return body
+    answer: dict[str, Any] = r.json()
+    return answer
 
 
 def test_embed_answers_vllms_shape_with_the_dense_vectors_of_v1_embeddings(m3: TestClient) -> None:
