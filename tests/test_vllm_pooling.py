@@ -5,7 +5,6 @@ inputs (dense and ColBERT, floats and base64), the 400s, truncation, metrics and
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ConfigDict
 
+from tests import test_hybrid_outputs as hybrid
 from tests.conftest import metric_samples
 from tests.fake_engine import COLBERT_DIM, FakeEngine, fake_colbert
 from tests.test_gateway_unit import assert_error, wait_ready
@@ -45,16 +45,7 @@ class PoolingResponse(Strict):
     usage: UsageInfo
 
 
-@pytest.fixture()
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture()
-def m3(engine: FakeEngine) -> Iterator[TestClient]:
-    with client_for(engine, M3) as c:
-        wait_ready(c)
-        yield c
+engine, m3 = hybrid.engine, hybrid.m3  # its fixtures
 
 
 def pooling(client: TestClient, **body: Any) -> PoolingResponse:
