@@ -4,12 +4,12 @@ served by ``RouteFastPath`` (gateway/middleware.py), past FastAPI's router."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
@@ -20,6 +20,8 @@ from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.request_scope import ClientGone, Handler, answered, unless_gone
 from embedserve.gateway.schemas import EmbeddingRequest
 from embedserve.gateway.served import ModelRuntime
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -46,6 +48,27 @@ async def read_object(request: Request, metrics: GatewayMetrics) -> dict[str, An
     return parse_object(raw)
 
 
+async def read_body(
+    request: Request, metrics: GatewayMetrics, model: type[Body], accept_token_ids: bool = True
+) -> Body:
+    """The body as ``model``; ``APIError`` 400 naming the field for one that does not fit."""
+    obj = await read_object(request, metrics)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc, obj, accept_token_ids) from exc
+
+
+def counted(handle: Callable[[Request], Awaitable[Response]], metrics: GatewayMetrics) -> Handler:
+    """``handle`` answered in the envelope and counted with the embeddings routes' requests."""
+
+    def observe(status: int, seconds: float) -> None:
+        metrics.request_seconds.observe(seconds)
+        metrics.requests.labels(str(status)).inc()
+
+    return answered(handle, observe)
+
+
 def embeddings_handler(
     run: Callable[[EmbeddingRequest], Awaitable[EmbeddingResult]], metrics: GatewayMetrics,
     accept_token_ids: bool,
@@ -54,19 +77,11 @@ def embeddings_handler(
     ``run``: the request's model's pipeline; ``accept_token_ids``: as the gateway is set."""
 
     async def embeddings(request: Request) -> Response:
-        obj = await read_object(request, metrics)
-        try:
-            req = EmbeddingRequest.model_validate(obj)
-        except ValidationError as exc:
-            raise validation_error(exc, obj, accept_token_ids) from exc
+        req = await read_body(request, metrics, EmbeddingRequest, accept_token_ids)
         result = await unless_gone(request, run(req), metrics)
         return json_response(result.body, headers=result.headers)
 
-    def observe(status: int, seconds: float) -> None:
-        metrics.request_seconds.observe(seconds)
-        metrics.requests.labels(str(status)).inc()
-
-    return answered(embeddings, observe)
+    return counted(embeddings, metrics)
 
 
 def add_routes(

@@ -24,17 +24,16 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationError,
 )
 from starlette.responses import Response
 
 from embedserve.contracts.hybrid import Output
-from embedserve.gateway.errors import APIError, renamed, validation_error
+from embedserve.gateway.errors import APIError, renamed
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.priority import PRIORITY, Priority
-from embedserve.gateway.request_scope import Handler, answered, unless_gone
-from embedserve.gateway.routes import json_response, read_object
+from embedserve.gateway.request_scope import Handler, unless_gone
+from embedserve.gateway.routes import counted, json_response, read_body
 from embedserve.gateway.schemas import EmbeddingRequest
 
 #: our field names in error messages -> TEI's
@@ -100,11 +99,7 @@ def tei_handler(
     """``run``: the request's model's pipeline; ``default_model``: what a body without ``model`` gets."""
 
     async def handle(request: Request) -> Response:
-        obj = await read_object(request, metrics)
-        try:
-            body = TeiEmbedBody.model_validate(obj)
-        except ValidationError as exc:
-            raise validation_error(exc, obj) from exc
+        body = await read_body(request, metrics, TeiEmbedBody)
         try:
             req = to_request(body, output, body.model or default_model)
             result = await unless_gone(request, run(req), metrics)
@@ -112,11 +107,7 @@ def tei_handler(
             raise renamed(err, NAMES, PARAMS) from err
         return json_response(shape(result, output), headers=result.headers)
 
-    def observe(status: int, seconds: float) -> None:
-        metrics.request_seconds.observe(seconds)
-        metrics.requests.labels(str(status)).inc()
-
-    return answered(handle, observe)
+    return counted(handle, metrics)
 
 
 ROUTES: dict[str, Output] = {"/embed_sparse": "sparse", "/embed_all": "colbert"}

@@ -26,16 +26,16 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.responses import Response
 
 from embedserve.contracts.hybrid import Output
-from embedserve.gateway.errors import APIError, validation_error
+from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingResult
 from embedserve.gateway.priority import PRIORITY, Priority
-from embedserve.gateway.request_scope import Handler, answered, unless_gone
-from embedserve.gateway.routes import json_response, read_object
+from embedserve.gateway.request_scope import Handler, unless_gone
+from embedserve.gateway.routes import counted, json_response, read_body
 from embedserve.gateway.schemas import EmbeddingInput, EmbeddingRequest
 
 #: vLLM's pooling tasks
@@ -156,11 +156,7 @@ def pooling_handler(
     outputs (None: no such model)."""
 
     async def handle(request: Request) -> Response:
-        obj = await read_object(request, metrics)
-        try:
-            body = PoolingBody.model_validate(obj)
-        except ValidationError as exc:
-            raise validation_error(exc, obj) from exc
+        body = await read_body(request, metrics, PoolingBody)
         check_fields(body)
         model = body.model or default_model(TASKS.get(body.task, "dense"))
         output = check_task(body.task, model, outputs_of(model))
@@ -168,11 +164,7 @@ def pooling_handler(
         as_base64 = body.encoding_format == "base64"
         return json_response(response(result, output, as_base64, int(clock())), headers=result.headers)
 
-    def observe(status: int, seconds: float) -> None:
-        metrics.request_seconds.observe(seconds)
-        metrics.requests.labels(str(status)).inc()
-
-    return answered(handle, observe)
+    return counted(handle, metrics)
 
 
 def add_vllm_routes(
