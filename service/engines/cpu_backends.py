@@ -165,16 +165,19 @@ class TorchHeadsForward:
 
             return pooled(SentenceTransformer(str(info.path), device="cpu", local_files_only=True).eval())
 
+        self.device, dtype = torch_device(settings)
         self.module = load_hybrid_module(info, dense)
-        self.dimension = info.dimension
         self.vocab_size = self.module.vocab_size
-        self.description = f"torch ({', '.join(info.outputs)})"
+        self.module = self.module.to(self.device, dtype)
+        self.dimension = info.dimension
+        self.description = f"torch ({', '.join(info.outputs)}, {self.device}, {dtype})"
 
     def _run(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        with self._torch.inference_mode():
-            out = self.module(self._torch.from_numpy(ids), self._torch.from_numpy(mask))
-        return {name: t.numpy() for name, t in zip(self.names, out if isinstance(out, tuple) else (out,),
-                                                   strict=True)}
+        torch = self._torch
+        with torch.inference_mode():
+            out = self.module(torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device))
+            outs = out if isinstance(out, tuple) else (out,)
+            return {name: t.float().cpu().numpy() for name, t in zip(self.names, outs, strict=True)}
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return self._run(ids, mask)[VECTORS_OUTPUT]
