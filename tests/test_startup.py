@@ -197,7 +197,10 @@ def test_ctrl_c_while_starting_exits_fast_with_130(tmp_path: Path) -> None:
         took = time.monotonic() - t0
         print(f"{moment}: stopped {took:.2f} s after Ctrl-C, exit {stack.proc.returncode}")
         assert took < NO_HANG_S
-        assert stack.proc.returncode == (0 if was_up else 130), stack.log_text()[-2000:]
+        # while Python still loads, a Ctrl-C may end the process by the signal itself: the shell
+        # reports that as 130 too (128 + SIGINT), which is what a user sees
+        expected = {0} if was_up else {130, -signal.SIGINT} if moment == "loading" else {130}
+        assert stack.proc.returncode in expected, stack.log_text()[-2000:]
         assert "Traceback" not in stack.log_text()
 
 
