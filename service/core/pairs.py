@@ -118,7 +118,11 @@ class CrossEncoderPairs:
             nq, nd = longest_first(len(q), len(d), budget)
             cut.append((qi, q[:nq], d[:nd], original))
         tok, unknown_id = self._tok, self.unknown_id
-        in_queries = unknown_tokens_of(tok, unknown_id, [queries[c[0]] for c in cut], [c[1] for c in cut])
+        kept_queries = sorted({(qi, len(q)) for qi, q, _, _ in cut})  # a query once per length kept
+        found = unknown_tokens_of(tok, unknown_id, [queries[qi] for qi, _ in kept_queries],
+                                  [q_ids[qi][:n] for qi, n in kept_queries])
+        of_query = dict(zip(kept_queries, found, strict=True))
+        in_queries = [of_query[(qi, len(q))] for qi, q, _, _ in cut]
         in_documents = unknown_tokens_of(tok, unknown_id, documents, [c[2] for c in cut])
         return [
             PairIds(self.prefix + q + self.middle + d + self.suffix, original, UnknownTokens.of(uq, ud))

@@ -72,22 +72,14 @@ class TokenizedInput:
         return ItemTokens(self.original_tokens, kept, self.unknown)
 
 
-def unknown_tokens(
-    tok: Tokenizer, unknown_id: int | None, text: str, kept: list[int],
-    spans: list[tuple[int, int]] | None = None,
-) -> UnknownTokens | None:
-    """The unknown tokens among ``kept`` (the ids of ``text`` that stay, as ``tok`` encodes it
-    without special tokens: its first ones, or the ``spans`` of its ids they were taken from) and
-    the characters they cover; None when there are none."""
-    return unknown_tokens_of(tok, unknown_id, [text], [kept], [spans])[0]
-
-
 def unknown_tokens_of(
     tok: Tokenizer, unknown_id: int | None, texts: list[str], kept: list[list[int]],
     spans: list[list[tuple[int, int]] | None] | None = None,
 ) -> list[UnknownTokens | None]:
-    """``unknown_tokens`` of each text. The fast batch encoding has no offsets, so the texts that
-    hold the unknown id are encoded again, together in one batch call (parallel in Rust)."""
+    """The unknown tokens among each text's ``kept`` ids (as ``tok`` encodes it without special
+    tokens: its first ones, or the ``spans`` of its ids they were taken from) and the characters
+    they cover; None for a text with none. The fast batch encoding has no offsets, so the texts
+    that hold the unknown id are encoded again, together in one batch call (parallel in Rust)."""
     out: list[UnknownTokens | None] = [None] * len(texts)
     todo = [i for i, k in enumerate(kept) if unknown_id is not None and unknown_id in k]
     encodings = tok.encode_batch([texts[i] for i in todo], add_special_tokens=False) if todo else []
