@@ -18,18 +18,17 @@ are ignored, as vLLM's server does (it logs them); fields we cannot honour are r
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.responses import Response
 
 from embedserve.contracts.hybrid import Output
+from embedserve.contracts.wire import encode_base64
 from embedserve.gateway.errors import APIError
 from embedserve.gateway.metrics import GatewayMetrics
 from embedserve.gateway.pipeline import EmbeddingResult
@@ -127,7 +126,7 @@ def pooled(result: EmbeddingResult, output: Output, as_base64: bool) -> list[Any
     assert answer is not None and answer.colbert is not None
     if not as_base64:
         return [item["colbert_embedding"] for item in result.body["data"]]
-    return [base64.b64encode(np.asarray(m, dtype="<f4").tobytes()).decode("ascii") for m in answer.colbert]
+    return [encode_base64(m.reshape(1, -1))[0] for m in answer.colbert]  # one string holds all its rows
 
 
 def response(result: EmbeddingResult, output: Output, as_base64: bool, created: int) -> dict[str, Any]:

@@ -215,11 +215,12 @@ class TorchScoreForward:
 
     def with_tokens(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Never called: the engine refuses late chunking for a model that does not embed
-        (``cpu._late_problem``) before it reaches the forward; the protocol asks for it."""
+        (``cpu._extension_problem``) before it reaches the forward; the protocol asks for it."""
         raise NotImplementedError("a reranker's forward gives scores, not token states")
 
     def heads(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        """Never called: the engine refuses ``outputs`` for a reranker (``cpu._outputs_problem``)."""
+        """Never called: the engine refuses ``outputs`` for a reranker (``cpu._extension_problem``,
+        ``hybrid_rows.outputs_problem``) before it reaches the forward; the protocol asks for it."""
         raise NotImplementedError("a reranker's forward gives scores, not an embedding model's outputs")
 
 
