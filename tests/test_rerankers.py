@@ -34,7 +34,7 @@ from embedserve.engines.onnx_export import export_folder
 from embedserve.engines.sglang import LaunchConfigError, build_launch
 from embedserve.model_info import ModelInfo
 from embedserve.settings_errors import ConfigError
-from embedserve.upstream.protocols import ENCODE, LabelScores
+from embedserve.upstream.protocols import ENCODE, protocol_for
 from tests.conftest import CROSS_ENCODER, MINILM_DIR, QWEN3_RERANKER, RunningStack, start_stack, wait_until
 from tests.test_models import EMBED
 
@@ -322,12 +322,11 @@ def test_sglang_launches_rerankers_in_the_mode_that_scores_them(
         },
     )
     flags = json.loads((Path(__file__).parent / "fixtures" / "sglang_0.5.17_flags.json").read_text())["flags"]
-    for folder, embedding in ((xlmr, True), (qwen, False)):
+    for folder, cap in ((xlmr, 512), (qwen, 8192)):  # Qwen3-Reranker too: its score head is the pooler
         argv = build_launch(Settings(_env_file=None, model={"path": str(folder)})).argv
-        assert ("--is-embedding" in argv) is embedding and "--skip-tokenizer-init" in argv
+        assert "--is-embedding" in argv and "--skip-tokenizer-init" in argv
         assert {a for a in argv if a.startswith("--")} <= set(flags)
-        # generation mode keeps 5 tokens for output: a capped prompt still fits
-        assert argv[argv.index("--context-length") + 1] == str(513 if embedding else 8192 + 1 + 5)
+        assert argv[argv.index("--context-length") + 1] == str(cap + 1)
     with pytest.raises(LaunchConfigError, match=r"token type ids.*engine\.kind=cpu"):
         build_launch(Settings(_env_file=None, model={"path": str(tiny_cross_encoder_dir)}))
     config = json.loads((xlmr / "config.json").read_text())
@@ -354,20 +353,20 @@ def test_a_one_segment_xlmr_cross_encoder_scores_as_transformers_and_runs_on_sgl
     assert "--is-embedding" in build_launch(s.with_engine(kind="sglang")).argv
 
 
-def test_sglangs_answers_become_one_logit_per_input() -> None:
-    """/encode answers a list (one input: the object alone) with the logit as a number;
-    /v1/score the normalised "no" and "yes" probabilities."""
+def test_sglangs_answers_become_one_logit_per_input(
+    tiny_reranker_dir: Path, tiny_cross_encoder_dir: Path
+) -> None:
+    """/encode answers a list (one input: the object alone) with the logit as a number, or a
+    list of one (SGLang's pooler output: a cross-encoder's, or Qwen3-Reranker's score head); an
+    engine without the head (a normalised hidden state) is refused, not read as a score."""
+    for folder in (tiny_reranker_dir, tiny_cross_encoder_dir):
+        info = ModelInfo.load(Settings(_env_file=None, model={"path": str(folder)}).model)
+        assert protocol_for(info) is ENCODE
     rows = ENCODE.decode(b'[{"embedding": 1.5, "meta_info": {}}, {"embedding": [-2.0], "meta_info": {}}]', 2)
     assert rows[:, 0].tolist() == [1.5, -2.0]
     assert ENCODE.decode(b'{"embedding": 0.25, "meta_info": {}}', 1)[:, 0].tolist() == [0.25]
     assert json.loads(ENCODE.encode("m", [[1, 2]], False)) == {"input_ids": [1, 2]}
-    scores = LabelScores(no_id=2152, yes_id=9693)
-    body = json.loads(scores.encode("m", [[5, 6], [7]], False))
-    assert (
-        body["items"] == [[5, 6], [7]] and body["label_token_ids"] == [2152, 9693] and body["apply_softmax"]
-    )
-    logits = scores.decode(json.dumps({"scores": [[0.2, 0.8], [0.5, 0.5]]}).encode(), 2)[:, 0]
-    np.testing.assert_allclose(logits, [np.log(4.0), 0.0], atol=1e-6)
-    for bad, n in ((b'[{"embedding": "x"}]', 1), (b'[{"embedding": 1.0}]', 2), (b"{}", 1)):
+    for bad, n in ((b'[{"embedding": "x"}]', 1), (b'[{"embedding": 1.0}]', 2), (b"{}", 1),
+                   (b'[{"embedding": [0.6, 0.8]}]', 1)):
         with pytest.raises(WireError):
             ENCODE.decode(bad, n)

@@ -328,7 +328,7 @@ def test_no_kv_cache_only_where_sglang_allows_it(
     assert "--prefill-only-disable-kv-cache" in auto
 
 
-def test_the_pooled_last_layer_is_for_qwen3_embedding_models_without_compiled_prefill_graphs(
+def test_the_pooled_last_layer_is_for_last_token_qwen3_models_without_compiled_prefill_graphs(
     model_dir: Path, tmp_path: Path
 ) -> None:
     spec = build_launch(make(model_dir, pooled_last_layer=True))
@@ -341,8 +341,7 @@ def test_the_pooled_last_layer_is_for_qwen3_embedding_models_without_compiled_pr
     (reranker / "config.json").write_text(json.dumps(
         {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
          "max_position_embeddings": 4096}))
-    with pytest.raises(LaunchConfigError, match=r"needs a Qwen3 embedding model .* is a reranker"):
-        build_launch(make(reranker, pooled_last_layer=True))
+    build_launch(make(reranker, pooled_last_layer=True))  # Qwen3-Reranker pools its last token too
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64,
@@ -433,8 +432,8 @@ def cross_encoder(tmp_path: Path) -> Path:
      "the GPU has compute capability 10.0, not 9.x"),
     ("no GPU", {"attention_backend": "fa3"}, None, "no GPU was found (NVML), not 9.x"),
     ("FP8", {"quantization": "fp8"}, (9, 0), "engine.quantization is fp8"),
-    ("Qwen3-Reranker", {"model": "reranker"}, (9, 0), "rr is not a Qwen3 embedding model"),
-    ("cross-encoder", {"model": "cross-encoder"}, (9, 0), "ce is not a Qwen3 embedding model"),
+    ("cross-encoder", {"model": "cross-encoder"}, (9, 0),
+     "ce is not a Qwen3 embedding model or Qwen3-Reranker"),
 ])
 def test_the_paged_forward_stays_where_the_embedding_only_one_was_not_measured_or_cannot_run(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
@@ -450,6 +449,15 @@ def test_the_paged_forward_stays_where_the_embedding_only_one_was_not_measured_o
     assert f"kv_cache auto: paged, because {why}" in "\n".join(spec.notes)
     assert any(n.startswith("overlap_schedule auto: off, because kv_cache is paged") for n in spec.notes)
     assert any(n.startswith("pooled_last_layer auto: off, because") for n in spec.notes)
+
+
+def test_qwen3_reranker_gets_the_embedding_only_forward_on_hopper(tmp_path: Path) -> None:
+    """Its score head reads the last token as Qwen3-Embedding's pooler does (label_head.py)."""
+    spec = build_launch(make(qwen3_reranker(tmp_path)), gpu_capability=(9, 0), fa3=True)
+    assert "--prefill-only-disable-kv-cache" in spec.argv and "--disable-overlap-schedule" not in spec.argv
+    assert "--is-embedding" in spec.argv
+    assert launched_engine(spec)["pooled_last_layer"] is True
+    assert any(n.startswith("kv_cache auto: none (no KV pool)") for n in spec.notes)
 
 
 def test_the_pooled_last_layer_stays_off_by_itself_beside_compiled_prefill_graphs(model_dir: Path) -> None:

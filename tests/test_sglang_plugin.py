@@ -292,6 +292,25 @@ def test_the_vectorised_cross_encoder_adds_its_model_hook_only_when_asked(
         (f"{cross_encoder.MODEL_CLASS}.__init__", cross_encoder.after_init, "after")]
 
 
+def test_a_qwen3_reranker_engine_gets_its_score_head(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     tiny_reranker_dir: Path) -> None:
+    """With its "yes" and "no" ids read from the model's tokenizer; other models get none."""
+    from embedserve.core.pairs import label_ids
+    from embedserve.engines import label_head
+
+    monkeypatch.chdir(tmp_path)
+    registered = _fake_sglang(monkeypatch)
+    monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
+    sglang_plugin.register()
+    assert not [t for t, _, _ in registered if ".models." in t]
+    monkeypatch.setenv("EMBEDSERVE_MODEL__PATH", str(tiny_reranker_dir))
+    sglang_plugin.register()
+    heads = [(t, h, k) for t, h, k in registered if ".models." in t]
+    assert [(t, k) for t, _, k in heads] == [(f"{label_head.MODEL_CLASS}.__init__", "after")]
+    no, yes = label_ids(tiny_reranker_dir)
+    assert heads[0][1].func is label_head.after_init and heads[0][1].keywords == {"yes_id": yes, "no_id": no}
+
+
 def test_hook_targets_exist_in_sglang_0_5_17() -> None:
     """The targets are methods that SGLang 0.5.17 defines, read from its wheel
     (tests/fixtures/extract_sglang_hooks.py), and the registry API the plugin calls exists."""

@@ -1,19 +1,17 @@
 """The engine wire format of rerankers, as SGLang 0.5.17 speaks it with ``--skip-tokenizer-init``;
 the CPU engine speaks the same, so the gateway cannot tell the two apart (as for embeddings).
 
-- a cross-encoder: ``POST /encode`` ``{"input_ids": [[ids], ...]}`` (one input: a flat list) ->
-  ``[{"embedding": score, "meta_info": {...}}, ...]`` (one input: the object alone); the score is
-  the classifier's logit (SGLang applies ``sbert_ce_default_activation_function`` when the
-  checkpoint names one, else none);
-- Qwen3-Reranker: ``POST /v1/score`` ``{"query": [ids], "items": [[ids], ...], "label_token_ids":
-  [no, yes], "apply_softmax": true}`` -> ``{"scores": [[p_no, p_yes], ...]}``: each label token's
-  probability after ``query + item``, normalised over the labels.
+A reranker (a cross-encoder, or Qwen3-Reranker with its score head): ``POST /encode``
+``{"input_ids": [[ids], ...]}`` (one input: a flat list) -> ``[{"embedding": score, "meta_info":
+{...}}, ...]`` (one input: the object alone); the score is the classifier's logit (SGLang applies
+``sbert_ce_default_activation_function`` when the checkpoint names one, else none), or
+Qwen3-Reranker's ``logit(yes) - logit(no)``.
 """
 
 from __future__ import annotations
 
 import orjson
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 
 class EncodeRequest(BaseModel):
@@ -30,40 +28,11 @@ class EncodeRequest(BaseModel):
         return bool(self.input_ids) and isinstance(self.input_ids[0], int)
 
 
-class LabelScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = ""
-    query: list[StrictInt] = []
-    items: list[list[StrictInt]]
-    label_token_ids: list[StrictInt]
-    apply_softmax: StrictBool = False
-
-    def batch(self) -> list[list[int]]:
-        return [self.query + item for item in self.items]
-
-
 def encode_request(batch: list[list[int]]) -> bytes:
     # one input goes as a flat list: SGLang 0.5.17's own warm-up says a list of one fails
     return orjson.dumps({"input_ids": batch[0] if len(batch) == 1 else batch})
 
 
-def label_score_request(model: str, batch: list[list[int]], no_id: int, yes_id: int) -> bytes:
-    body = {
-        "model": model,
-        "query": [],
-        "items": batch,
-        "label_token_ids": [no_id, yes_id],
-        "apply_softmax": True,
-    }
-    return orjson.dumps(body)
-
-
 def encode_response(scores: list[float], tokens: list[int], single: bool) -> bytes:
     items = [{"embedding": s, "meta_info": {"prompt_tokens": n}} for s, n in zip(scores, tokens, strict=True)]
     return orjson.dumps(items[0] if single else items)
-
-
-def label_score_response(model: str, probabilities: list[list[float]], tokens: int) -> bytes:
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    return orjson.dumps({"scores": probabilities, "model": model, "usage": usage, "object": "scoring"})

@@ -37,7 +37,6 @@ from embedserve.config import Settings, load_settings
 from embedserve.contracts import hybrid, late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
-from embedserve.core.pairs import label_ids
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
 from embedserve.engines.hybrid_rows import HybridAnswer, dropped_ids, outputs_problem, pool_spans
@@ -72,8 +71,6 @@ class CpuEmbedder:
         self.forward = load_forward(settings)
         self.info = ModelInfo.load(settings.model)
         self.max_seq_len = self.info.max_seq_len
-        # Qwen3-Reranker's "no" and "yes" ids, the labels its /v1/score answers for
-        self.labels = label_ids(self.info.path) if self.info.scoring == "qwen3-reranker" else ()
         self.token_budget = settings.engine.batch_token_budget
         if "dense" not in self.info.outputs:  # SPLADE
             self.token_budget = min(self.token_budget, MAX_LOGITS_BYTES // (4 * self.info.dimension))
@@ -323,45 +320,17 @@ def create_engine_app(
 
     @app.post("/encode")
     async def encode(request: Request) -> Response:
-        """A cross-encoder's logits, as SGLang's /encode gives them (contracts/score_wire.py)."""
-        if state["embedder"].info.scoring != "cross-encoder":
+        """A reranker's logits, as SGLang's /encode gives them (contracts/score_wire.py)."""
+        if state["embedder"].info.embeds:
             return _error(
                 400,
-                "/encode scores pairs with a cross-encoder; this engine serves "
-                f"{state['embedder'].info.scoring}",
+                "/encode scores pairs with a reranker; this engine serves an embedding model",
             )
         got = await _call(request, score_wire.EncodeRequest, "{'input_ids': [[token ids], ...]}")
         if isinstance(got, Response):
             return got
         req, batch, rows = got
         return _json(score_wire.encode_response(rows[:, 0].tolist(), [len(x) for x in batch], req.single))
-
-    @app.post("/v1/score")
-    async def score(request: Request) -> Response:
-        """Qwen3-Reranker's "no" and "yes" probabilities after each prompt, normalised over the
-        two (SGLang's /v1/score with apply_softmax)."""
-        e: CpuEmbedder = state["embedder"]
-        labels = list(e.labels)
-        if e.info.scoring != "qwen3-reranker":
-            return _error(
-                400, f"/v1/score scores Qwen3-Reranker's labels; this engine serves {e.info.scoring}"
-            )
-        got = await _call(
-            request,
-            score_wire.LabelScoreRequest,
-            "{'items': [[token ids], ...], 'label_token_ids': [no, yes]}",
-        )
-        if isinstance(got, Response):
-            return got
-        req, batch, rows = got
-        if req.label_token_ids != labels or not req.apply_softmax:
-            return _error(
-                400,
-                f"this engine scores the labels {labels} of Qwen3-Reranker, normalised (apply_softmax true)",
-            )
-        yes = 1.0 / (1.0 + np.exp(-rows[:, 0].astype(np.float64)))
-        probabilities = np.stack([1.0 - yes, yes], axis=1).tolist()
-        return _json(score_wire.label_score_response(name, probabilities, sum(map(len, batch))))
 
     return app
 

@@ -1,6 +1,6 @@
 """Which forward SGLang runs, and why: every ``auto`` of the engine's forward resolved from the GPU,
 sgl-kernel and the model (docs/SGLANG.md, "The embedding-only forward"). On Hopper, for an
-unquantised Qwen3 embedding model with the prefix cache off, that is no KV pool
+unquantised Qwen3 embedding model or Qwen3-Reranker with the prefix cache off, that is no KV pool
 (``kv_cache=none``), the overlap scheduler and the pooled last layer; elsewhere the paged path."""
 
 from __future__ import annotations
@@ -21,12 +21,18 @@ def compiles_prefill(extra_args: list[str]) -> bool:
     return any("tc_piecewise" in arg for arg in extra_args)
 
 
+def last_token_qwen3(info: ModelInfo) -> bool:
+    """A Qwen3 model whose output is read from each sequence's last token: Qwen3-Embedding's
+    vector, or Qwen3-Reranker's label logit (``label_head.py``)."""
+    return info.is_qwen3 and info.scoring in ("cosine", "qwen3-reranker")
+
+
 def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
     """``engine.pooled_last_layer`` needs what its hooks assume (embedserve/engines/pooled_layer.py)."""
-    if not (info.is_qwen3 and info.embeds):
-        what = "not a Qwen3 model" if not info.is_qwen3 else "a reranker"
-        raise LaunchConfigError(f"engine.pooled_last_layer needs a Qwen3 embedding model (last-token "
-                                f"pooling), but {info.path} is {what}: turn it off")
+    if not last_token_qwen3(info):
+        what = "not a Qwen3 model" if not info.is_qwen3 else "a cross-encoder"
+        raise LaunchConfigError(f"engine.pooled_last_layer needs a Qwen3 embedding model or Qwen3-Reranker "
+                                f"(last-token pooling), but {info.path} is {what}: turn it off")
     if compiles_prefill(extra_args):
         raise LaunchConfigError("engine.pooled_last_layer does not go with SGLang's tc_piecewise prefill "
                                 "graphs (engine.extra_args), which compile the forward it hooks: drop one")
@@ -76,7 +82,8 @@ def embedding_only_blocker(
 ) -> str | None:
     """Why the embedding-only forward (no KV pool, overlap scheduler, pooled last layer) is not the
     default here, or None where it is: where SGLang 0.5.17 allows no KV pool (an FA prefill backend,
-    no radix cache) and where it was measured (Qwen3 embedding models in bf16 on Hopper)."""
+    no radix cache) and where it was measured (Qwen3 embedding models and Qwen3-Reranker in bf16 on
+    Hopper)."""
     eng = settings.engine
     if backend not in RAW_KV_BACKENDS:
         return f"attention backend {backend!r} is not fa3 or fa4"
@@ -84,8 +91,8 @@ def embedding_only_blocker(
         return "engine.prefix_cache is on"
     if capability is None or capability[0] != 9:
         return f"{describe_gpu(capability)}, not 9.x (measured on Hopper only)"
-    if not (info.is_qwen3 and info.embeds):
-        return f"{info.path.name} is not a Qwen3 embedding model (measured on those only)"
+    if not last_token_qwen3(info):
+        return f"{info.path.name} is not a Qwen3 embedding model or Qwen3-Reranker (measured on those only)"
     if eng.quantization != "none":
         return (f"engine.quantization is {eng.quantization} (its vectors were not compared with the "
                 "embedding-only forward's yet)")
@@ -108,7 +115,7 @@ def resolve_kv_cache(settings: Settings, info: ModelInfo, backend: str,
         return "paged"
     notes.append(f"kv_cache auto: none (no KV pool), because {describe_gpu(capability)}, the attention "
                  f"backend is {backend}, engine.prefix_cache is off and {info.path.name} is a Qwen3 "
-                 "embedding model, unquantised")
+                 "embedding model or Qwen3-Reranker, unquantised")
     return "none"
 
 
@@ -133,11 +140,12 @@ def resolve_pooled_last_layer(asked: bool | str, kv_cache: str, info: ModelInfo,
         check_pooled_last_layer(info, extra_args)
     if asked != "auto":
         return bool(asked)
-    why_not = (f"{info.path.name} is not a Qwen3 embedding model" if not (info.is_qwen3 and info.embeds)
+    why_not = (f"{info.path.name} is not a Qwen3 embedding model or Qwen3-Reranker"
+               if not last_token_qwen3(info)
                else "engine.extra_args asks for tc_piecewise prefill graphs" if compiles_prefill(extra_args)
                else "kv_cache is paged" if kv_cache != "none" else None)
     notes.append(f"pooled_last_layer auto: off, because {why_not}" if why_not else
-                 "pooled_last_layer auto: on, because kv_cache is none on a Qwen3 embedding model")
+                 "pooled_last_layer auto: on, because kv_cache is none on a last-token Qwen3 model")
     return why_not is None
 
 

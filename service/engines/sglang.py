@@ -132,25 +132,18 @@ def engine_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-#: tokens of the context SGLang 0.5.17's scheduler keeps for output in generation mode: a request
-#: of cap tokens needs a context of cap + 1 + this (the 0.6B refused 512 tokens with 513: "507 allowed")
-GENERATION_RESERVE = 5
-
-
 def model_mode(info: ModelInfo) -> list[str]:
-    """``--is-embedding`` for embedding models and cross-encoders (their pooled logit comes back
-    from ``/encode``); none for Qwen3-Reranker, which SGLang scores in generation mode
-    (``/v1/score`` reads the "yes" and "no" logprobs; with ``--is-embedding`` it refuses).
-    ``LaunchConfigError`` for a cross-encoder that reads segment types: SGLang 0.5.17 takes token
-    type ids only from text it tokenises itself, and token ids come with none; for a model without
-    a dense vector (SPLADE: ``contracts/hybrid.SGLANG_OUTPUTS``)."""
+    """``--is-embedding`` for every model: embedding models, cross-encoders (their pooled logit
+    comes back from ``/encode``) and Qwen3-Reranker (the plugin's score head gives its label logit
+    from ``/encode`` as well: ``label_head.py``). ``LaunchConfigError`` for a cross-encoder that
+    reads segment types: SGLang 0.5.17 takes token type ids only from text it tokenises itself,
+    and token ids come with none; for a model without a dense vector (SPLADE:
+    ``contracts/hybrid.SGLANG_OUTPUTS``)."""
     if "dense" not in info.outputs:
         raise LaunchConfigError(
             f"{info.path} gives {', '.join(info.outputs)} vectors only, which SGLang 0.5.17 does not serve "
             "(it gives a model's dense vector): serve it on the CPU engine (engine.kind=cpu)"
         )
-    if info.scoring == "qwen3-reranker":
-        return []
     if info.scoring == "cross-encoder":
         config = json.loads((info.path / "config.json").read_text())
         if int(config.get("type_vocab_size") or 1) > 1:
@@ -214,7 +207,7 @@ def build_launch(
         "--skip-tokenizer-init",
         "--attention-backend", backend,
         "--dtype", eng.dtype,
-        "--context-length", str(cap + 1 + (GENERATION_RESERVE if info.scoring == "qwen3-reranker" else 0)),
+        "--context-length", str(cap + 1),
         # no KV cache: each request in one forward, so K/V never outlives it
         "--chunked-prefill-size", str(budget) if kv_cache == "paged" else "-1",
         "--max-prefill-tokens", str(budget),

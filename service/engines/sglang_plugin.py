@@ -12,6 +12,9 @@ process and again at the top of ``run_scheduler_process`` in every scheduler pro
 * ``Scheduler.on_idle``: the loop's idle branch, so statistics stay fresh when no traffic
   comes.
 
+Where the engine serves Qwen3-Reranker, an AFTER hook on the model's ``__init__`` gives it a score
+head in place of its embedding pooler (``label_head.py``).
+
 A third hook, an AFTER hook of its own on ``Scheduler.process_batch_result``, mends
 sglang#22518 for the overlap scheduler (``engine.overlap_schedule``): there the next batch is
 built before the last one's results are processed, so the running batch still holds the last
@@ -318,6 +321,23 @@ def register() -> None:
         from embedserve.engines import cross_encoder
 
         cross_encoder.register(HookRegistry, HookType)
+    if labels := reranker_labels(settings):
+        from embedserve.engines import label_head
+
+        label_head.register(HookRegistry, HookType, yes_id=labels[1], no_id=labels[0])
+
+
+def reranker_labels(settings: Settings) -> tuple[int, int] | None:
+    """Qwen3-Reranker's "no" and "yes" token ids where this engine serves one (its score head,
+    ``label_head.py``), else None."""
+    from embedserve.model_info import ModelInfo
+
+    info = ModelInfo.load(settings.model)
+    if info.scoring != "qwen3-reranker":
+        return None
+    from embedserve.core.pairs import label_ids
+
+    return label_ids(info.path)
 
 
 def pooled_row_slots(settings: Settings) -> int:
