@@ -304,14 +304,16 @@ def test_torch_engines_run_the_own_engine_each_on_its_gpu(tmp_path: Path) -> Non
     assert "CUDA_VISIBLE_DEVICES" not in engine_launch(settings, "cpu", 3).env
 
 
-def test_torch_engines_per_gpu_are_as_asked_and_auto_is_one(tmp_path: Path) -> None:
+def test_torch_engines_per_gpu_are_as_asked_and_auto_is_two(tmp_path: Path) -> None:
     folder = checkpoint(tmp_path, QWEN3_06B)
     settings = Settings(model={"path": str(folder)})
     info = ModelInfo.load(settings.model)
-    assert resolve_engines_per_gpu(settings, info, "torch").engine.engines_per_gpu == 1
-    two = settings.with_engine(engines_per_gpu=2)
-    assert resolve_engines_per_gpu(two, info, "torch").engine.engines_per_gpu == 2
-    assert resolve_engines_per_gpu(two, info, "cpu").engine.engines_per_gpu == 1
+    assert resolve_engines_per_gpu(settings, info, "torch").engine.engines_per_gpu == 2
+    one = settings.with_engine(engines_per_gpu=1)
+    assert resolve_engines_per_gpu(one, info, "torch").engine.engines_per_gpu == 1
+    three = settings.with_engine(engines_per_gpu=3)
+    assert resolve_engines_per_gpu(three, info, "torch").engine.engines_per_gpu == 3
+    assert resolve_engines_per_gpu(three, info, "cpu").engine.engines_per_gpu == 1
 
 
 def test_the_torch_engine_runs_on_the_gpu_in_bfloat16_unless_told() -> None:

@@ -59,9 +59,10 @@ class EngineSettings(BaseModel):
     )
     engines_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
-        description="SGLang engines on each GPU (ports port, port+1, ...), so one engine's CPU "
-        "work overlaps another's forward passes. auto: by model size (docs/PERFORMANCE.md), "
-        "lowered to what fits the GPU's memory; a number that does not fit is refused at start",
+        description="GPU engines on each GPU (ports port, port+1, ...), so one engine's CPU "
+        "work overlaps another's forward passes. auto: SGLang's by model size (docs/PERFORMANCE.md), "
+        "lowered to what fits the GPU's memory, a number that does not fit refused at start; "
+        "the torch engine's two (docs/RERANK.md)",
     )
     batch_token_budget: int = Field(
         16384, ge=64, description="tokens per engine batch (prefill chunk, prefill budget)"
