@@ -60,7 +60,7 @@ def resolve_engine_kind(settings: Settings, info: ModelInfo | None = None) -> st
 
 #: the torch engine's ``engines_per_gpu`` for ``auto``: on one H100 two engines of a cross-encoder of
 #: bge-reranker-v2-m3's shape scored 1.0-1.13x one engine's pairs/s in every case, in 5.2 GB against
-#: 2.7-2.9 GB under load (docs/RERANK.md): one engine's tokenising and padding leave the GPU idle between batches
+#: 2.7-2.9 GB under load (docs/RERANK.md): one engine's own CPU work leaves the GPU idle between batches
 TORCH_ENGINES_PER_GPU = 2
 
 
