@@ -7,6 +7,10 @@ N tokens (the gateway). Tokens are counted from the server's `usage`. Prints one
     python3 bench/crosscheck.py URL --model M --text 16-512 --tokenizer MODEL_DIR
     python3 bench/crosscheck.py URL --model M --text 0.92:8-512,0.06:513-1024,0.02:1025-32768 --cap 8192
     python3 bench/crosscheck.py URL --model M --ids 16-512 --requests 600   # a fixed set of inputs
+    python3 bench/crosscheck.py RERANK_URL --model M --text 128-128 --rerank 32 --tokenizer MODEL_DIR
+
+With --rerank N each request is a rerank body (an 8-word query and N passages, framed by --wrap),
+and the row counts pairs: inputs_s is pairs/s, tok_s pairs/s x the passages' words.
 
 Lengths are one range A-B, or weighted ranges W:A-B,... (uniform within the range drawn), clamped to --cap.
 """
@@ -27,9 +31,13 @@ import aiohttp
 
 
 def vocab_words(model_dir: str) -> list[str]:
-    """Entries of the tokenizer's vocabulary that are a space and 3+ lowercase letters."""
-    vocab = json.loads((Path(model_dir) / "tokenizer.json").read_text())["model"]["vocab"]
-    return [w[1:] for w in vocab if w.startswith("\u0120") and len(w) > 3 and w[1:].isalpha()
+    """Entries of the tokenizer's vocabulary that are a word start and 3+ lowercase letters (BPE's
+    and Unigram's marked with a leading space sign, WordPiece's unmarked)."""
+    model = json.loads((Path(model_dir) / "tokenizer.json").read_text())["model"]
+    vocab = [v[0] if isinstance(v, list) else v for v in model["vocab"]]
+    if model.get("type") == "WordPiece":
+        return [w for w in vocab if len(w) > 3 and w.isalpha() and w.islower()]
+    return [w[1:] for w in vocab if w[:1] in ("\u0120", "\u2581") and len(w) > 3 and w[1:].isalpha()
             and w[1:].islower()]
 
 
@@ -68,8 +76,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         nonlocal tokens, errors, left
         while time.perf_counter() < stop and left != 0:
             left -= 1
-            inputs = [make_input(a, rng, words) for _ in range(a.batch)]
-            body = {"model": a.model, "input": inputs}
+            inputs = [make_input(a, rng, words) for _ in range(a.rerank or a.batch)]
+            body = {"model": a.model, "input": inputs} if not a.rerank else {
+                "model": a.model, "query": a.wrap[0].format(" ".join(rng.choice(words) for _ in range(8))),
+                "documents": [a.wrap[1].format(x) for x in inputs]}
             t = time.perf_counter()
             try:
                 async with s.post(a.url, json=body) as r:
@@ -82,15 +92,17 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 errors += 1
                 continue
             lat.append(done - t)
-            usage = data.get("usage") or {}
-            tokens += usage.get("prompt_tokens") or sum(len(x) for x in inputs if isinstance(x, list))
+            usage = data.get("usage") or {} if isinstance(data, dict) else {}
+            tokens += a.rerank * a.lengths[0][2] if a.rerank else \
+                usage.get("prompt_tokens") or sum(len(x) for x in inputs if isinstance(x, list))
 
     conn = aiohttp.TCPConnector(limit=a.concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(*(worker(s) for _ in range(a.concurrency)))
     n, secs = len(lat), time.perf_counter() - start if a.requests else a.seconds
-    return {"tok_s": round(tokens / secs), "req_s": round(n / secs, 2), "requests": n, "errors": errors,
-            "tokens": tokens, "seconds": round(secs, 1),
+    pairs = {"inputs_s": round(n * a.rerank / secs, 1)} if a.rerank else {}
+    return {**pairs, "tok_s": round(tokens / secs), "req_s": round(n / secs, 2), "requests": n,
+            "errors": errors, "tokens": tokens, "seconds": round(secs, 1),
             "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None}
 
 
@@ -109,4 +121,7 @@ if __name__ == "__main__":
     ap.add_argument("--warmup", type=float, default=3, help="seconds first, not measured")
     ap.add_argument("--requests", type=int, help="exactly this many (one seed: the same inputs), no warm-up")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rerank", type=int, default=0, help="rerank requests of this many passages (--text)")
+    ap.add_argument("--wrap", nargs=2, default=("{}", "{}"), metavar=("QUERY", "PASSAGE"),
+                    help="format strings around the query and each passage (a client-framed prompt)")
     print(json.dumps(asyncio.run(main(ap.parse_args()))))

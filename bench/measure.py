@@ -151,6 +151,9 @@ def run_crosscheck(t: Target, load: Load, seed: int, requests: int | None = None
             str(load.conc), *span,
             "--seed", str(seed + 1000), "--batch", load.inputs.split("-")[-1], "--cap", str(t.cap),
             "--ids" if t.ids else "--text", crosscheck_lengths(load.mix), "--tokenizer", t.model_dir]
+    if load.rerank:  # the rerank route, pairs counted as run_rerank counts them
+        argv[2] = str(t.rerank_url)
+        argv += ["--rerank", str(load.rerank), "--wrap", *t.wrap]
     before = asyncio.run(scrape_urls(t.metrics, {}))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=load.seconds + 300, env=child_env(),
                           check=False)
@@ -223,7 +226,7 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
             tags: dict[str, Any] | None = None, client: str = "loadtest",
             batch: int | None = None) -> dict[str, Any]:
     """One run to its end, as a row."""
-    client = "in-process" if t.in_process else "rerank" if load.rerank else client
+    client = "in-process" if t.in_process else "rerank" if load.rerank and client != "crosscheck" else client
     front0, loop0 = cpu_seconds(t.front_pid), cpu_seconds(t.front_pid, main_thread=True)
     client0, host0, t0 = children_cpu(), psutil.cpu_times(), time.monotonic()
     with Sampler() as gpu:
