@@ -483,3 +483,79 @@ def test_the_dry_run_says_each_auto_value_and_why(
                  "# note: kv_cache auto: none (no KV pool)", "# note: overlap_schedule auto: on",
                  "# note: pooled_last_layer auto: on"):
         assert line in out
+
+
+# -- the fused QK norm + RoPE: off by auto until measured, checked when asked for ----------------------
+
+def qwen3_bf16(tmp_path: Path, **config: object) -> Path:
+    """A Qwen3-Embedding-4B-shaped checkpoint saved in bfloat16 (``config`` on top)."""
+    d = tmp_path / "q4"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "max_position_embeddings": 32768, "hidden_size": 2560,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16",
+         "rope_scaling": None, **config}))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8192}))
+    return d
+
+
+def test_the_fused_qk_norm_rope_is_off_by_auto_until_measured_and_on_where_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedserve.engines import forward
+
+    model = qwen3_bf16(tmp_path)
+    auto = build_launch(make(model), gpu_capability=(9, 0), fa3=True)
+    assert launched_engine(auto)["fused_qk_norm_rope"] is False
+    assert "fused_qk_norm_rope auto: off, because not yet measured against the unfused path on a GPU" \
+        in auto.notes
+    for path in (model, qwen3_reranker_bf16(tmp_path)):  # the same attention in both
+        on = build_launch(make(path, fused_qk_norm_rope=True), gpu_capability=(9, 0), fa3=True)
+        assert launched_engine(on)["fused_qk_norm_rope"] is True
+        assert on.argv == build_launch(make(path), gpu_capability=(9, 0), fa3=True).argv  # the plugin does it
+        assert not [n for n in on.notes if n.startswith("fused_qk")]
+    monkeypatch.setattr(forward, "FUSED_QK_AUTO_OFF", None)  # once measured: auto follows the model
+    measured = build_launch(make(model), gpu_capability=(9, 0), fa3=True)
+    assert launched_engine(measured)["fused_qk_norm_rope"] is True
+    assert "fused_qk_norm_rope auto: on, because q4 is a dense Qwen3 model in bfloat16" in measured.notes
+    fp16 = build_launch(make(model, dtype="float16"), gpu_capability=(9, 0), fa3=True)
+    assert launched_engine(fp16)["fused_qk_norm_rope"] is False
+    assert "fused_qk_norm_rope auto: off, because it would run in float16 (engine.dtype float16)" \
+        in fp16.notes
+
+
+def qwen3_reranker_bf16(tmp_path: Path) -> Path:
+    d = qwen3_reranker(tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_attention_heads": 16, "num_key_value_heads": 8,
+                                               "head_dim": 128, "torch_dtype": "bfloat16"}))
+    return d
+
+
+@pytest.mark.parametrize(("config", "engine", "why"), [
+    ({"model_type": "bert"}, {}, "q4 is not a dense Qwen3 model"),
+    ({"model_type": "qwen3_moe"}, {}, "q4 is not a dense Qwen3 model"),
+    ({"torch_dtype": "float32"}, {}, "it would run in float16 (engine.dtype auto)"),  # SGLang's auto for fp32
+    ({}, {"dtype": "half"}, "it would run in float16 (engine.dtype half)"),
+    ({"torch_dtype": None, "dtype": "bfloat16"}, {}, None),  # transformers 5 saves "dtype"
+    ({"head_dim": 80}, {}, "its head_dim is 80"),
+    ({"head_dim": None, "num_attention_heads": 20}, {}, None),  # 2560 / 20 = 128
+    ({"head_dim": None, "num_attention_heads": 32}, {}, "its head_dim is 80"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, {},
+     "its config asks for yarn RoPE scaling"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, {}, None),
+])
+def test_the_fused_qk_norm_rope_asked_for_is_refused_in_one_sentence_where_the_kernel_cannot_serve(
+    tmp_path: Path, config: dict[str, object], engine: dict[str, object], why: str | None
+) -> None:
+    model = qwen3_bf16(tmp_path, **config)
+    settings = make(model, fused_qk_norm_rope=True, **engine)
+    if why is None:
+        assert launched_engine(build_launch(settings))["fused_qk_norm_rope"] is True
+        return
+    with pytest.raises(LaunchConfigError) as refused:
+        build_launch(settings)
+    said = str(refused.value)
+    assert said == ("engine.fused_qk_norm_rope needs a dense Qwen3 model in bfloat16 with head_dim 64, 128 "
+                    f"or 256 and RoPE without scaling, but {why}: turn it off")
+    build_launch(make(model, fused_qk_norm_rope=False, **engine))  # off: not checked
