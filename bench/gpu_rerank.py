@@ -37,11 +37,11 @@ def reference(shape: str, port: int) -> Side:
 
 
 def load_sides(host: Host, shape: str, port: int) -> list[Side]:
-    """embedserve on SGLang, one more stack per --embedserve-variants entry (cross-encoder only), its
-    torch engine, vLLM tuned."""
+    """embedserve on SGLang, one more stack on SGLang per --embedserve-variants entry, its torch
+    engine, vLLM tuned (each where --rerank-sides asks for the engine)."""
     qwen3 = shape == QWEN3
     kinds = [k.split(":")[-1] for k in host.rerank_sides if ":" not in k or k.startswith(f"{shape}:")]
-    variants = [] if qwen3 or "sglang" not in kinds else host.variants
+    variants = host.variants if "sglang" in kinds else []
     sglang = ENV | {"EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang"}  # auto gives a reranker torch
     return [*[Side("embedserve (SGLang)", UP, port, shape, sglang, tag=slug(f"rerank-gpu-{shape}-sglang"))
               ] * ("sglang" in kinds),

@@ -181,7 +181,7 @@ def run_rerank(t: Target, load: Load, seed: int) -> dict[str, Any]:
     import httpx
 
     words, builder, rng = int(load.mix.removeprefix("fixed:")), WordBuilder(seed), Random(seed)
-    serial, lat = count(), []
+    serial, lat, before = count(), [], asyncio.run(scrape_urls(t.metrics, {}))
     errors, start = 0, time.monotonic() + load.warmup
 
     async def worker(client: httpx.AsyncClient) -> None:
@@ -200,10 +200,11 @@ def run_rerank(t: Target, load: Load, seed: int) -> dict[str, Any]:
             await asyncio.gather(*(worker(client) for _ in range(load.conc)))
 
     asyncio.run(run())
-    pairs = len(lat) * load.rerank / load.seconds
+    pairs, after = len(lat) * load.rerank / load.seconds, asyncio.run(scrape_urls(t.metrics, {}))
     return {"inputs_s": round(pairs, 1), "tok_s": round(pairs * words), "requests": len(lat),
             "errors": errors, "p50_ms": round(1000 * statistics.median(lat), 2) if lat else None,
-            "seconds": load.seconds}
+            "seconds": load.seconds,  # a prompt template's shared prefix may be served from a cache
+            "prefix_cache_hit_rate": hit_rate(before, after, t.metrics, True)["hit_rate"]}
 
 
 def cpu_seconds(pid: int | None, main_thread: bool = False) -> float | None:
