@@ -507,8 +507,8 @@ def test_the_fused_qk_norm_rope_is_off_by_auto_until_measured_and_on_where_asked
     model = qwen3_bf16(tmp_path)
     auto = build_launch(make(model), gpu_capability=(9, 0), fa3=True)
     assert launched_engine(auto)["fused_qk_norm_rope"] is False
-    assert "fused_qk_norm_rope auto: off, because not yet measured against the unfused path on a GPU" \
-        in auto.notes
+    assert f"fused_qk_norm_rope auto: off, because {forward.FUSED_QK_AUTO_OFF}" in auto.notes
+    assert "took longer than the two it replaces" in str(forward.FUSED_QK_AUTO_OFF)
     for path in (model, qwen3_reranker_bf16(tmp_path)):  # the same attention in both
         on = build_launch(make(path, fused_qk_norm_rope=True), gpu_capability=(9, 0), fa3=True)
         assert launched_engine(on)["fused_qk_norm_rope"] is True

@@ -5,9 +5,8 @@
 (``ModelInfo.max_seq_len``, the gateway's truncation limit too), drives:
 
 * ``--context-length`` = cap + 1 (SGLang 0.5.17 rejects an input of exactly its context
-  length, so the longest input the gateway sends must be one shorter), and 5 more in
-  generation mode (Qwen3-Reranker), where its scheduler keeps 5 tokens of the context for output
-  (``max_req_input_len = max_req_len - 5``);
+  length, so the longest input the gateway sends must be one shorter; every model runs with
+  ``--is-embedding``, where none of the context is kept for output);
 * ``--chunked-prefill-size`` and ``--max-prefill-tokens`` = the batch token budget, raised
   to the cap so that one capped input always fits one prefill;
 * ``--max-total-tokens`` (the KV pool) = ``engine.kv_pool_tokens``, else the budget (twice
