@@ -160,8 +160,6 @@ def test_variants_join_their_settings_or_bring_their_own(tmp_path: Path) -> None
     former = EngineSettings(**{k.removeprefix("EMBEDSERVE_ENGINE__").lower(): v  # the former defaults
                                for k, v in peers.variant("paged")[1].items()})
     assert (former.kv_cache, former.overlap_schedule, former.pooled_last_layer) == ("paged", False, False)
-    fusedqk = {k[len("EMBEDSERVE_ENGINE__"):].lower(): v for k, v in peers.variant("fusedqk")[1].items()}
-    assert EngineSettings(**fusedqk).fused_qk_norm_rope is True
     tuned_only = Host(WorkDir(tmp_path), vllm_sides=("vllm tuned",))
     assert [s.name for s in gs.vllm_sides("4b")(tuned_only)] == ["embedserve", "vllm tuned"]
     for bad in ("x2+turbo", "n=PATH=/x"):

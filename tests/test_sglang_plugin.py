@@ -311,30 +311,6 @@ def test_a_qwen3_reranker_engine_gets_its_score_head(monkeypatch: pytest.MonkeyP
     assert heads[0][1].func is label_head.after_init and heads[0][1].keywords == {"yes_id": yes, "no_id": no}
 
 
-def test_the_fused_qk_norm_rope_the_launcher_turned_on_adds_its_attention_hook(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The launch's environment carries the setting into the scheduler, where the plugin hooks
-    ``Qwen3Attention.__init__``; ``auto`` (off until measured) adds nothing."""
-    from embedserve.config import CHILD_SETTINGS_ENV, Settings
-    from embedserve.engines import fused_qk
-    from embedserve.engines.sglang import build_launch
-
-    monkeypatch.chdir(tmp_path)
-    model = tmp_path / "q"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3", "max_position_embeddings": 4096, "hidden_size": 1024,
-         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16"}))
-    for asked, hooked in (("auto", []), (True, [(f"{fused_qk.ATTENTION_CLASS}.__init__", fused_qk.after_init,
-                                                 "after")])):
-        registered = _fake_sglang(monkeypatch)
-        settings = Settings(model={"path": str(model)}, engine={"fused_qk_norm_rope": asked})
-        launched = build_launch(settings, gpu_capability=None).env[CHILD_SETTINGS_ENV]
-        monkeypatch.setenv(CHILD_SETTINGS_ENV, launched)
-        sglang_plugin.register()
-        assert [hook for hook in registered if "Qwen3Attention" in hook[0]] == hooked
-
-
 def test_hook_targets_exist_in_sglang_0_5_17() -> None:
     """The targets are methods that SGLang 0.5.17 defines, read from its wheel
     (tests/fixtures/extract_sglang_hooks.py), and the registry API the plugin calls exists."""

@@ -90,13 +90,6 @@ class EngineSettings(BaseModel):
         "row: 2.3% of the 4B's linear-layer work saved. auto: on where kv_cache resolves to none "
         "(docs/SGLANG.md), else off",
     )
-    fused_qk_norm_rope: bool | Literal["auto"] = Field(
-        "auto",
-        description="dense Qwen3 models (embedding and Qwen3-Reranker) on SGLang: each attention's q and k "
-        "heads normalised and rotated by SGLang's fused QK-norm + RoPE kernel (which SGLang uses only "
-        "for Qwen3-MoE), one pass instead of two; needs bfloat16, head_dim 64, 128 or 256 and plain "
-        "RoPE. auto: off until measured against the unfused path on a GPU (docs/SGLANG.md)",
-    )
     vectorised_cross_encoder: bool = Field(
         False,
         description="XLM-R cross-encoders (bge-reranker) on SGLang: position ids built and the "

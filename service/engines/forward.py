@@ -50,52 +50,6 @@ def check_vectorised_cross_encoder(settings: Settings, info: ModelInfo) -> None:
                                 "sequence's positions count from 0): turn one off")
 
 
-#: why ``engine.fused_qk_norm_rope`` ``auto`` is off everywhere; None once a GPU measurement shows it wins
-#: (``auto`` then turns it on wherever the kernel serves the model)
-FUSED_QK_AUTO_OFF: str | None = ("its kernel took longer than the two it replaces on one H100 "
-                                 "(results/gpu-fusedqk-h100)")
-
-
-def fused_qk_blocker(settings: Settings, info: ModelInfo) -> str | None:
-    """Why SGLang's fused QK-norm + RoPE kernel cannot serve this model's attention
-    (embedserve/engines/fused_qk.py), or None: a dense Qwen3 in bfloat16 (``--dtype auto``: the
-    checkpoint's dtype, float16 for a float32 one, as SGLang 0.5.17 resolves it), head_dim 64, 128 or
-    256, RoPE without scaling."""
-    config = json.loads((info.path / "config.json").read_text())
-    if config.get("model_type") != "qwen3":
-        return f"{info.path.name} is not a dense Qwen3 model"
-    asked = settings.engine.dtype.lower()
-    saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    dtype = {"half": "float16", "float": "float32"}.get(asked, asked) if asked != "auto" else \
-        "float16" if saved == "float32" else saved
-    if dtype != "bfloat16":
-        return f"it would run in {dtype} (engine.dtype {settings.engine.dtype})"
-    heads = int(config.get("num_attention_heads") or 0)
-    head_dim = config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads if heads else None)
-    if head_dim not in (64, 128, 256):
-        return f"its head_dim is {head_dim}"
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    if (kind := scaling.get("rope_type") or scaling.get("type") or "default") != "default":
-        return f"its config asks for {kind} RoPE scaling"
-    return None
-
-
-def resolve_fused_qk_norm_rope(settings: Settings, info: ModelInfo, notes: list[str]) -> bool:
-    """``engine.fused_qk_norm_rope`` as launched; ``True`` is checked, ``auto`` follows
-    :data:`FUSED_QK_AUTO_OFF`."""
-    asked = settings.engine.fused_qk_norm_rope
-    if asked is True and (why_not := fused_qk_blocker(settings, info)):
-        raise LaunchConfigError(f"engine.fused_qk_norm_rope needs a dense Qwen3 model in bfloat16 with "
-                                f"head_dim 64, 128 or 256 and RoPE without scaling, but {why_not}: "
-                                "turn it off")
-    if asked != "auto":
-        return bool(asked)
-    why_not = FUSED_QK_AUTO_OFF or fused_qk_blocker(settings, info)
-    notes.append(f"fused_qk_norm_rope auto: off, because {why_not}" if why_not else
-                 f"fused_qk_norm_rope auto: on, because {info.path.name} is a dense Qwen3 model in bfloat16")
-    return why_not is None
-
-
 def describe_gpu(capability: tuple[int, int] | None) -> str:
     return "no GPU was found (NVML)" if capability is None else \
         f"the GPU has compute capability {capability[0]}.{capability[1]}"
@@ -199,7 +153,7 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
                    capability: tuple[int, int] | None, fa3: bool) -> Settings:
     """The settings with every ``auto`` of the forward resolved from the GPU's compute capability
     (None: no GPU), whether sgl-kernel has its FA3 kernels and the model, each with its reason in
-    ``notes``: attention backend, kv_cache, overlap_schedule, pooled_last_layer, fused_qk_norm_rope."""
+    ``notes``: attention backend, kv_cache, overlap_schedule, pooled_last_layer."""
     eng = settings.engine
     backend = eng.attention_backend
     if backend == "auto":
@@ -213,5 +167,4 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
         overlap_schedule=resolve_overlap_schedule(eng.overlap_schedule, kv_cache, notes),
         pooled_last_layer=resolve_pooled_last_layer(
             eng.pooled_last_layer, kv_cache, info, list(eng.extra_args), notes),
-        fused_qk_norm_rope=resolve_fused_qk_norm_rope(settings, info, notes),
     )

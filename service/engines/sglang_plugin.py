@@ -321,10 +321,6 @@ def register() -> None:
         from embedserve.engines import cross_encoder
 
         cross_encoder.register(HookRegistry, HookType)
-    if settings.engine.fused_qk_norm_rope is True:
-        from embedserve.engines import fused_qk
-
-        fused_qk.register(HookRegistry, HookType)
     if labels := reranker_labels(settings):
         from embedserve.engines import label_head
 
