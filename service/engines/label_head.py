@@ -29,10 +29,10 @@ log = logging.getLogger("embedserve.label_head")
 MODEL_CLASS = "sglang.srt.models.qwen3.Qwen3ForCausalLM"
 
 
-def label_logit(hidden: torch.Tensor, weight: torch.Tensor, yes_id: int, no_id: int) -> torch.Tensor:
-    """``logit(yes) - logit(no)`` per row of ``hidden`` (rows, width), as (rows, 1) fp32."""
-    rows = weight.index_select(0, torch.tensor([yes_id, no_id], device=weight.device)).float()
-    logits = hidden.float() @ rows.T
+def label_logit(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``logit(yes) - logit(no)`` per row of ``hidden`` (rows, width), as (rows, 1) fp32;
+    ``labels``: the ids of "yes" and "no", on ``weight``'s device."""
+    logits = hidden.float() @ weight.index_select(0, labels).float().T
     return (logits[:, :1] - logits[:, 1:]).contiguous()
 
 
@@ -53,12 +53,12 @@ class LabelLogitPooler(torch.nn.Module):
     def __init__(self, model: Any, yes_id: int, no_id: int) -> None:
         super().__init__()
         self.owner = [model]  # not a submodule: the LM head stays the model's own parameter
-        self.yes_id, self.no_id = yes_id, no_id
+        # on the head's device once, not copied from the host (a wait on the GPU) every batch
+        self.labels = torch.tensor([yes_id, no_id], device=model.lm_head.weight.device)
 
     def forward(self, hidden_states: torch.Tensor, forward_batch: Any) -> Any:
-        weight = self.owner[0].lm_head.weight
         pooled = last_rows(hidden_states, forward_batch.extend_seq_lens)
-        return pooler_output(label_logit(pooled, weight, self.yes_id, self.no_id))
+        return pooler_output(label_logit(pooled, self.owner[0].lm_head.weight, self.labels))
 
 
 def install(model: Any, yes_id: int, no_id: int) -> None:
