@@ -92,9 +92,11 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 errors += 1
                 continue
             lat.append(done - t)
-            usage = data.get("usage") or {} if isinstance(data, dict) else {}
-            tokens += a.rerank * a.lengths[0][2] if a.rerank else \
-                usage.get("prompt_tokens") or sum(len(x) for x in inputs if isinstance(x, list))
+            if a.rerank:  # the passages' words, as the rerank rows count them
+                tokens += sum(len(x.split()) for x in inputs if isinstance(x, str))
+            else:
+                usage = data.get("usage") or {}
+                tokens += usage.get("prompt_tokens") or sum(len(x) for x in inputs if isinstance(x, list))
 
     conn = aiohttp.TCPConnector(limit=a.concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:

@@ -72,9 +72,11 @@ def step_model(host: Host, budget_end: float) -> dict[str, Any]:
     from embedserve.runtime.synth_rerank import build_cross_encoder
 
     for shape in PORTS:
-        if not ((out := Path(host.model(shape))) / "config.json").exists() and shape == QWEN3:
+        if ((out := Path(host.model(shape))) / "config.json").exists():
+            continue
+        if shape == QWEN3:
             build_qwen3_reranker(out, "tiny" if host.cpu else "0.6b", device=host.device)
-        elif not (out / "config.json").exists():
+        else:
             build_cross_encoder(out, "tiny-xlmr" if host.cpu else shape)
     return {"models": {shape: host.model(shape) for shape in PORTS}}
 

@@ -1,5 +1,5 @@
 """HTTP client for one or more engines speaking SGLang's token-id /v1/embeddings (or, for a
-reranker, its /encode or /v1/score: ``protocols.py``).
+reranker, its /encode: ``protocols.py``).
 
 Picks the ready engine with the fewest outstanding tokens, marks an engine unready the
 moment a call cannot reach it (so waiting clients get a prompt 503, not a hang), and
