@@ -168,3 +168,17 @@ def test_an_engine_that_left_the_pool_is_no_error() -> None:
     assert pool.by_url(A) is None
     pool.forget_stuck(A)  # the watchdog's step for an engine being replaced
     pool.remove(A)
+
+
+def test_a_warmed_engine_takes_calls_before_the_next_health_check() -> None:
+    """`up` announces the stack once every engine answered its warm-up call; routing must not
+    wait for the health loop (seconds later) to send work to the second engine."""
+    pool = EnginePool([A, B], "m", request_timeout_s=10, client=GatedClient())
+    a, b = pool.engines
+    a.ready = True  # the health loop saw the first engine only
+    a.outstanding_tokens = 100
+    assert pool._pick() is a
+    pool.warmed(B, 4096, 0.5)
+    assert b.ready and b.ever_ready and pool._pick() is b
+    assert b.throughput.tokens_per_s() == pytest.approx(8192)
+    pool.warmed("http://gone", 1, 1.0)  # an engine that left the pool meanwhile: nothing to do

@@ -23,6 +23,8 @@ def test_two_engines_share_work_and_survive_one_death(tmp_path: Path) -> None:
     stack = start_stack(BUNDLED_MODEL, tmp_path,
                         env={"EMBEDSERVE_ENGINE__REPLICAS": "2", "EMBEDSERVE_ENGINE__CPU_THREADS": "1"})
     try:
+        # up means every engine's warm-up call answered: both take calls now, not after a health check
+        assert [e["ready"] for e in engines(stack.url)] == [True, True]
         body = {"model": stack.model_name, "input": ["a sentence about memory"] * 4}
 
         def call(_: int) -> int:

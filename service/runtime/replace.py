@@ -177,7 +177,7 @@ class EngineReplacer:
             await new.wait_ready()
             assert new.pid is not None
             check_owner(port, new.pid, new.name)
-            engine = self.pool.add(new_url, ready=False, gpu=gpu)
+            self.pool.add(new_url, ready=False, gpu=gpu)
             tokens, seconds = await self.warm_up(new_url)
         except BaseException:
             await new.stop(2.0)  # no orphan; beside the old one, the old one keeps serving
@@ -185,8 +185,7 @@ class EngineReplacer:
             if not room:
                 self.open_gate()
             raise
-        engine.throughput.record(tokens, seconds)
-        engine.ready = engine.ever_ready = True  # new work goes here from now on
+        self.pool.warmed(new_url, tokens, seconds)  # new work goes here from now on
         if room:
             await self._stop(old, old_url)
         else:

@@ -261,9 +261,10 @@ async def _run_stack(settings: Settings, drill_leak: float | None, owned: Owned)
             for group, runtime in zip(groups, runtimes, strict=True):
                 if group.supervisors:
                     m = group.plan
-                    timings = await warm_up(m.settings, m.info, m.kind, m.settings.engine_urls())
-                    for engine, (tokens, seconds) in zip(runtime.pool.engines, timings, strict=True):
-                        engine.throughput.record(tokens, seconds)
+                    urls = m.settings.engine_urls()
+                    timings = await warm_up(m.settings, m.info, m.kind, urls)
+                    for url, (tokens, seconds) in zip(urls, timings, strict=True):
+                        runtime.pool.warmed(url, tokens, seconds)
             while not server.started:  # noqa: ASYNC110  (uvicorn exposes a flag, not an event)
                 await asyncio.sleep(0.05)
             app.state.gate.open()

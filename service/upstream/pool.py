@@ -276,13 +276,23 @@ class EnginePool:
             if answered:  # it answered just now: whatever stalled before has passed
                 engine.stalled_since = None
                 await self._read_cache_counters(engine)
-            if not engine.ready:
-                log.info("engine ready", extra={"engine": engine.url})
-            engine.ready = engine.ever_ready = True
-            engine.consecutive_failures = 0
-            engine.down_reason = ""
+            self._mark_up(engine)
         else:
             self._mark_down(engine, why)
+
+    def warmed(self, url: str, tokens: int, seconds: float) -> None:
+        """The engine at ``url`` just answered its warm-up call: it serves from now on (not from
+        the next health check, seconds away), and its capacity is that call's."""
+        if engine := self.by_url(url):
+            engine.throughput.record(tokens, seconds)
+            self._mark_up(engine)
+
+    def _mark_up(self, engine: EngineState) -> None:
+        if not engine.ready:
+            log.info("engine ready", extra={"engine": engine.url})
+        engine.ready = engine.ever_ready = True
+        engine.consecutive_failures = 0
+        engine.down_reason = ""
 
     async def _read_cache_counters(self, engine: EngineState) -> None:
         """The engine's prefix-cache counters (SGLang with --enable-metrics), re-exported by
