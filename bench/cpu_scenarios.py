@@ -188,6 +188,28 @@ def step_cross_encoder(host: Host, budget_end: float) -> dict[str, Any]:
     return {"model": str(build_cross_encoder(Path(host.model("cross-encoder")), "minilm-l6"))}
 
 
+# the rerank-gpu loads through a gateway whose engine answers at once: what the gateway alone can
+# carry of each (a cross-encoder's WordPiece pairs; Qwen3-Reranker's prompt, byte-level BPE)
+RERANK_ENGINE = Side("instant engine", INSTANT, 30981, "bundled", tag="instant-rerank")
+RERANK_SHAPES = (("cross-encoder", 8981), ("qwen3-reranker", 8982))
+RERANK_GATEWAYS = [Side(f"gateway, {shape}", GATEWAY, port, shape, OPEN, behind=(30981,), tag=shape)
+                   for shape, port in RERANK_SHAPES]
+GATEWAY_RERANK_LOADS = [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
+                             Load(f"fixed:{words}", conc, seconds=10, warmup=2, words=True, rerank=n), 2)
+                        for n, words, conc in ((32, 128, 16), (100, 64, 4), (16, 64, 1))]
+
+
+def step_rerankers(host: Host, budget_end: float) -> dict[str, Any]:
+    """The cross-encoder of the rerank-cpu scenario and a tiny Qwen3-Reranker: only their
+    tokenizers and configs matter here."""
+    from embedserve.runtime.synth_model import build_qwen3_reranker
+
+    qwen = Path(host.model("qwen3-reranker"))
+    if not (qwen / "config.json").exists():
+        build_qwen3_reranker(qwen)
+    return step_cross_encoder(host, budget_end) | {"qwen3_reranker": str(qwen)}
+
+
 def step_rerank_scores(host: Host, budget_end: float, sides: Any = None) -> dict[str, Any]:
     """The cross-encoder sides' relevance scores for the same 8 pairs, each side's largest difference
     from the first side's (``sides``: the first is the reference; default the CPU scenario's
@@ -273,7 +295,12 @@ def cpu_steps() -> list[Step]:
         step("gateway-cpu", step_compare, 120, sides=[CPU_GATEWAY], start=[CPU_GATEWAY_ENGINE, CPU_GATEWAY],
              stop=[CPU_GATEWAY, CPU_GATEWAY_ENGINE], cases=SHAPES, seed=3,
              section="The gateway's CPU per request (instant engine)"),
-        step("gateway-cpu-stages", step_gateway_stages, 60), quality_on,
+        step("gateway-cpu-stages", step_gateway_stages, 60),
+        step("gateway-rerank-cpu-models", step_rerankers, 30),
+        step("gateway-rerank-cpu", step_compare, 200, sides=RERANK_GATEWAYS,
+             start=[RERANK_ENGINE, *RERANK_GATEWAYS], stop=[*RERANK_GATEWAYS, RERANK_ENGINE],
+             cases=GATEWAY_RERANK_LOADS, seed=13,
+             section="Rerank through the gateway over an engine that answers at once, pairs/s"), quality_on,
         step("quality-cpu", step_quality, 900, pairs=quality_pairs, one_at_a_time=True), quality_off,
         step("rerank-cpu-model", step_cross_encoder, 30), rerank_on,
         step("rerank-cpu-scores", step_rerank_scores, 10),
@@ -288,5 +315,5 @@ def cpu_steps() -> list[Step]:
              seed=31, section="Dense only against dense + sparse + ColBERT on CPU, inputs/s")]
 
 
-SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "quality-cpu", "rerank-cpu", "tracing-cpu",
-             "hybrid-cpu")
+SCENARIOS = ("cpu-peers", "gateway-overhead", "gateway-cpu", "gateway-rerank-cpu", "quality-cpu",
+             "rerank-cpu", "tracing-cpu", "hybrid-cpu")

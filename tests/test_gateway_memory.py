@@ -68,7 +68,7 @@ def test_texts_are_tokenised_in_groups_with_the_same_result(monkeypatch: pytest.
     texts = ["alpha beta gamma " * n for n in (1, 40, 3, 90, 2, 2, 2)]
     want = [tok.encode_texts([t])[0] for t in texts]
     sizes: list[int] = []
-    real = tok._tok
+    real = tok.unknowns._tok
 
     class Spy:
         def __getattr__(self, name: str) -> Any:
@@ -78,7 +78,7 @@ def test_texts_are_tokenised_in_groups_with_the_same_result(monkeypatch: pytest.
             sizes.append(sum(map(len, group)))
             return real.encode_batch_fast(group, **kw)
 
-    monkeypatch.setattr(tok, "_tok", Spy())
+    monkeypatch.setattr(tok.unknowns, "_tok", Spy())
     monkeypatch.setattr(tokenize, "GROUP_CHARS", 1000)
     assert tok.encode_texts(texts) == want
     assert len(sizes) > 1 and sum(sizes) == sum(map(len, texts))

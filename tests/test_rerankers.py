@@ -258,6 +258,11 @@ def test_a_cross_encoders_pairs_say_what_their_tokenizer_could_not_spell() -> No
     assert with_unknown.unknown == UnknownTokens(2, 2) and plain.unknown == UnknownTokens(1, 1)
     (none,) = pairs.encode(["tea"], ["plain"], [0])
     assert none.unknown is None
+    documents = [f"passage {i}: 数据 \U0001F600 " + "word " * 600 for i in range(40)]  # cut to fit
+    first = pairs.encode(["tea \U0001F600"], documents, [0] * 40)
+    assert pairs.unknowns.encode(["x"])[1]  # most passages held one: encoded with offsets from now on
+    assert pairs.encode(["tea \U0001F600"], documents, [0] * 40) == first
+    assert first[0].unknown == UnknownTokens(4, 4) and first[0].original_tokens > 512
 
 
 def test_model_folders_are_told_apart(

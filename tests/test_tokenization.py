@@ -60,7 +60,7 @@ class CountingTokenizer:
     """A ``tokenizers.Tokenizer`` that counts the texts it encodes with offsets (the second look)."""
 
     def __init__(self, tok: object) -> None:
-        self.tok, self.encodes = tok, 0
+        self.tok, self.encodes, self.fast = tok, 0, 0
 
     def encode(self, *args: object, **kwargs: object) -> object:
         self.encodes += 1
@@ -69,6 +69,10 @@ class CountingTokenizer:
     def encode_batch(self, texts: list[str], **kwargs: object) -> object:
         self.encodes += len(texts)
         return self.tok.encode_batch(texts, **kwargs)  # type: ignore[attr-defined]
+
+    def encode_batch_fast(self, texts: list[str], **kwargs: object) -> object:
+        self.fast += len(texts)
+        return self.tok.encode_batch_fast(texts, **kwargs)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.tok, name)
@@ -80,7 +84,7 @@ def test_text_the_tokenizer_cannot_spell_is_counted_as_unknown() -> None:
     hold [UNK] are tokenised a second time; only the [UNK]s that are embedded count."""
     ours = ModelTokenizer(MINILM_DIR, 256)
     counting = CountingTokenizer(ours._tok)
-    ours._tok = counting  # type: ignore[assignment]
+    ours.unknowns._tok = counting  # type: ignore[assignment]
     texts = ["plain English text, 日本語 and café", "a" * 200_000, "hello 😀 world",
              ("x" * 150 + " ") * 1000]
     plain, blob, emoji, long_words = ours.encode_texts(texts)
@@ -90,7 +94,28 @@ def test_text_the_tokenizer_cannot_spell_is_counted_as_unknown() -> None:
     assert long_words.truncated and long_words.unknown == UnknownTokens(tokens=254, chars=254 * 150)
 
 
+def test_where_most_texts_hold_unknown_tokens_they_are_encoded_once_with_offsets() -> None:
+    """Chinese sent to an English WordPiece model: every such text would be encoded twice; after
+    a few batches of them, the one encoding has offsets. The answers are the same either way, and
+    plain English brings the fast encoding back."""
+    ours = ModelTokenizer(MINILM_DIR, 16)
+    counting = CountingTokenizer(ours._tok)
+    ours.unknowns._tok = counting  # type: ignore[assignment]
+    mixed = [f"query {i}: 向量 检索 and 😀 " + "word " * i for i in range(32)]
+    first = ours.encode_texts(mixed)
+    assert (counting.fast, counting.encodes) == (32, 32)  # the fast encoding, then again with offsets
+    assert first[0].unknown == UnknownTokens(tokens=5, chars=5)
+    assert first[31].truncated and first[31].unknown == UnknownTokens(tokens=5, chars=5)
+    counting.fast = counting.encodes = 0
+    assert ours.encode_texts(mixed) == first
+    assert (counting.fast, counting.encodes) == (0, 32)  # once each, with offsets
+    ours.encode_texts([f"plain text {i}" for i in range(300)])
+    counting.fast = counting.encodes = 0
+    assert ours.encode_texts(["plain again"])[0].unknown is None
+    assert (counting.fast, counting.encodes) == (1, 0)
+
+
 def test_a_byte_level_tokenizer_has_no_unknown_token(tiny_qwen_dir: Path) -> None:
     ours = ModelTokenizer(tiny_qwen_dir, 64)
-    assert ours.unknown_id is None
+    assert ours.unknowns.unknown_id is None
     assert all(x.unknown is None for x in ours.encode_texts(["a" * 5000, "hello 😀 world"]))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from embedserve.core.tokenize import UnknownTokens, unknown_tokens_of
+from embedserve.core.tokenize import UnknownCounter, UnknownTokens, unknown_id
 
 #: Qwen3-Reranker's prompt, from its model card.
 QWEN3_RERANK_PREFIX = (
@@ -81,8 +81,7 @@ class CrossEncoderPairs:
         self._tok = load_tokenizer(model_dir, plain_specials=True)
         self.max_seq_len = max_seq_len
         self.prefix, self.middle, self.suffix = self._pair_frame()
-        unk = getattr(self._tok.model, "unk_token", None)
-        self.unknown_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
+        self.unknowns = UnknownCounter(self._tok, unknown_id(self._tok))
 
     def _pair_frame(self) -> tuple[list[int], list[int], list[int]]:
         a = self._tok.encode("a", add_special_tokens=False).ids
@@ -108,22 +107,22 @@ class CrossEncoderPairs:
         ``document_cap``: for a document's own tokens."""
         limit = min(self.max_seq_len, cap or self.max_seq_len)
         budget = max(limit - self.frame, 2)
+        unknowns = self.unknowns
         q_ids = [e.ids for e in self._tok.encode_batch_fast(queries, add_special_tokens=False)]
         cut = []  # each pair's query and document ids as kept, and its length uncut
-        encoded = self._tok.encode_batch_fast(documents, add_special_tokens=False)
+        encoded, with_offsets = unknowns.encode(documents)
         for enc, qi in zip(encoded, query_of, strict=True):
             q, d = q_ids[qi], enc.ids
             original = len(q) + len(d) + self.frame
             d = d[:document_cap] if document_cap else d
             nq, nd = longest_first(len(q), len(d), budget)
             cut.append((qi, q[:nq], d[:nd], original))
-        tok, unknown_id = self._tok, self.unknown_id
         kept_queries = sorted({(qi, len(q)) for qi, q, _, _ in cut})  # a query once per length kept
-        found = unknown_tokens_of(tok, unknown_id, [queries[qi] for qi, _ in kept_queries],
-                                  [q_ids[qi][:n] for qi, n in kept_queries])
+        found = unknowns.count([queries[qi] for qi, _ in kept_queries],
+                               [q_ids[qi][:n] for qi, n in kept_queries])
         of_query = dict(zip(kept_queries, found, strict=True))
         in_queries = [of_query[(qi, len(q))] for qi, q, _, _ in cut]
-        in_documents = unknown_tokens_of(tok, unknown_id, documents, [c[2] for c in cut])
+        in_documents = unknowns.count(documents, [c[2] for c in cut], encoded if with_offsets else None)
         return [
             PairIds(self.prefix + q + self.middle + d + self.suffix, original, UnknownTokens.of(uq, ud))
             for (_, q, d, original), uq, ud in zip(cut, in_queries, in_documents, strict=True)

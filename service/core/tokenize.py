@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +72,63 @@ class TokenizedInput:
         return ItemTokens(self.original_tokens, kept, self.unknown)
 
 
-def unknown_tokens_of(
-    tok: Tokenizer, unknown_id: int | None, texts: list[str], kept: list[list[int]],
-    spans: list[list[tuple[int, int]] | None] | None = None,
-) -> list[UnknownTokens | None]:
-    """The unknown tokens among each text's ``kept`` ids (as ``tok`` encodes it without special
-    tokens: its first ones, or the ``spans`` of its ids they were taken from) and the characters
-    they cover; None for a text with none. The fast batch encoding has no offsets, so the texts
-    that hold the unknown id are encoded again, together in one batch call (parallel in Rust)."""
-    out: list[UnknownTokens | None] = [None] * len(texts)
-    todo = [i for i, k in enumerate(kept) if unknown_id is not None and unknown_id in k]
-    encodings = tok.encode_batch([texts[i] for i in todo], add_special_tokens=False) if todo else []
-    for i, enc in zip(todo, encodings, strict=True):
-        ids, offsets = enc.ids, enc.offsets  # each read of these builds a new list: once, not per token
-        where = (spans[i] if spans else None) or [(0, min(len(kept[i]), len(ids)))]
-        found = [offsets[t] for start, stop in where for t in range(start, stop) if ids[t] == unknown_id]
-        out[i] = UnknownTokens(len(found), sum(end - start for start, end in found))
-    return out
+#: Above this share of texts that hold the unknown token, one encoding with character offsets
+#: costs less than the fast one (no offsets) plus a second, with offsets, of each such text: the
+#: offsets add about a quarter to a batch call (32 passages of 128 words, all-MiniLM-L6-v2).
+OFFSETS_FIRST_ABOVE = 0.2
+#: Each text's weight in the running share: about the last hundred texts count.
+TEXT_WEIGHT = 0.01
+
+
+class UnknownCounter:
+    """A tokenizer's batch encoding (no special tokens) and the unknown tokens among each text's
+    kept ids, with the characters they stand for. The fast encoding has no character offsets, so
+    the texts that hold the unknown id are encoded again, with offsets. Where most texts hold it
+    (a script the vocabulary lacks, sent to an English WordPiece model: each such text would be
+    encoded twice), the first encoding has offsets instead. Which one is a running share of the
+    texts seen; a tokenizer with no unknown token (byte-level BPE) always takes the fast one.
+    Thread-safe (a lost update of the share only delays the switch)."""
+
+    def __init__(self, tok: Tokenizer, unknown_id: int | None) -> None:
+        self._tok, self.unknown_id = tok, unknown_id
+        self.share = 0.0
+
+    def encode(self, texts: list[str]) -> tuple[list[Encoding], bool]:
+        """The encodings, and whether they carry character offsets."""
+        offsets = self.unknown_id is not None and self.share > OFFSETS_FIRST_ABOVE
+        encode = self._tok.encode_batch if offsets else self._tok.encode_batch_fast
+        return encode(texts, add_special_tokens=False), offsets
+
+    def count(
+        self, texts: list[str], kept: list[list[int]], encodings: list[Encoding] | None = None,
+        spans: list[list[tuple[int, int]] | None] | None = None,
+    ) -> list[UnknownTokens | None]:
+        """The unknown tokens among each text's ``kept`` ids (its first ones, or the ``spans`` of
+        its ids they were taken from) and the characters they cover; None for a text with none.
+        ``encodings``: the texts' own, with offsets (else the texts that hold the unknown id are
+        encoded again, together in one batch call, parallel in Rust)."""
+        out: list[UnknownTokens | None] = [None] * len(texts)
+        if self.unknown_id is None or not texts:
+            return out
+        todo = [i for i, k in enumerate(kept) if self.unknown_id in k]
+        keep = (1 - TEXT_WEIGHT) ** len(texts)
+        self.share = self.share * keep + len(todo) / len(texts) * (1 - keep)
+        again = [] if encodings or not todo else self._tok.encode_batch([texts[i] for i in todo],
+                                                                        add_special_tokens=False)
+        unknown = self.unknown_id
+        for n, i in enumerate(todo):
+            enc = encodings[i] if encodings else again[n]
+            ids, offsets = enc.ids, enc.offsets  # each read of these builds a new list: once, not per token
+            where = (spans[i] if spans else None) or [(0, min(len(kept[i]), len(ids)))]
+            found = [offsets[t] for start, stop in where for t in range(start, stop) if ids[t] == unknown]
+            out[i] = UnknownTokens(len(found), sum(end - start for start, end in found))
+        return out
+
+
+def unknown_id(tok: Tokenizer) -> int | None:
+    """The id of the tokenizer's unknown token (WordPiece's ``[UNK]``); None for one that has none."""
+    unk = getattr(tok.model, "unk_token", None)
+    return tok.token_to_id(unk) if isinstance(unk, str) else None
 
 
 def blank(text: str) -> bool:
@@ -134,8 +174,7 @@ class ModelTokenizer:
         # Qwen3-Embedding-4B has 151,665 embedding rows and a tokenizer of 151,669 tokens: a
         # text that spells one of the last four cannot be embedded.
         self.exceeds_vocab = self._tok.get_vocab_size(True) > self.vocab_size
-        unk = getattr(self._tok.model, "unk_token", None)
-        self.unknown_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
+        self.unknowns = UnknownCounter(self._tok, unknown_id(self._tok))
         self.prefix, self.suffix = self._special_frame()
         if not self.suffix and self._pools_last_token(model_dir):
             eos = self._eos_id(model_dir)
@@ -180,7 +219,7 @@ class ModelTokenizer:
         frame = len(self.prefix) + len(self.suffix)
         out: list[TokenizedInput] = []
         for group in char_groups(texts, GROUP_CHARS):
-            encodings = self._tok.encode_batch_fast(group, add_special_tokens=False)
+            encodings, with_offsets = self.unknowns.encode(group)
             cut: list[tuple[list[int], list[int]]] = []  # each input's ids and the ids it keeps
             seen: list[list[int]] = []
             where: list[list[tuple[int, int]] | None] = []
@@ -195,8 +234,10 @@ class ModelTokenizer:
                 cut.append((ids, kept))
                 seen.append(ids if whole else kept)
                 where.append([(0, len(ids))] if whole else spans)
-            del encodings  # before the next group's are made
-            unknown = unknown_tokens_of(self._tok, self.unknown_id, group, seen, where)
+            own = encodings if with_offsets else None
+            del encodings  # fast ones: before any text is encoded again
+            unknown = self.unknowns.count(group, seen, own, where)
+            del own  # before the next group's are made
             for (ids, kept), unk in zip(cut, unknown, strict=True):
                 content = ids if whole and len(ids) > budget else None
                 out.append(TokenizedInput(self.prefix + kept + self.suffix, len(ids) + frame, unk, content))
