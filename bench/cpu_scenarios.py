@@ -188,26 +188,25 @@ def step_cross_encoder(host: Host, budget_end: float) -> dict[str, Any]:
     return {"model": str(build_cross_encoder(Path(host.model("cross-encoder")), "minilm-l6"))}
 
 
-# the rerank-gpu loads through a gateway whose engine answers at once: what the gateway alone can
-# carry of each (a cross-encoder's WordPiece pairs; Qwen3-Reranker's prompt, byte-level BPE)
+def rerank_loads(seconds: float, rounds: int) -> list[Case]:
+    """rerank-gpu's loads: one 8-word query and its passages, every text unique."""
+    return [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
+                 Load(f"fixed:{words}", conc, seconds=seconds, warmup=2, words=True, rerank=n), rounds)
+            for n, words, conc in ((32, 128, 16), (100, 64, 4), (16, 64, 1))]
+
+
+# rerank-gpu's loads through gateways over an engine that answers at once: what the gateway alone carries
 RERANK_ENGINE = Side("instant engine", INSTANT, 30981, "bundled", tag="instant-rerank")
-RERANK_SHAPES = (("cross-encoder", 8981), ("qwen3-reranker", 8982))
 RERANK_GATEWAYS = [Side(f"gateway, {shape}", GATEWAY, port, shape, OPEN, behind=(30981,), tag=shape)
-                   for shape, port in RERANK_SHAPES]
-GATEWAY_RERANK_LOADS = [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
-                             Load(f"fixed:{words}", conc, seconds=10, warmup=2, words=True, rerank=n), 2)
-                        for n, words, conc in ((32, 128, 16), (100, 64, 4), (16, 64, 1))]
+                   for shape, port in (("cross-encoder", 8981), ("qwen3-reranker", 8982))]
 
 
 def step_rerankers(host: Host, budget_end: float) -> dict[str, Any]:
-    """The cross-encoder of the rerank-cpu scenario and a tiny Qwen3-Reranker: only their
-    tokenizers and configs matter here."""
     from embedserve.runtime.synth_model import build_qwen3_reranker
 
-    qwen = Path(host.model("qwen3-reranker"))
-    if not (qwen / "config.json").exists():
-        build_qwen3_reranker(qwen)
-    return step_cross_encoder(host, budget_end) | {"qwen3_reranker": str(qwen)}
+    if not (Path(qwen := host.model("qwen3-reranker")) / "config.json").exists():
+        build_qwen3_reranker(Path(qwen))
+    return step_cross_encoder(host, budget_end) | {"qwen3_reranker": qwen}
 
 
 def step_rerank_scores(host: Host, budget_end: float, sides: Any = None) -> dict[str, Any]:
@@ -299,7 +298,7 @@ def cpu_steps() -> list[Step]:
         step("gateway-rerank-cpu-models", step_rerankers, 30),
         step("gateway-rerank-cpu", step_compare, 200, sides=RERANK_GATEWAYS,
              start=[RERANK_ENGINE, *RERANK_GATEWAYS], stop=[*RERANK_GATEWAYS, RERANK_ENGINE],
-             cases=GATEWAY_RERANK_LOADS, seed=13,
+             cases=rerank_loads(10, 2), seed=13,
              section="Rerank through the gateway over an engine that answers at once, pairs/s"), quality_on,
         step("quality-cpu", step_quality, 900, pairs=quality_pairs, one_at_a_time=True), quality_off,
         step("rerank-cpu-model", step_cross_encoder, 30), rerank_on,

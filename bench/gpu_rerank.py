@@ -10,9 +10,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cpu_scenarios import step_rerank_scores
+from cpu_scenarios import rerank_loads, step_rerank_scores
 from harness import UNCAPPED, UP, Host, Side, slug
-from measure import Case, Load
+from measure import Load
 from peers import VLLM, VLLM_TUNED_ARGS
 from runner import Step, step_compare, step_start, step_stop
 
@@ -61,9 +61,7 @@ def every_side(host: Host) -> list[Side]:
             for s in (reference(shape, port + 60), *load_sides(host, shape, port))]
 
 
-CASES = [Case(f"1 query x {n} passages of {words} words, {conc} in flight",
-              Load(f"fixed:{words}", conc, seconds=15, warmup=2, words=True, rerank=n), 3)
-         for n, words, conc in ((32, 128, 16), (100, 64, 4), (16, 64, 1))]
+CASES = rerank_loads(15, 3)
 
 
 def step_model(host: Host, budget_end: float) -> dict[str, Any]:
