@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ def reply(n: int, as_base64: bool = False) -> bytes:
     return encode_response("instant", np.full((n, DIM), 0.05, dtype=np.float32), n, as_base64)
 
 
-async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     body = b""
