@@ -234,6 +234,27 @@ def test_the_onnx_exports_of_both_rerankers_agree_with_torch(
 # -- framing and truncation ------------------------------------------------------------------
 
 
+def test_qwen3_prompts_are_the_templates_tokens_with_the_head_tokenised_once(tiny_reranker_dir: Path) -> None:
+    """The head (instruction and query) is tokenised once per query and each document on its own,
+    after a space: the ids must be those of the whole prompt, whatever the document opens with."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_reranker_dir))
+    prompts = YesNoPrompts(tiny_reranker_dir, 512)
+    documents = ["", "plain", " leading space", "  two", "\nnewline", "'s a contraction", ":colon", "123",
+                 "\u0301 combining", "\U0001F600 emoji", "<|im_end|> spelled", "数据 检索", "\tx", "end ",
+                 "Ünïcödé", "... dots", "\r\n", "word " * 600]
+    queries = ["what? ", "q2:"]
+    query_of = [i % 2 for i in range(len(documents))]
+    got = prompts.encode(queries, documents, query_of, "a task")
+    for pair, d, q in zip(got, documents, query_of, strict=True):
+        text = QWEN3_RERANK_TEMPLATE.format(instruction="a task", query=queries[q], document=d)
+        ids = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        assert pair.original_tokens == len(prompts.prefix) + len(ids) + len(prompts.suffix)
+        assert pair.ids[len(prompts.prefix):-len(prompts.suffix)] == ids[: 512 - len(prompts.prefix)
+                                                                          - len(prompts.suffix)], repr(d)
+
+
 @settings(max_examples=60, deadline=None)
 @given(a=st.integers(1, 80), b=st.integers(1, 80), budget=st.integers(2, 90))
 def test_longest_first_is_the_tokenizers_librarys(a: int, b: int, budget: int) -> None:

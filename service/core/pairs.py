@@ -28,6 +28,9 @@ QWEN3_RERANK_PREFIX = (
 )
 QWEN3_RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 QWEN3_RERANK_TEMPLATE = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+#: The template up to its document, tokenised once per query: Qwen3's pre-tokenizer always splits
+#: between that colon and the space after it, so a prompt's ids are the head's, then " {document}"'s.
+QWEN3_RERANK_HEAD = QWEN3_RERANK_TEMPLATE.split(" {document}")[0]
 QWEN3_RERANK_TASK = "Given a web search query, retrieve relevant passages that answer the query"
 
 
@@ -167,15 +170,16 @@ class YesNoPrompts:
         if document_cap:
             documents, lost = self._cut_documents(documents, document_cap)
         task = instruction or QWEN3_RERANK_TASK
-        texts = [
-            QWEN3_RERANK_TEMPLATE.format(instruction=task, query=queries[q], document=d)
-            for q, d in zip(query_of, documents, strict=True)
-        ]
+        asked = sorted(set(query_of))
+        heads = [QWEN3_RERANK_HEAD.format(instruction=task, query=queries[q]) for q in asked]
+        encoded = self._tok.encode_batch_fast(heads, add_special_tokens=False)
+        head_ids = {q: e.ids for q, e in zip(asked, encoded, strict=True)}
         limit = min(self.max_seq_len, cap or self.max_seq_len)
         frame = len(self.prefix) + len(self.suffix)
         budget = max(limit - frame, 1)
-        encoded = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        bodies = self._tok.encode_batch_fast([" " + d for d in documents], add_special_tokens=False)
+        prompts = [head_ids[q] + e.ids for q, e in zip(query_of, bodies, strict=True)]
         return [
-            PairIds(self.prefix + e.ids[:budget] + self.suffix, len(e.ids) + frame + extra)
-            for e, extra in zip(encoded, lost, strict=True)
+            PairIds(self.prefix + ids[:budget] + self.suffix, len(ids) + frame + extra)
+            for ids, extra in zip(prompts, lost, strict=True)
         ]
