@@ -1,14 +1,15 @@
 """Parse a request body into a JSON object, refusing what would be read ambiguously.
 
 orjson keeps the last of duplicate keys silently, so ``{"input": "a", "input": "b"}`` would
-embed "b" while a proxy or log that keeps the first sees "a". Finding duplicates costs a
-regex per top-level key; the exact (slower) check runs only when the regex finds a repeat.
+embed "b" while a proxy or log that keeps the first sees "a". The body is parsed a second time
+with Python's json and a hook that sees every object's pairs: about 50 µs for a rerank body of
+40 KB, a twentieth of what a regex scan of it for repeated keys took, and exact where that scan
+was not (an escaped key, ``"\\u0071uery"``, is ``"query"``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
@@ -27,23 +28,14 @@ def _object_with_duplicates(pairs: list[tuple[str, Any]]) -> _Pairs:
     return obj
 
 
-def _maybe_repeated(raw: bytes, keys: list[str]) -> bool:
-    """A key opens after ``{`` or ``,``; inside a string its quote would be escaped, so
-    this never matches string content (nested objects can match: the exact check decides)."""
-    for key in keys:
-        pattern = rb'[{,]\s*"' + re.escape(key.encode()) + rb'"\s*:'
-        it = re.finditer(pattern, raw)
-        if next(it, None) is not None and next(it, None) is not None:
-            return True
-    return False
-
-
-def top_level_duplicates(raw: bytes, obj: dict[str, Any]) -> list[str]:
-    """Keys that appear more than once in the body's top-level object."""
-    if not _maybe_repeated(raw, list(obj)):
-        return []
+def top_level_duplicates(raw: bytes) -> list[str]:
+    """Keys that appear more than once in the body's top-level object (``raw``: one orjson has
+    parsed). A body nested deeper than Python's recursion limit is refused as orjson refuses one
+    nested deeper than its own."""
     try:
         parsed = json.loads(raw, object_pairs_hook=_object_with_duplicates)
+    except RecursionError as exc:
+        raise APIError(400, "The body nests objects or arrays too deeply", code="invalid_json") from exc
     except ValueError:
         return []
     return list(dict.fromkeys(parsed.duplicates)) if isinstance(parsed, _Pairs) else []
@@ -57,7 +49,7 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise APIError(400, "The body must be a JSON object", code="invalid_json")
-    dupes = top_level_duplicates(raw, obj)
+    dupes = top_level_duplicates(raw)
     if dupes:
         raise APIError(
             400,

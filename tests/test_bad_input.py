@@ -80,6 +80,14 @@ CASES = [
         real=True,
     ),
     Case(
+        "duplicate input, escaped",
+        raw(f'{{"model": "{MODEL}", "input": "a", "\\u0069nput": "b"}}'),
+        param="input",
+        code="duplicate_key",
+    ),
+    # within orjson's nesting limit, beyond Python's recursion limit
+    Case("1000 nested inputs", raw('{"input": ' * 1000 + '"a"' + "}" * 1000), code="invalid_json"),
+    Case(
         "duplicate model",
         raw(f'{{"model": "other", "input": "a", "model": "{MODEL}"}}'),
         param="model",
