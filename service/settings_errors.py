@@ -180,8 +180,15 @@ def _one(error: Mapping[str, Any], model: type[BaseModel], flags: Mapping[str, s
     if wanted is None:
         wanted = msg.replace("Input should be ", "")
     got = error.get("input")
-    shown = "nothing" if got is None else repr(got)
+    shown = "nothing" if got is None else shown_value(info, got)
     return f"{name} must be {wanted}, got {shown}"
+
+
+def shown_value(info: FieldInfo | None, value: object) -> str:
+    """The value a mistake got, quoted; a secret's (an API key) never: only its length."""
+    if info is not None and "SecretStr" in repr(info.annotation):
+        return f"a {len(str(value))}-character value (hidden: it is a secret)"
+    return repr(value)
 
 
 def describe(exc: ValidationError, model: type[BaseModel], flags: Mapping[str, str] | None = None,
@@ -208,7 +215,7 @@ def bad_json(section: str, model: type[BaseModel], environ: Mapping[str, str]) -
         try:
             json.loads(value)
         except ValueError:
-            return f"{name} must be {accepts(info)}, got {value!r}"
+            return f"{name} must be {accepts(info)}, got {shown_value(info, value)}"
     return f"a {prefix}* variable holds a value that is not valid JSON"
 
 

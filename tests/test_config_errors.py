@@ -34,8 +34,10 @@ from embedserve.settings_errors import ConfigError
          "EMBEDSERVE_GATEWAY__REQUEST_TIMEOUT_S must be a number above 0, got '-1'"),
         ({}, {"model": {"max_seq_len": "4"}},
          "EMBEDSERVE_MODEL__MAX_SEQ_LEN (--max-seq-len) must be a whole number at least 8, got '4'"),
-        ({"EMBEDSERVE_GATEWAY__API_KEYS": "k1,k2"}, {},
-         "EMBEDSERVE_GATEWAY__API_KEYS must be JSON, e.g. '[\"a\", \"b\"]', got 'k1,k2'"),
+        ({"EMBEDSERVE_GATEWAY__API_KEYS": "sk-1,sk-2"}, {},  # a secret is never repeated
+         "EMBEDSERVE_GATEWAY__API_KEYS must be JSON, e.g. '[\"a\", \"b\"]', got a 9-character value (hidden"),
+        ({"EMBEDSERVE_LOG_LEVEL": "LOUD"}, {},
+         "EMBEDSERVE_LOG_LEVEL must be one of 'DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL', got 'LOUD'"),
         ({}, {"engine": {"engines_per_gpu": "two"}},  # a union: one sentence, not one per branch
          "EMBEDSERVE_ENGINE__ENGINES_PER_GPU (--engines-per-gpu) must be a whole number at least 1 or "
          "'auto', got 'two'"),
@@ -54,6 +56,7 @@ def test_each_mistake_is_one_sentence_naming_the_setting(
     message = str(err.value)
     assert message.startswith(expected), message
     assert "\n" not in message and "pydantic" not in message
+    assert "sk-" not in message
 
 
 def _embedserve(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

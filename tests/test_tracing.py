@@ -176,7 +176,11 @@ def test_the_standard_variables_set_tracing(monkeypatch: pytest.MonkeyPatch) -> 
         load_settings()
     monkeypatch.delenv("EMBEDSERVE_TRACING__PROTOCOL")
     monkeypatch.setenv("EMBEDSERVE_TRACING__ENDPOINT", "collector:4317")
-    with pytest.raises(ConfigError, match="EMBEDSERVE_TRACING__ENDPOINT"):
+    with pytest.raises(ConfigError, match=r"^EMBEDSERVE_TRACING__ENDPOINT must be an http:// or https://"):
+        load_settings()
+    monkeypatch.delenv("EMBEDSERVE_TRACING__ENDPOINT")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317")  # the default: no traceback either
+    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_ENDPOINT .* got 'collector:4317'$"):
         load_settings()
 
 

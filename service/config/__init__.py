@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from embedserve.config.controller import ControllerSettings
@@ -22,7 +22,7 @@ from embedserve.config.gateway import GatewaySettings
 from embedserve.config.health import HealthSettings
 from embedserve.config.model import ModelSettings
 from embedserve.config.served import ServedSettings
-from embedserve.config.tracing import TracingSettings
+from embedserve.config.tracing import URL_WORDS, TracingSettings, is_url
 from embedserve.contracts.models import BUNDLED_MODEL, resolve_model_path
 from embedserve.settings_errors import ConfigError, bad_json, check_variables, describe, setting_variables
 
@@ -64,6 +64,14 @@ NOT_SETTINGS = {
 OWN_CHILD_VARIABLES = {CHILD_SETTINGS_ENV, "EMBEDSERVE_DRILL_LEAK_BYTES_PER_S"}
 
 
+
+def _upper(value: object) -> object:
+    return value.upper() if isinstance(value, str) else value
+
+
+#: logging's level names, in any case (``info``); an unknown one stops the start like any mistake
+LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_upper)]
+
 class GatewayLimits(BaseModel):
     """What the gateway's settings come to in front of one model's engines (their defaults follow
     the engines' kind): shown by ``embedserve config`` and exported in ``/metrics``."""
@@ -89,7 +97,7 @@ class Settings(BaseSettings):
     controller: ControllerSettings = Field(default_factory=ControllerSettings)
     served: ServedSettings = Field(default_factory=ServedSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
-    log_level: str = "INFO"
+    log_level: LogLevel = "INFO"
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="auto: readable lines on a terminal, JSON lines otherwise"
     )
@@ -108,6 +116,10 @@ class Settings(BaseSettings):
                 f"EMBEDSERVE_HEALTH__CRITICAL_HOURS ({self.health.critical_hours:g}) must be below "
                 f"EMBEDSERVE_HEALTH__WARNING_HOURS ({self.health.warning_hours:g})"
             )
+        otel = self.tracing.endpoint  # a default from OpenTelemetry's variable is not validated
+        if otel is not None and not is_url(otel):
+            raise ValueError(f"OTEL_EXPORTER_OTLP_ENDPOINT (EMBEDSERVE_TRACING__ENDPOINT's default) must be "
+                             f"{URL_WORDS}, got {otel!r}")
         if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
             raise ValueError(
                 f"EMBEDSERVE_ENGINE__CPU_QUANTIZATION={self.engine.cpu_quantization} (--cpu-quantization) "

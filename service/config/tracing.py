@@ -5,9 +5,17 @@ embedserve's spans too. Off while no endpoint is set."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+_URL = re.compile(r"^https?://[^/\s]+(/\S*)?$")
+URL_WORDS = "an http:// or https:// URL such as http://collector:4318"
+
+
+def is_url(value: str) -> bool:
+    return bool(_URL.match(value))
 
 
 def _env(name: str) -> str | None:
@@ -19,7 +27,6 @@ class TracingSettings(BaseModel):
 
     endpoint: str | None = Field(
         default_factory=lambda: _env("OTEL_EXPORTER_OTLP_ENDPOINT"),
-        pattern=r"^https?://[^/\s]+(/\S*)?$",
         description="the OTLP receiver, a URL such as http://collector:4318 (HTTP: spans go to its "
         "/v1/traces) or http://collector:4317 (gRPC). Default OTEL_EXPORTER_OTLP_ENDPOINT; unset: "
         "no tracing, and OpenTelemetry is not imported",
@@ -33,6 +40,13 @@ class TracingSettings(BaseModel):
         default_factory=lambda: _env("OTEL_SERVICE_NAME") or "embedserve",
         description="the spans' service.name. Default OTEL_SERVICE_NAME, else embedserve",
     )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _a_url(cls, value: str | None) -> str | None:
+        if value is not None and not is_url(value):
+            raise ValueError(f"must be {URL_WORDS}, got {value!r}")
+        return value
 
     @property
     def enabled(self) -> bool:
