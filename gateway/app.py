@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -29,6 +30,7 @@ from embedserve.gateway.errors import install_error_handlers
 from embedserve.gateway.load import LoadCollector
 from embedserve.gateway.metrics import EngineCacheCollector, GatewayMetrics, LimitsCollector
 from embedserve.gateway.middleware import (
+    PROBE_PATHS,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     HeadLimitMiddleware,
@@ -184,12 +186,19 @@ def create_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=gw.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"]
         )
-    app.add_middleware(ApiKeyMiddleware, keys=api_keys(gw), protected_prefixes=protected)
+
+    def refused(scope: MutableMapping[str, Any], status: int) -> None:
+        """The API's requests a middleware answers (a body or head over its cap, no key) count
+        by status with those the routes answer; probes and scrapes do not."""
+        if not scope.get("path", "").startswith(PROBE_PATHS):
+            metrics.requests.labels(str(status)).inc()
+
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys(gw), protected_prefixes=protected, refused=refused)
     trimmer = MemoryTrimmer(glibc_malloc_trim())
     app.state.trimmer = trimmer
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.max_body_bytes,
-                       after_large_body=trimmer.request_done)
-    app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes)
+                       after_large_body=trimmer.request_done, refused=refused)
+    app.add_middleware(HeadLimitMiddleware, max_bytes=gw.max_head_bytes, refused=refused)
     if traces is not None:
         app.add_middleware(otel.TracingMiddleware, tracer=traces.get_tracer("embedserve.gateway"))
     app.add_middleware(RequestContextMiddleware, access=settings.log_access, warming=lambda: not gate.is_open)

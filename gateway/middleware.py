@@ -28,6 +28,12 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+#: told of each request a middleware answers itself (a route never sees it), with its status
+Refused = Callable[[Scope, int], None]
+
+
+def _ignore(scope: Scope, status: int) -> None:
+    pass
 
 log = logging.getLogger("embedserve.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -131,9 +137,10 @@ class HeadLimitMiddleware:
     The HTTP parser's own cap (service/http_server.py) counts whole reads of 64-256 KiB,
     so the exact limit is enforced here."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, refused: Refused = _ignore) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.refused = refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -141,6 +148,7 @@ class HeadLimitMiddleware:
             size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
             if size > self.max_bytes:
                 err = head_too_large(self.max_bytes)
+                self.refused(scope, err.status)
                 await _send_error(send, err.status, err.message, err.code)
                 return
         await self.app(scope, receive, send)
@@ -156,11 +164,13 @@ class BodyLimitMiddleware:
         max_bytes: int,
         after_large_body: Callable[[], None] | None = None,
         large_bytes: int = LARGE_BODY_BYTES,
+        refused: Refused = _ignore,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.after_large_body = after_large_body
         self.large_bytes = large_bytes
+        self.refused = refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -169,6 +179,7 @@ class BodyLimitMiddleware:
         declared = _header(scope, b"content-length")
         too_big = f"Request body exceeds the limit of {self.max_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            self.refused(scope, 413)
             await _send_error(send, 413, too_big, "request_too_large")
             return
         seen = 0
@@ -192,6 +203,7 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
+                self.refused(scope, 413)
                 await _send_error(send, 413, too_big, "request_too_large")
         finally:
             if seen >= self.large_bytes and self.after_large_body is not None:
@@ -206,10 +218,13 @@ class ApiKeyMiddleware:
     """Bearer keys, compared in constant time. Health and metrics are protected only when
     configured, so Kubernetes probes and Prometheus work without a key."""
 
-    def __init__(self, app: ASGIApp, keys: list[str], protected_prefixes: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: list[str], protected_prefixes: tuple[str, ...], refused: Refused = _ignore
+    ) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.prefixes = protected_prefixes
+        self.refused = refused
 
     def _allowed(self, scope: Scope) -> bool:
         auth = _header(scope, b"authorization") or b""
@@ -225,6 +240,7 @@ class ApiKeyMiddleware:
         path = scope.get("path", "")
         protected = scope["type"] == "http" and self.keys and path.startswith(self.prefixes)
         if protected and not self._allowed(scope):
+            self.refused(scope, 401)
             await _send_error(
                 send,
                 401,

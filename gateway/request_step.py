@@ -26,7 +26,8 @@ from embedserve.gateway.metrics import GatewayMetrics
 def check_text(text: str, where: str, param: str, max_chars: int) -> None:
     """``where`` (``input[3]``) is neither blank nor longer than ``max_chars``."""
     if blank(text):
-        raise APIError(400, f"{where} is empty", param=param, code="empty_input")
+        what = "is empty" if not text else "has no text (only whitespace or control characters)"
+        raise APIError(400, f"{where} {what}", param=param, code="empty_input")
     if len(text) > max_chars:
         raise APIError(
             400,

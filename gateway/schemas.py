@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from embedserve.contracts.hybrid import Output
 from embedserve.core.vectors import OutputType
@@ -17,6 +17,14 @@ TokenIds = list[StrictInt]
 EmbeddingInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
 
+def _null_is_float(value: object) -> object:
+    return "float" if value is None else value
+
+
+#: ``null`` (what some clients send for "the default", as for ``dimensions``) is ``float``
+EncodingFormat = Annotated[Literal["float", "base64"], BeforeValidator(_null_is_float)]
+
+
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings. Unknown fields are ignored, as OpenAI's server does."""
 
@@ -26,7 +34,7 @@ class EmbeddingRequest(BaseModel):
         ..., description="a string, a list of strings, token ids or a list of token-id lists"
     )
     model: StrictStr
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: EncodingFormat = "float"
     dimensions: Annotated[StrictInt, Field(description="Matryoshka: keep the first N")] | None = None
     user: StrictStr | None = None
     truncate: Truncate | None = Field(

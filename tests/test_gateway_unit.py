@@ -145,6 +145,17 @@ def test_invalid_requests(client: TestClient, body: object, param: str) -> None:
     assert_error(post(client, body), 400, param)
 
 
+def test_null_means_the_default_and_a_blank_input_is_named_as_such(client: TestClient) -> None:
+    """Clients send ``null`` for "the default" (``dimensions``, ``encoding_format``); a string of
+    only whitespace is refused, and the message says what it holds rather than "empty"."""
+    body = {"model": MODEL, "input": "x", "encoding_format": None, "dimensions": None, "user": None}
+    assert isinstance(post(client, body).json()["data"][0]["embedding"], list)
+    blank = post(client, {"model": MODEL, "input": ["ok", " \n"]})
+    assert blank.json()["error"]["message"] == "input[1] has no text (only whitespace or control characters)"
+    empty = post(client, {"model": MODEL, "input": ["ok", ""]})
+    assert empty.json()["error"]["message"] == "input[1] is empty"
+
+
 def test_non_json_and_content_types(client: TestClient) -> None:
     assert_error(
         client.post("/v1/embeddings", content=b"{nope", headers={"content-type": "application/json"}), 400

@@ -85,6 +85,41 @@ def test_keys_from_file_with_comments(monkeypatch: pytest.MonkeyPatch, tmp_path:
         assert_401(c.post("/v1/embeddings", json=BODY, headers={"authorization": "Bearer # rotated 2026-01"}))
 
 
+def test_requests_a_middleware_refuses_are_counted_by_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No route sees a body over the cap, a head over its cap or a request without a key; /metrics
+    counts them by status all the same (scrapes and probes it refuses, it does not)."""
+    def counted(c: TestClient) -> dict[str, float]:
+        text = c.get("/metrics", headers={"authorization": "Bearer k"}).text
+        return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("embedserve_requests_total{")}
+
+    with client_from_env(monkeypatch, api_keys='["k"]', max_body_bytes="1000", max_head_bytes="4096",
+                         protect_health="true") as c:
+        wait_ready(c)
+        ok = {"authorization": "Bearer k"}
+        assert c.post("/v1/embeddings", json=BODY, headers=ok).status_code == 200
+        assert_401(c.post("/v1/embeddings", json=BODY))
+        assert c.post("/v1/embeddings", json={**BODY, "input": "a" * 2000}, headers=ok).status_code == 413
+        assert c.post("/v1/embeddings", json=BODY, headers={**ok, "x-pad": "a" * 5000}).status_code == 431
+        assert c.get("/health/ready").status_code == 401  # a probe: not the API's
+        assert counted(c) == {"200": 1, "401": 1, "413": 1, "431": 1}
+
+
+def test_the_banners_curl_carries_a_key_where_the_gateway_asks_for_one(tmp_path: Path) -> None:
+    """`up` prints a curl to paste: with keys on, it names the header to add (never the key)."""
+    from embedserve.model_info import ModelInfo
+    from embedserve.runtime.stack import _banner
+
+    info = ModelInfo.load(Settings(_env_file=None).model)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-secret\n")
+    cases: list[tuple[dict[str, Any], bool]] = [({}, False), ({"api_keys": ["sk-secret"]}, True),
+                                                ({"api_keys_file": str(keys)}, True)]
+    for gateway, asked in cases:
+        banner = _banner(Settings(gateway=gateway, _env_file=None), [info])
+        assert ("Authorization: Bearer YOUR_API_KEY" in banner) is asked and "sk-secret" not in banner
+
+
 @pytest.mark.parametrize(
     ("protect_health", "protect_metrics"), [(False, False), (True, False), (False, True)]
 )

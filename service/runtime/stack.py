@@ -69,11 +69,12 @@ def _banner(settings: Settings, models: list[ModelInfo]) -> str:
     url = f"http://{host}:{g.port}"
     names = ", ".join(f"'{m.name}'" + ("" if m.embeds else " (rerank)") for m in models)
     first = next((m for m in models if m.embeds), None)
+    key = " -H 'Authorization: Bearer YOUR_API_KEY'" if g.api_keys or g.api_keys_file else ""
     example = (
-        f"  curl -s {url}/v1/embeddings -H 'Content-Type: application/json' \\\n"
+        f"  curl -s {url}/v1/embeddings -H 'Content-Type: application/json'{key} \\\n"
         f'    -d \'{{"model": "{first.name}", "input": "hello world"}}\'\n'
         if first else
-        f"  curl -s {url}/v1/rerank -H 'Content-Type: application/json' \\\n"
+        f"  curl -s {url}/v1/rerank -H 'Content-Type: application/json'{key} \\\n"
         f'    -d \'{{"model": "{models[0].name}", "query": "hello", "documents": ["hello world"]}}\'\n'
     )
     label = "model" if len(models) == 1 else "models"
