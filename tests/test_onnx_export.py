@@ -85,6 +85,31 @@ def test_a_racing_start_keeps_the_first_export(tmp_path: Path) -> None:
         publish(tmp_path / ".junk.1", tmp_path / "junk")
 
 
+def test_exports_of_models_that_are_gone_and_unused_for_a_week_are_removed(tmp_path: Path) -> None:
+    """A new checkout exports the bundled model anew; the exports of deleted ones go, once unused for
+    ORPHAN_AFTER_S, and one a start still uses (its meta file's time) stays."""
+    now = 1_000_000_000.0
+    week = onnx_export.ORPHAN_AFTER_S
+
+    def export(name: str, model: Path, used_ago: float) -> Path:
+        folder = tmp_path / "cache" / name
+        folder.mkdir(parents=True)
+        (folder / META_FILE).write_text(META.model_copy(update={"model_path": str(model)}).model_dump_json())
+        os.utime(folder / META_FILE, (now - used_ago, now - used_ago))
+        return folder
+
+    here = tmp_path / "model"
+    here.mkdir()
+    gone = export("gone", tmp_path / "deleted", week + 60)
+    used = export("used", tmp_path / "deleted-too", 60)
+    present = export("present", here, week + 60)
+    (tmp_path / "cache" / "junk").mkdir()  # not an export: left alone
+    onnx_export.remove_orphans(tmp_path / "cache", now)
+    assert not gone.exists() and used.exists() and present.exists() and (tmp_path / "cache" / "junk").exists()
+    onnx_export.mark_used(present)
+    assert (present / META_FILE).stat().st_mtime > now
+
+
 def test_an_export_unlike_torch_is_refused(
     tiny_qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

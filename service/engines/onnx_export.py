@@ -146,6 +146,7 @@ def ensure_export(
     found = read_export(folder)
     if found is not None:
         log.info("onnx export found", extra={"folder": str(folder)})
+        mark_used(folder)
         return folder, found
     log.info("exporting the model to ONNX (once; later starts reuse it)", extra={"folder": str(folder)})
     child = subprocess.Popen(
@@ -252,6 +253,7 @@ class Exporter:
         folder.parent.mkdir(parents=True, exist_ok=True)
         with exclusive(folder.parent):
             remove_leftovers(folder.parent)
+            remove_orphans(folder.parent, time.time())
             return self._build(quantization)
 
     def _build(self, quantization: str) -> tuple[Path, OnnxExport]:
@@ -355,6 +357,31 @@ def remove_leftovers(root: Path) -> None:
         if _WORK_FOLDER.fullmatch(path.name) and path.is_dir():
             log.info("removing an interrupted onnx export", extra={"folder": str(path)})
             shutil.rmtree(path, ignore_errors=True)
+
+
+#: An export whose model folder is gone and that no start has used for this long is deleted when
+#: another is made: each new checkout or virtual environment exports the bundled model anew
+#: (the key holds the folder's path), and a cache shared by pods keeps what any pod still uses.
+ORPHAN_AFTER_S = 7 * 24 * 3600.0
+
+
+def remove_orphans(root: Path, now: float, unused_s: float = ORPHAN_AFTER_S) -> None:
+    """Exports of model folders that are gone, unused for ``unused_s`` (their meta file's time:
+    ``mark_used``); call only holding ``exclusive(root)``."""
+    for folder in root.iterdir():
+        found = read_export(folder) if folder.is_dir() else None
+        if found is None or Path(found.model_path).exists():
+            continue
+        with contextlib.suppress(OSError):
+            if now - (folder / META_FILE).stat().st_mtime > unused_s:
+                log.info("removing the onnx export of a model that is gone", extra={"folder": str(folder)})
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def mark_used(folder: Path) -> None:
+    """A start uses this export (a read-only cache keeps its time)."""
+    with contextlib.suppress(OSError):
+        os.utime(folder / META_FILE)
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
