@@ -24,8 +24,9 @@ from embedserve.contracts import hybrid
 from embedserve.contracts.onnx_export import M3_OUTPUTS, META_FILE, MODEL_FILE, SPLADE_OUTPUTS
 from embedserve.engines import hybrid_modules
 from embedserve.engines.cpu import CpuEmbedder, create_engine_app
+from embedserve.engines.export_cache import read_export
 from embedserve.engines.export_check import ExportMismatch, refuse_mismatch
-from embedserve.engines.onnx_export import Exporter, read_export
+from embedserve.engines.onnx_export import Exporter
 from embedserve.engines.ort_session import open_session
 from embedserve.engines.sglang import LaunchConfigError, build_launch
 from embedserve.model_info import ModelInfo

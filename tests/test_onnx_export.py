@@ -21,8 +21,9 @@ from embedserve.contracts.onnx_export import (
     VECTORS_OUTPUT,
     OnnxExport,
 )
-from embedserve.engines import onnx_export
-from embedserve.engines.onnx_export import Exporter, ExportMismatch, ensure_export, export_folder, publish
+from embedserve.engines import export_cache, onnx_export
+from embedserve.engines.export_cache import publish
+from embedserve.engines.onnx_export import Exporter, ExportMismatch, ensure_export, export_folder
 from embedserve.engines.ort_session import open_session
 
 from .conftest import wait_until
@@ -89,7 +90,7 @@ def test_exports_of_models_that_are_gone_and_unused_for_a_week_are_removed(tmp_p
     """A new checkout exports the bundled model anew; the exports of deleted ones go, once unused for
     ORPHAN_AFTER_S, and one a start still uses (its meta file's time) stays."""
     now = 1_000_000_000.0
-    week = onnx_export.ORPHAN_AFTER_S
+    week = export_cache.ORPHAN_AFTER_S
 
     def export(name: str, model: Path, used_ago: float) -> Path:
         folder = tmp_path / "cache" / name
@@ -104,9 +105,9 @@ def test_exports_of_models_that_are_gone_and_unused_for_a_week_are_removed(tmp_p
     used = export("used", tmp_path / "deleted-too", 60)
     present = export("present", here, week + 60)
     (tmp_path / "cache" / "junk").mkdir()  # not an export: left alone
-    onnx_export.remove_orphans(tmp_path / "cache", now)
+    export_cache.remove_orphans(tmp_path / "cache", now)
     assert not gone.exists() and used.exists() and present.exists() and (tmp_path / "cache" / "junk").exists()
-    onnx_export.mark_used(present)
+    export_cache.mark_used(present)
     assert (present / META_FILE).stat().st_mtime > now
 
 
@@ -156,7 +157,7 @@ def test_the_graph_gives_every_tokens_state_and_it_is_checked_against_torch(
 STALLED_EXPORT = """
 import sys, time
 from pathlib import Path
-from embedserve.engines import onnx_export
+from embedserve.engines import export_cache, onnx_export
 
 def stalled(self, out):
     Path(sys.argv[1]).write_text(str(out))

@@ -24,14 +24,11 @@ runs it in a child process so that torch never loads into the serving process.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -39,18 +36,25 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from embedserve.config import Settings, load_settings
 from embedserve.contracts import onnx_export as export_contract
 from embedserve.contracts.onnx_export import EMBEDDING_OUTPUTS, META_FILE, MODEL_FILE, OnnxExport
 from embedserve.engines import export_check as agree
+from embedserve.engines.export_cache import (
+    exclusive,
+    mark_used,
+    publish,
+    read_export,
+    remove_leftovers,
+    remove_orphans,
+)
 from embedserve.engines.export_check import ExportMismatch, padded_batch
 from embedserve.logs import Progress
 from embedserve.model_info import ModelInfo
@@ -66,8 +70,6 @@ OPSET = 17
 #: Bump when the graph's construction changes, so old exports are not reused (2: an embedding
 #: model's graph gives its token states too; 3: BGE-M3's its sparse and ColBERT heads too).
 FORMAT = 3
-#: A temporary export folder: ``.<export folder's name>.<tempfile.mkdtemp's 8 characters>``.
-_WORK_FOLDER = re.compile(r"\..+-[0-9a-f]{20}\.[a-z0-9_]{8}")
 _VERSIONED = ("torch", "transformers", "sentence-transformers", "onnx", "onnxruntime", "embedserve")
 
 
@@ -108,14 +110,6 @@ def export_folder(settings: Settings, quantization: str | None = None) -> Path:
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in settings.model.served_name)
     suffix = "" if quantization == "none" else f"-{quantization}"
     return export_root(settings) / f"{name}{suffix}-{export_key(settings.model.resolved_path, quantization)}"
-
-
-def read_export(folder: Path) -> OnnxExport | None:
-    """The export in ``folder``, or None when there is none (or a foreign file is there)."""
-    try:
-        return OnnxExport.model_validate_json((folder / META_FILE).read_bytes())
-    except (OSError, ValidationError):
-        return None
 
 
 def check_export_dir(settings: Settings) -> None:
@@ -340,62 +334,9 @@ def quantize_int8(fp32: Path, out: Path) -> None:
     quantize_dynamic(fp32, out, weight_type=QuantType.QUInt8, per_channel=True)
 
 
-@contextlib.contextmanager
-def exclusive(root: Path) -> Iterator[None]:
-    """An exclusive lock on the cache folder itself (no lock file to leave behind)."""
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def remove_leftovers(root: Path) -> None:
-    """Temporary folders of exports that were killed; call only holding ``exclusive(root)``."""
-    for path in root.iterdir():
-        if _WORK_FOLDER.fullmatch(path.name) and path.is_dir():
-            log.info("removing an interrupted onnx export", extra={"folder": str(path)})
-            shutil.rmtree(path, ignore_errors=True)
-
-
-#: An export whose model folder is gone and that no start has used for this long is deleted when
-#: another is made: each new checkout or virtual environment exports the bundled model anew
-#: (the key holds the folder's path), and a cache shared by pods keeps what any pod still uses.
-ORPHAN_AFTER_S = 7 * 24 * 3600.0
-
-
-def remove_orphans(root: Path, now: float, unused_s: float = ORPHAN_AFTER_S) -> None:
-    """Exports of model folders that are gone, unused for ``unused_s`` (their meta file's time:
-    ``mark_used``); call only holding ``exclusive(root)``."""
-    for folder in root.iterdir():
-        found = read_export(folder) if folder.is_dir() else None
-        if found is None or Path(found.model_path).exists():
-            continue
-        with contextlib.suppress(OSError):
-            if now - (folder / META_FILE).stat().st_mtime > unused_s:
-                log.info("removing the onnx export of a model that is gone", extra={"folder": str(folder)})
-                shutil.rmtree(folder, ignore_errors=True)
-
-
-def mark_used(folder: Path) -> None:
-    """A start uses this export (a read-only cache keeps its time)."""
-    with contextlib.suppress(OSError):
-        os.utime(folder / META_FILE)
-
-
 def _stop(signum: int, frame: FrameType | None) -> None:
     """SIGTERM or SIGINT: unwind, so the temporary folder is deleted, then exit 128 + signal."""
     raise SystemExit(128 + signum)
-
-
-def publish(work: Path, folder: Path) -> None:
-    """Rename the finished folder into place; when another start got there first, keep its."""
-    try:
-        os.rename(work, folder)
-    except OSError:
-        if read_export(folder) is None:
-            raise
 
 
 def main(argv: list[str] | None = None) -> int:
