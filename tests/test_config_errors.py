@@ -288,5 +288,6 @@ def test_the_readme_contract_states_the_limits_and_the_capacity_413() -> None:
 
     contract = " ".join(_paragraph((ROOT / "README.md").read_text(), "The OpenAI contract:").split())
     g = GatewaySettings()
-    assert f"up to {g.max_inputs} inputs and {g.max_tokens_per_request:,} tokens" in contract
+    assert (f"up to {g.max_inputs} inputs of at most {g.max_string_chars:,} characters each, "
+            f"{g.max_tokens_per_request:,} tokens in all") in contract
     assert "413 `request_exceeds_capacity`" in contract and "`gateway.request_timeout_s`" in contract
