@@ -38,6 +38,7 @@ from embedserve.gateway.middleware import (
     RouteFastPath,
 )
 from embedserve.gateway.routes import add_routes, embeddings_handler
+from embedserve.gateway.score_routes import ROUTES as SCORE_ROUTES
 from embedserve.gateway.score_routes import add_score_routes
 from embedserve.gateway.scoring import ScorePipeline
 from embedserve.gateway.served import ModelRouter, build_runtime
@@ -189,8 +190,11 @@ def create_app(
 
     def refused(scope: MutableMapping[str, Any], status: int) -> None:
         """The API's requests a middleware answers (a body or head over its cap, no key) count
-        by status with those the routes answer; probes and scrapes do not."""
-        if not scope.get("path", "").startswith(PROBE_PATHS):
+        by status with those their route answers (rerank and score apart); probes and scrapes do not."""
+        path = scope.get("path", "")
+        if path in SCORE_ROUTES:
+            metrics.score_requests.labels(SCORE_ROUTES[path][0], str(status)).inc()
+        elif not path.startswith(PROBE_PATHS):
             metrics.requests.labels(str(status)).inc()
 
     app.add_middleware(ApiKeyMiddleware, keys=api_keys(gw), protected_prefixes=protected, refused=refused)

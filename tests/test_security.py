@@ -102,7 +102,10 @@ def test_requests_a_middleware_refuses_are_counted_by_status(monkeypatch: pytest
         assert c.post("/v1/embeddings", json={**BODY, "input": "a" * 2000}, headers=ok).status_code == 413
         assert c.post("/v1/embeddings", json=BODY, headers={**ok, "x-pad": "a" * 5000}).status_code == 431
         assert c.get("/health/ready").status_code == 401  # a probe: not the API's
+        assert c.post("/v1/rerank", json={"query": "q", "documents": ["d"]}).status_code == 401
         assert counted(c) == {"200": 1, "401": 1, "413": 1, "431": 1}
+        scrape = c.get("/metrics", headers={"authorization": "Bearer k"}).text
+        assert 'embedserve_score_requests_total{route="rerank",status="401"} 1.0' in scrape
 
 
 def test_the_banners_curl_carries_a_key_where_the_gateway_asks_for_one(tmp_path: Path) -> None:
