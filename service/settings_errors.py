@@ -14,7 +14,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "EMBEDSERVE_"
@@ -186,9 +186,14 @@ def _one(error: Mapping[str, Any], model: type[BaseModel], flags: Mapping[str, s
 
 def shown_value(info: FieldInfo | None, value: object) -> str:
     """The value a mistake got, quoted; a secret's (an API key) never: only its length."""
-    if info is not None and "SecretStr" in repr(info.annotation):
+    if info is not None and _holds_secret(info.annotation):
         return f"a {len(str(value))}-character value (hidden: it is a secret)"
     return repr(value)
+
+
+def _holds_secret(annotation: Any) -> bool:
+    """``SecretStr``, or a type made of it (``list[SecretStr]``, ``SecretStr | None``)."""
+    return annotation is SecretStr or any(_holds_secret(a) for a in typing.get_args(annotation))
 
 
 def describe(exc: ValidationError, model: type[BaseModel], flags: Mapping[str, str] | None = None,

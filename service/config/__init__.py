@@ -64,13 +64,13 @@ NOT_SETTINGS = {
 OWN_CHILD_VARIABLES = {CHILD_SETTINGS_ENV, "EMBEDSERVE_DRILL_LEAK_BYTES_PER_S"}
 
 
-
 def _upper(value: object) -> object:
     return value.upper() if isinstance(value, str) else value
 
 
 #: logging's level names, in any case (``info``); an unknown one stops the start like any mistake
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_upper)]
+
 
 class GatewayLimits(BaseModel):
     """What the gateway's settings come to in front of one model's engines (their defaults follow
@@ -116,10 +116,11 @@ class Settings(BaseSettings):
                 f"EMBEDSERVE_HEALTH__CRITICAL_HOURS ({self.health.critical_hours:g}) must be below "
                 f"EMBEDSERVE_HEALTH__WARNING_HOURS ({self.health.warning_hours:g})"
             )
-        otel = self.tracing.endpoint  # a default from OpenTelemetry's variable is not validated
-        if otel is not None and not is_url(otel):
-            raise ValueError(f"OTEL_EXPORTER_OTLP_ENDPOINT (EMBEDSERVE_TRACING__ENDPOINT's default) must be "
-                             f"{URL_WORDS}, got {otel!r}")
+        endpoint = self.tracing.endpoint  # here, not on the field: its default (OpenTelemetry's
+        if endpoint is not None and not is_url(endpoint):  # variable) is not validated there
+            named = ("EMBEDSERVE_TRACING__ENDPOINT" if "endpoint" in self.tracing.model_fields_set
+                     else "OTEL_EXPORTER_OTLP_ENDPOINT (EMBEDSERVE_TRACING__ENDPOINT's default)")
+            raise ValueError(f"{named} must be {URL_WORDS}, got {endpoint!r}")
         if self.engine.cpu_quantization != "none" and self.engine.cpu_backend != "onnx":
             raise ValueError(
                 f"EMBEDSERVE_ENGINE__CPU_QUANTIZATION={self.engine.cpu_quantization} (--cpu-quantization) "
