@@ -9,6 +9,7 @@ import json
 import math
 import random
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,6 +107,29 @@ def step_stop(host: Host, budget_end: float, sides: Sides) -> dict[str, Any]:
     return {"stopped": [s.key for s in resolve(host, sides) if host.work.stop(s.key, 60) is not None]}
 
 
+class Pace:
+    """A load step's time per run beyond its load (the client's start, scrapes), measured as it goes:
+    the step stops between cases where the next would outrun the budget, not in one, so the next
+    command goes on at that case (a command's time limit would lose the case it cut)."""
+
+    def __init__(self, host: Host, budget_end: float) -> None:
+        self.host, self.budget_end, self.runs, self.extra_s = host, budget_end, 0, 0.0
+
+    def timed(self, case: Case, rows: Callable[[], list[Any]]) -> list[Any]:
+        t0, out, load = time.time(), rows(), case.load.scaled(self.host.time_scale)
+        self.extra_s += time.time() - t0 - len(out) * (load.seconds + load.warmup)
+        self.runs += len(out)
+        return out
+
+    def check(self, case: Case, sides: int, rounds: int | None = None) -> None:
+        load = case.load.scaled(self.host.time_scale)
+        extra = max(0.0, self.extra_s / self.runs) if self.runs else 10.0  # before any run: a guess
+        need = (rounds or self.host.rounds or case.rounds) * sides * (load.seconds + load.warmup + extra)
+        if (left := self.budget_end - time.time()) < need:
+            raise TimeoutError(f"{case.name!r} needs ~{need:.0f} s, {left:.0f} s left; the finished cases "
+                               "are kept: run the same command again to go on")
+
+
 def alternate(host: Host, sides: Sequence[Side], case: Case, seed: int, tags: dict[str, Any],
               client: str = "loadtest", turn: int = 0) -> list[Any]:
     """``case.rounds`` rounds (``host.rounds`` when given), the sides' order rotated by one each
@@ -141,15 +165,18 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         every = {"section": section}
         if vectors:
             out["vectors"] = step_vectors(host, budget_end, live)
+        pace = Pace(host, budget_end)
         if warm:
-            alternate(host, live, Case("warm-up", warm), seed + 90, {**every, "section": "warm-up"})
+            pace.timed(warmup := Case("warm-up", warm), lambda: alternate(
+                host, live, warmup, seed + 90, {**every, "section": "warm-up"}))
         kept = finished_cases(host)
         out["rows"], out["stalled"] = kept["rows"], kept["stalled"]
         live = [s for s in live if s.name not in out["stalled"]]
         for i, case in enumerate(cases):
             if i < kept["done"]:  # measured before this command was cut off
                 continue
-            rows = alternate(host, live, case, seed + 10 * i, every, turn=i)
+            pace.check(case, len(live))
+            rows = pace.timed(case, partial(alternate, host, live, case, seed + 10 * i, every, turn=i))
             out["rows"] += rows
             for bad in [s for s in live if s.name in stalled(rows)] if stall else []:
                 out["stalled"][bad.name] = f"no answer in {case.name!r}: stopped"
@@ -158,9 +185,14 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
             live = [s for s in live if s.name not in out["stalled"]]
             kept["done"] = i + 1
             host.work.save()
+        for case in crosscheck:
+            pace.check(case, len(live), rounds=1)
         out["crosscheck_rows"] = [r for case in crosscheck for r in alternate(
             host, live, dataclasses.replace(case, rounds=1), seed + 70, every, client="crosscheck")]
         out["gpu_gb_after"] = side_memory(host, live)
+    except TimeoutError:  # out of budget: the sides stay up for the next command
+        stop = ()
+        raise
     finally:
         step_stop(host, budget_end, stop)
     return out

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +274,7 @@ def test_a_side_that_answers_nothing_is_stopped_and_not_measured_again(
     host = Host(WorkDir(tmp_path / "w"), models={"0.6b": str(checkpoint(tmp_path / "m"))}, vllm_cmd=("stub",))
     sides = gs.vllm_sides("0.6b")
     runner.step_start(host, 0.0, sides)
-    out = runner.step_compare(host, 0.0, sides, gs.VLLM_CASES[:2], section="v", seed=1, stall=True)
+    out = runner.step_compare(host, math.inf, sides, gs.VLLM_CASES[:2], section="v", seed=1, stall=True)
     assert out["stalled"] == {"vllm": "no answer in 'short, 64 in flight': stopped"}
     assert "vllm" not in {r["side"] for r in out["rows"] if r["case"] == "short, 256 in flight"}
     assert not harness.running(host, sides(host)[1])  # stopped, and recorded as failed for this run
@@ -301,6 +303,31 @@ def test_a_load_step_cut_off_goes_on_at_the_case_it_was_in(
     rows = host.work.state["steps"]["vllm-load-0.6b-1"]["rows"]
     assert [r["case"] for r in rows] == [c.name for c in gs.VLLM_CASES[:4] for _ in range(3)]
     assert "vllm-load-0.6b-1" not in host.work.state["cases"]  # forgotten once the step is done
+
+
+def test_a_load_step_stops_between_cases_where_the_next_would_outrun_its_budget(
+        tmp_path: Path, stand_ins: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, real = [1000.0], runner.measure
+
+    def hundred_seconds_a_run(*args: Any, **kw: Any) -> dict[str, Any]:
+        clock[0] += 100.0
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner, "measure", hundred_seconds_a_run)
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    steps = [s for s in suite.plan(("vllm",), ("0.6b",)) if s.name in ("vllm-start", "vllm-load-0.6b-1")]
+    models = {"0.6b": str(checkpoint(tmp_path / "m"))}
+    host = Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",))
+    assert suite.run(host, steps, tmp_path / "out", 1000.0, []) == 3  # stopped, not cut off
+    done = host.work.state["cases"]["vllm-load-0.6b-1"]["done"]
+    assert 1 <= done < 4 and clock[0] <= 2000.0 + 1  # it never began a case it had no time for
+    assert all(harness.running(host, s) for s in gs.vllm_sides("0.6b")(host))  # still up for the next
+    stand_ins.clear()
+    suite.run(Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",)),
+              steps, tmp_path / "out", None, [])
+    assert len(stand_ins) == 3 + (4 - done) * 3  # the warm-up, then the cases not yet measured
+    rows = WorkDir(tmp_path / "w").state["steps"]["vllm-load-0.6b-1"]["rows"]
+    assert [r["case"] for r in rows] == [c.name for c in gs.VLLM_CASES[:4] for _ in range(3)]
 
 
 def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_path: Path,
