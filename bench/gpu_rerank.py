@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import kernel_profile
 from cpu_scenarios import rerank_loads, step_rerank_scores
 from harness import UNCAPPED, UP, Host, Side, slug
 from measure import Load
@@ -94,6 +95,10 @@ def shape_steps(shape: str, seed: int) -> list[Step]:
 
     return [Step(f"rerank-gpu-scores-{shape}", ("rerank-gpu",),
                  partial(step_rerank_scores, sides=scored), 20),
+            # the kernel step on the first load: GPU ms per 1,000 passage words, the same requests each
+            Step(f"rerank-gpu-kernels-{shape}", ("rerank-gpu",), partial(
+                kernel_profile.step_kernels, sides=sides, load=CASES[0].load, requests=120, seed=seed + 5),
+                 90),
             Step(f"rerank-gpu-load-{shape}", ("rerank-gpu",), partial(
                 step_compare, sides=sides, cases=CASES, seed=seed, crosscheck=CASES[:1],
                 section=f"Rerank on one GPU, {shape}, pairs/s (inputs/s)",

@@ -163,7 +163,8 @@ def up_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:
     return [*embedserve_cmd(), "up", *side.args], base_env(host, side) | {
         "EMBEDSERVE_GATEWAY__PORT": str(side.port),
         "EMBEDSERVE_ENGINE__PORT": str(side.port + UP_ENGINE_OFFSET),
-        "EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang"}
+        "EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang",
+        "EMBEDSERVE_ENGINE__PROFILE_DIR": str(trace_dir(host, side))}  # the torch engine's profiler
 
 
 def instant_command(host: Host, side: Side) -> tuple[list[str], dict[str, str]]:

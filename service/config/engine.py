@@ -142,6 +142,12 @@ class EngineSettings(BaseModel):
         "container (both must mount it)",
     )
     stats_interval_s: float = Field(1.0, gt=0)
+    profile_dir: str | None = Field(
+        None,
+        description="embedserve's own engine with the torch backend (engine.kind torch): serve "
+        "SGLang's POST /start_profile and /stop_profile, writing torch.profiler traces under this "
+        "folder only (bench/README.md, Kernels); unset: no such routes",
+    )
     startup_timeout_s: float = Field(900.0, gt=0)
     health_check_interval_s: float = Field(2.0, gt=0, description="how often the gateway checks each engine")
     health_check_timeout_s: float = Field(

@@ -24,6 +24,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
 from embedserve.engines.cpu_backends import load_forward
 from embedserve.engines.drill import Leak
+from embedserve.engines.engine_profiler import EngineProfiler, add_profile_routes
 from embedserve.engines.hybrid_rows import HybridAnswer, dropped_ids, outputs_problem, pool_spans
 from embedserve.engines.sglang_plugin import engine_monitor
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
@@ -215,6 +217,9 @@ def create_engine_app(
 
     app = FastAPI(title="embedserve cpu engine", lifespan=lifespan)
     name = settings.model.served_name
+    eng = settings.engine
+    if eng.profile_dir and (eng.kind == "torch" or eng.cpu_backend == "torch"):  # never imports torch else
+        add_profile_routes(app, EngineProfiler(Path(eng.profile_dir)), executor)
 
     @app.get("/health")
     async def health() -> Response:
