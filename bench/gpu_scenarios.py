@@ -243,8 +243,9 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
             Step(f"vllm-kernels-{shape}", ("vllm",), partial(
                 kernel_profile.step_kernels, sides=sides, load=Load("seed", 64), requests=800, seed=770),
                  150),
-            Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450),
+            Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450,
+                 least_s=150),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
-                                                             crosscheck=VLLM_CASES[:1]), 380)]
+                                                             crosscheck=VLLM_CASES[:1]), 380, least_s=150)]
         steps.append(Step(f"vllm-stop-{shape}", ("vllm",), partial(step_stop, sides=sides), 20))
     return steps

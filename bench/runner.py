@@ -37,6 +37,7 @@ class Step:
     seconds: float  # roughly what it takes at time scale 1 with a warm JIT cache
     holds: tuple[str, ...] = ()  # processes it leaves running: done again when one is gone
     always: bool = False  # stops and clean-ups run on every pass
+    least_s: float | None = None  # a load step: its warm-up and first case (it stops between cases)
 
 
 def lifecycle(name: str, scenario: str, sides: Sides, seconds: float = 150,

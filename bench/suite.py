@@ -105,7 +105,7 @@ def run(host: Host, steps: list[Step], out: Path, budget_s: float | None, redo: 
         done = work.state["steps"].get(step.name, {})
         if done.get("ok") and not step.always and all(work.running(t) for t in step.holds):
             continue
-        need = step.seconds * (0.4 + 0.6 * host.time_scale)  # starts and client launches do not scale
+        need = (step.least_s or step.seconds) * (0.4 + 0.6 * host.time_scale)  # starts, launches: unscaled
         if budget_s and time.time() + need > t_end:
             work.note(f"stopping before {step.name}: {t_end - time.time():.0f} s left, needs ~{need:.0f} s; "
                       "run the same command again to go on")

@@ -317,14 +317,23 @@ def test_a_load_step_stops_between_cases_where_the_next_would_outrun_its_budget(
     monkeypatch.setattr(time, "time", lambda: clock[0])
     steps = [s for s in suite.plan(("vllm",), ("0.6b",)) if s.name in ("vllm-start", "vllm-load-0.6b-1")]
     models = {"0.6b": str(checkpoint(tmp_path / "m"))}
-    host = Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",))
-    assert suite.run(host, steps, tmp_path / "out", 1000.0, []) == 3  # stopped, not cut off
-    done = host.work.state["cases"]["vllm-load-0.6b-1"]["done"]
-    assert 1 <= done < 4 and clock[0] <= 2000.0 + 1  # it never began a case it had no time for
-    assert all(harness.running(host, s) for s in gs.vllm_sides("0.6b")(host))  # still up for the next
+
+    def command(budget_s: float | None) -> int:  # the same command again: a new process reads the state
+        return suite.run(Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",)),
+                         steps, tmp_path / "out", budget_s, [])
+
+    assert command(300.0) == 3  # under the step's 450 s but over its least: it starts, warms up, stops
+    assert len(stand_ins) == 3 and WorkDir(tmp_path / "w").state["cases"]["vllm-load-0.6b-1"]["done"] == 0
     stand_ins.clear()
-    suite.run(Host(WorkDir(tmp_path / "w"), models=models, rounds=1, vllm_cmd=("stub",)),
-              steps, tmp_path / "out", None, [])
+    start = clock[0]
+    assert command(1000.0) == 3  # stopped between cases, not cut off
+    state = WorkDir(tmp_path / "w").state
+    done = state["cases"]["vllm-load-0.6b-1"]["done"]
+    assert 1 <= done < 4 and clock[0] <= start + 1000.0  # it never began a case it had no time for
+    sides = gs.vllm_sides("0.6b")(Host(WorkDir(tmp_path / "w"), models=models, vllm_cmd=("stub",)))
+    assert all(s.key in state["procs"] for s in sides)  # still up for the next command
+    stand_ins.clear()
+    assert command(None) == 0
     assert len(stand_ins) == 3 + (4 - done) * 3  # the warm-up, then the cases not yet measured
     rows = WorkDir(tmp_path / "w").state["steps"]["vllm-load-0.6b-1"]["rows"]
     assert [r["case"] for r in rows] == [c.name for c in gs.VLLM_CASES[:4] for _ in range(3)]

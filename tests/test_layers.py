@@ -178,7 +178,7 @@ def test_no_module_over_the_line_limit() -> None:
 
 #: The workshop stays smaller than the house: bench/ (its tests included) within this many lines
 #: of Python, each file within the modules' limit.
-MAX_BENCH_LINES = 4725  # rerank-gpu: two rerankers against fp32, cross-checked; hybrid-cpu; gateway-rerank;
+MAX_BENCH_LINES = 4735  # rerank-gpu: two rerankers against fp32, cross-checked; hybrid-cpu; gateway-rerank;
 # a load step that stops between cases at its budget; rerank-gpu's kernel step
 
 
