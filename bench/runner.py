@@ -122,13 +122,17 @@ class Pace:
         self.runs += len(out)
         return out
 
-    def check(self, case: Case, sides: int, rounds: int | None = None) -> None:
+    def check(self, case: Case, sides: int) -> None:
         load = case.load.scaled(self.host.time_scale)
         extra = max(0.0, self.extra_s / self.runs) if self.runs else 10.0  # before any run: a guess
-        need = (rounds or self.host.rounds or case.rounds) * sides * (load.seconds + load.warmup + extra)
+        need = rounds(self.host, case) * sides * (load.seconds + load.warmup + extra)
         if (left := self.budget_end - time.time()) < need:
             raise TimeoutError(f"{case.name!r} needs ~{need:.0f} s, {left:.0f} s left; the finished cases "
                                "are kept: run the same command again to go on")
+
+
+def rounds(host: Host, case: Case) -> int:  # ``host.rounds`` when given (--rounds), else the case's own
+    return host.rounds or case.rounds
 
 
 def alternate(host: Host, sides: Sequence[Side], case: Case, seed: int, tags: dict[str, Any],
@@ -136,7 +140,7 @@ def alternate(host: Host, sides: Sequence[Side], case: Case, seed: int, tags: di
     """``case.rounds`` rounds (``host.rounds`` when given), the sides' order rotated by one each
     round, starting ``turn`` places on; an in-process side runs each of the load's batch sizes."""
     rows = []
-    for rnd in range(host.rounds or case.rounds):
+    for rnd in range(rounds(host, case)):
         shift = (rnd + turn) % len(sides)
         for side in [*sides[shift:], *sides[:shift]]:
             load, t = case.load.scaled(host.time_scale), target(host, side)
@@ -186,10 +190,11 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
             live = [s for s in live if s.name not in out["stalled"]]
             kept["done"] = i + 1
             host.work.save()
-        for case in crosscheck:
-            pace.check(case, len(live), rounds=1)
-        out["crosscheck_rows"] = [r for case in crosscheck for r in alternate(
-            host, live, dataclasses.replace(case, rounds=1), seed + 70, every, client="crosscheck")]
+        checks = [dataclasses.replace(case, rounds=1) for case in crosscheck]
+        for case in checks:
+            pace.check(case, len(live))
+        out["crosscheck_rows"] = [r for case in checks for r in alternate(
+            host, live, case, seed + 70, every, client="crosscheck")]
         out["gpu_gb_after"] = side_memory(host, live)
     except TimeoutError:  # out of budget: the sides stay up for the next command
         stop = ()

@@ -38,9 +38,9 @@ from embedserve.config import Settings, load_settings
 from embedserve.contracts import hybrid, late_chunks, score_wire, wire
 from embedserve.contracts.stats import EngineStats, stats_path, write_stats
 from embedserve.contracts.wire import Matrix
-from embedserve.engines.cpu_backends import load_forward
+from embedserve.engines.cpu_backends import load_forward, runs_onnx
 from embedserve.engines.drill import Leak
-from embedserve.engines.engine_profiler import EngineProfiler, add_profile_routes
+from embedserve.engines.engine_profiler import EngineProfiler, ProfileStart
 from embedserve.engines.hybrid_rows import HybridAnswer, dropped_ids, outputs_problem, pool_spans
 from embedserve.engines.sglang_plugin import engine_monitor
 from embedserve.http_server import QuietServer, bounded_httptools, wait_disconnect
@@ -217,9 +217,23 @@ def create_engine_app(
 
     app = FastAPI(title="embedserve cpu engine", lifespan=lifespan)
     name = settings.model.served_name
-    eng = settings.engine
-    if eng.profile_dir and (eng.kind == "torch" or eng.cpu_backend == "torch"):  # never imports torch else
-        add_profile_routes(app, EngineProfiler(Path(eng.profile_dir)), executor)
+    if settings.engine.profile_dir and not runs_onnx(settings):  # ONNX Runtime never imports torch
+        profiler = EngineProfiler(Path(settings.engine.profile_dir))
+
+        @app.post("/start_profile")
+        async def start_profile(request: Request) -> Response:
+            try:
+                req = ProfileStart.model_validate_json((await request.body()) or b"{}")
+            except ValidationError as exc:
+                return _error(400, f"a /start_profile body is SGLang's: {exc.errors()[0]['msg']}")
+            why_not = await asyncio.get_running_loop().run_in_executor(executor, profiler.start, req)
+            return _error(400, why_not) if why_not else Response("profiling started", media_type="text/plain")
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            done = await asyncio.get_running_loop().run_in_executor(executor, profiler.stop)
+            return Response(f"trace written: {done}", media_type="text/plain") if isinstance(done, Path) \
+                else _error(400, done)
 
     @app.get("/health")
     async def health() -> Response:

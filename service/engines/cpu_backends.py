@@ -224,9 +224,13 @@ class TorchScoreForward:
         raise NotImplementedError("a reranker's forward gives scores, not an embedding model's outputs")
 
 
-def load_forward(settings: Settings) -> Forward:
+def runs_onnx(settings: Settings) -> bool:
     """The engine kind ``torch`` runs the torch backend on its GPU, whatever ``cpu_backend`` says."""
-    if settings.engine.cpu_backend == "onnx" and settings.engine.kind != "torch":
+    return settings.engine.cpu_backend == "onnx" and settings.engine.kind != "torch"
+
+
+def load_forward(settings: Settings) -> Forward:
+    if runs_onnx(settings):
         return OnnxForward(settings)
     info = ModelInfo.load(settings.model)
     if not info.embeds:
