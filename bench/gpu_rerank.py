@@ -31,6 +31,11 @@ QWEN3_WRAP = (f"{QWEN3_RERANK_PREFIX}<Instruct>: {QWEN3_RERANK_TASK}\n<Query>: {
               f"<Document>: {{}}{QWEN3_RERANK_SUFFIX}")
 
 
+def engines_of(host: Host, shape: str) -> list[str]:
+    """The embedserve engines --rerank-sides names for ``shape``; none: its servers never start."""
+    return [k.split(":")[-1] for k in host.rerank_sides if ":" not in k or k.startswith(f"{shape}:")]
+
+
 def reference(shape: str, port: int) -> Side:
     """transformers' forward of the same checkpoint in fp32 behind the same gateway: scores only."""
     fp32 = TORCH | {"EMBEDSERVE_ENGINE__DTYPE": "float32"}
@@ -38,18 +43,23 @@ def reference(shape: str, port: int) -> Side:
 
 
 def load_sides(host: Host, shape: str, port: int) -> list[Side]:
-    """embedserve on SGLang, one more stack on SGLang per --embedserve-variants entry, its torch
-    engine, vLLM tuned (each where --rerank-sides asks for the engine)."""
+    """embedserve on SGLang and one more stack on SGLang per --embedserve-variants entry, its torch
+    engine and one more per entry (up to three), vLLM tuned (each where --rerank-sides asks for the
+    engine)."""
     qwen3 = shape == QWEN3
-    kinds = [k.split(":")[-1] for k in host.rerank_sides if ":" not in k or k.startswith(f"{shape}:")]
-    variants = host.variants if "sglang" in kinds else []
+    if not (kinds := engines_of(host, shape)):
+        return []
     sglang = ENV | {"EMBEDSERVE_ENGINE__KIND": "cpu" if host.cpu else "sglang"}  # auto gives a reranker torch
     return [*[Side("embedserve (SGLang)", UP, port, shape, sglang, tag=slug(f"rerank-gpu-{shape}-sglang"))
               ] * ("sglang" in kinds),
             *(Side(f"embedserve {n}", UP, port + 10 * (k + 1), shape, sglang | env,
-                   tag=slug(f"rerank-gpu-{shape}-{n}")) for k, (n, env) in enumerate(variants)),
+                   tag=slug(f"rerank-gpu-{shape}-{n}")) for k, (n, env) in enumerate(host.variants)
+              if "sglang" in kinds),
             *[Side("embedserve (torch engine)", UP, port + 40, shape, TORCH,
                    tag=slug(f"rerank-gpu-{shape}-torch"))] * ("torch" in kinds),
+            *(Side(f"embedserve torch {n}", UP, port + 70 + 4 * k, shape, TORCH | env,
+                   tag=slug(f"rerank-gpu-{shape}-torch-{n}")) for k, (n, env) in enumerate(host.variants[:3])
+              if "torch" in kinds),
             Side("vllm tuned", VLLM, port + 50, shape, args=VLLM_TUNED_ARGS + (QWEN3_VLLM if qwen3 else ()),
                  tag=slug(f"rerank-gpu-{shape}-vllm"), wrap=QWEN3_WRAP if qwen3 else ("{}", "{}"))]
 
@@ -58,7 +68,7 @@ PORTS = {CROSS_ENCODER: 8960, QWEN3: 9060}
 
 
 def every_side(host: Host) -> list[Side]:
-    return [s for shape, port in PORTS.items()
+    return [s for shape, port in PORTS.items() if engines_of(host, shape)
             for s in (reference(shape, port + 60), *load_sides(host, shape, port))]
 
 

@@ -23,7 +23,8 @@ from typing import Any
 import psutil
 from gpu import Sampler, tree_used_gb
 from harness import Host, Side
-from procs import child_env, embedserve_cmd, http_post_json
+from procs import child_env, embedserve_cmd, http_get, http_post_json
+from prometheus_client.parser import text_string_to_metric_families
 
 from embedserve.health.sources.processes import read_processes
 from embedserve.loadtest.cachehits import hit_rate, scrape_urls
@@ -71,7 +72,7 @@ class Target:
     ids: bool  # token ids (a raw engine), else texts of the same token counts
     cap: int  # longest input sent
     metrics: list[str]  # /metrics pages with the prefix-cache counters
-    front_pid: int | None = None  # embedserve's gateway: its CPU per request
+    front_pid: int | None = None  # embedserve's gateway: its CPU per request, its time per stage
     tree_pid: int | None = None  # the side's process tree: its GPU memory and RSS
     in_process: bool = False
     timeout_s: float = 300.0  # a request unanswered this long counts as an error
@@ -216,6 +217,18 @@ def cpu_seconds(pid: int | None, main_thread: bool = False) -> float | None:
     return None
 
 
+def stage_seconds(t: Target) -> dict[str, list[float]]:
+    """An embedserve gateway's time in each stage of its requests so far (``embedserve_stage_seconds``:
+    tokenize, queue for an engine call, the engine call), as [sum, count]; {} for other sides."""
+    got: dict[str, list[float]] = {}
+    with contextlib.suppress(ValueError):
+        text = http_get(t.url.split("/v1/")[0] + "/metrics")[1] if t.front_pid else ""
+        for s in (s for f in text_string_to_metric_families(text) if f.name == "embedserve_stage_seconds"
+                  for s in f.samples if s.name.endswith(("_sum", "_count"))):
+            got.setdefault(s.labels["stage"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
+    return got
+
+
 def children_cpu() -> float:
     """The client's CPU: the waited-for children (loadtest, crosscheck.py) and this process (the
     rerank client runs here)."""
@@ -229,7 +242,7 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
     """One run to its end, as a row."""
     client = "in-process" if t.in_process else "rerank" if load.rerank and client != "crosscheck" else client
     front0, loop0 = cpu_seconds(t.front_pid), cpu_seconds(t.front_pid, main_thread=True)
-    client0, host0, t0 = children_cpu(), psutil.cpu_times(), time.monotonic()
+    client0, host0, stages0, t0 = children_cpu(), psutil.cpu_times(), stage_seconds(t), time.monotonic()
     with Sampler() as gpu:
         if client == "in-process":
             row = run_in_process(t, load, seed, batch or int(load.inputs))
@@ -248,6 +261,10 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
             row["gateway_cpu_ms_per_request"] = round(1000 * (front1 - front0) / answered, 3)
             if loop0 is not None and loop1 is not None:
                 row["gateway_loop_cpu_ms_per_request"] = round(1000 * (loop1 - loop0) / answered, 3)
+    # where a gateway's requests spent their time: tokenising, waiting for an engine call, in the call
+    if (done := {k: [a - b for a, b in zip(v, stages0.get(k, [0.0, 0.0]), strict=True)]
+                 for k, v in stage_seconds(t).items()}):
+        row["stage_ms_per_request"] = {k: round(1000 * s / n, 2) for k, (s, n) in done.items() if n}
     # a client or host out of cores caps a row as surely as the server does
     row["client_cpu_pct"] = round(100 * (children_cpu() - client0) / wall, 1)
     host = [b - a for a, b in zip(host0, psutil.cpu_times(), strict=True)]  # every core, all tick kinds
