@@ -326,6 +326,21 @@ def test_the_torch_engine_runs_on_the_gpu_in_bfloat16_unless_told() -> None:
     assert torch_device(Settings(engine={"kind": "cpu"})) == ("cpu", torch.float32)
 
 
+def test_the_torch_engine_on_a_gpu_attends_without_cudnn_plans_per_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from embedserve.engines.cpu_backends import torch_device
+
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(on))
+    calls: list[bool] = []
+    torch_device(Settings(engine={"kind": "cpu"}))
+    assert calls == []  # the CPU's attention has no cuDNN backend to turn off
+    torch_device(Settings(engine={"kind": "torch"}))
+    assert calls == [False]
+
+
 @pytest.mark.parametrize("kind", ["sglang", "torch"])
 def test_a_gpu_engine_kind_without_a_gpu_is_one_sentence(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from embedserve.runtime import preflight

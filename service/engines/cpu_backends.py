@@ -97,11 +97,19 @@ class OnnxForward:
 
 def torch_device(settings: Settings) -> tuple[str, Any]:
     """Where the torch backend runs and in what dtype: the engine kind ``torch`` on this process's
-    first visible GPU (``engine.dtype`` auto: bfloat16), else the CPU in float32."""
+    first visible GPU (``engine.dtype`` auto: bfloat16), else the CPU in float32.
+
+    On the GPU, attention (SDPA) runs without its cuDNN backend: cuDNN builds an execution plan for
+    every new (batch, length) shape, hundreds of milliseconds each, and an engine's batches keep
+    taking new shapes (inputs of every length, coalesced from several requests). On one H100 the
+    cross-encoder's engines sat idle for half of each second while they built plans, and scored
+    more pairs every round as the plans piled up (results/gpu-rerank-cudnn-h100/). FlashAttention
+    and memory-efficient attention build nothing per shape."""
     import torch
 
     if settings.engine.kind != "torch":
         return "cpu", torch.float32
+    torch.backends.cuda.enable_cudnn_sdp(False)
     name = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype
     return "cuda", getattr(torch, name)
 
