@@ -90,6 +90,12 @@ class EngineSettings(BaseModel):
         "row: 2.3% of the 4B's linear-layer work saved. auto: on where kv_cache resolves to none "
         "(docs/SGLANG.md), else off",
     )
+    strided_query: bool = Field(
+        False,
+        description="Qwen3 on SGLang with kv_cache none and FA3: attention reads each layer's queries "
+        "where the QKV projection wrote them, instead of SGLang's contiguous copy of them (the "
+        "'direct_copy' kernels of the kernel step); off until measured on a GPU (docs/SGLANG.md)",
+    )
     vectorised_cross_encoder: bool = Field(
         False,
         description="XLM-R cross-encoders (bge-reranker) on SGLang: position ids built and the "

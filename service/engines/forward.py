@@ -159,6 +159,12 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
     if backend == "auto":
         backend = auto_attention_backend(capability, fa3, notes)
     kv_cache = resolve_kv_cache(settings, info, backend, capability, notes)
+    if eng.strided_query and (kv_cache != "none" or backend != "fa3"):
+        raise LaunchConfigError(f"engine.strided_query needs the embedding-only forward on FA3 (kv_cache "
+                                f"none, attention_backend fa3), but kv_cache is {kv_cache} and the "
+                                f"attention backend {backend}: turn it off")
+    notes.append("strided_query: on, as asked (FA3 reads each layer's queries in place)" if eng.strided_query
+                 else "strided_query: off (the default until measured on a GPU)")
     if eng.vectorised_cross_encoder:
         check_vectorised_cross_encoder(settings, info)
     return settings.with_engine(

@@ -317,6 +317,10 @@ def register() -> None:
         from embedserve.engines import pooled_layer
 
         pooled_layer.register(HookRegistry, HookType, slots)
+    if settings.engine.strided_query:
+        from embedserve.engines import strided_query
+
+        strided_query.register(HookRegistry, HookType)
     if settings.engine.vectorised_cross_encoder:
         from embedserve.engines import cross_encoder
 
