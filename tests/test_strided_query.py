@@ -45,11 +45,13 @@ class Mode:
         return False
 
 
-def parts(**backend: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any, list[Any]]:
-    """A backend, q/k/v as views of one QKV projection's output, a layer and a batch; ``calls``
-    records the queries FA3 was given."""
+def parts(pad: int = 0, **backend: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any,
+                                                 list[Any]]:
+    """A backend, q/k/v as views of one QKV projection's output (``pad`` rows past the batch's
+    sequences: a prefill graph's captured token count), a layer and a batch; ``calls`` records the
+    queries FA3 was given."""
     total = sum(LENS)
-    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * DIM)
+    qkv = torch.randn(total + pad, (HEADS + 2 * KV_HEADS) * DIM)
     q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
     k, v = k.view(-1, KV_HEADS, DIM), v.view(-1, KV_HEADS, DIM)  # as RadixAttention.forward passes them
     calls: list[Any] = []
@@ -59,10 +61,11 @@ def parts(**backend: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor
         return varlen_attention(**kw)
 
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(LENS), 0).tolist()], dtype=torch.int32)
+    metadata = SimpleNamespace(cu_seqlens_q=cu, max_seq_len_q=max(LENS), fa_skip_cu_seqlens_q=None,
+                               fa_skip_max_seqlen_q=None)
     be = SimpleNamespace(fa_skip_kv_cache=True, fa_impl_ver=3, use_mla=False, kv_cache_dtype_str="auto",
                          kv_cache_is_mxfp8=False, has_local_attention=False, attn_cp_size=1, num_splits=0,
-                         flash_attn_varlen_func=fa3,
-                         forward_metadata=SimpleNamespace(cu_seqlens_q=cu, max_seq_len_q=max(LENS)))
+                         flash_attn_varlen_func=fa3, forward_metadata=metadata)
     for key, value in backend.items():
         setattr(be, key, value)
     layer = SimpleNamespace(attn_type=SimpleNamespace(value="decoder"), is_cross_attention=False,
@@ -75,12 +78,29 @@ def parts(**backend: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor
 
 def sglang_branch(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
                   save_kv_cache: bool = True, **_: Any) -> torch.Tensor:
-    """SGLang 0.5.17's ``fa_skip_kv_cache`` branch as it is: the queries copied first."""
+    """SGLang 0.5.17's ``fa_skip_kv_cache`` branch (flashattention_backend.py:1420-1443) as it is:
+    a padded tail made a dummy sequence once per forward, the queries copied first."""
     m = backend.forward_metadata
+    if m.fa_skip_cu_seqlens_q is None:
+        num_real_tokens, num_padded_tokens = batch.extend_num_tokens, q.shape[0]
+        if num_real_tokens is not None and num_real_tokens < num_padded_tokens:
+            tail = m.cu_seqlens_q.new_tensor([num_padded_tokens])
+            m.fa_skip_cu_seqlens_q = torch.cat([m.cu_seqlens_q, tail])
+            m.fa_skip_max_seqlen_q = max(int(m.max_seq_len_q), num_padded_tokens - num_real_tokens)
+        else:
+            m.fa_skip_cu_seqlens_q, m.fa_skip_max_seqlen_q = m.cu_seqlens_q, m.max_seq_len_q
     out = backend.flash_attn_varlen_func(
         q=q.contiguous().view(-1, HEADS, DIM), k=k.view(-1, KV_HEADS, DIM), v=v.view(-1, KV_HEADS, DIM),
-        cu_seqlens_q=m.cu_seqlens_q, softmax_scale=layer.scaling, causal=True)
+        cu_seqlens_q=m.fa_skip_cu_seqlens_q, cu_seqlens_k=m.fa_skip_cu_seqlens_q,
+        max_seqlen_q=m.fa_skip_max_seqlen_q, max_seqlen_k=m.fa_skip_max_seqlen_q, softmax_scale=layer.scaling,
+        causal=True)
     return out.view(-1, HEADS * DIM)
+
+
+def fresh(backend: Any) -> Any:
+    """The backend with the forward's metadata as SGLang builds it for each batch (nothing cached)."""
+    backend.forward_metadata.fa_skip_cu_seqlens_q = backend.forward_metadata.fa_skip_max_seqlen_q = None
+    return backend
 
 
 def test_fa3_gets_the_queries_in_place_and_gives_sglangs_numbers() -> None:
@@ -89,7 +109,7 @@ def test_fa3_gets_the_queries_in_place_and_gives_sglangs_numbers() -> None:
     got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
     given = calls[-1]
     assert given.data_ptr() == q.data_ptr() and not given.is_contiguous()  # no copy
-    want = sglang_branch(backend, q, k, v, layer, batch)
+    want = sglang_branch(fresh(backend), q, k, v, layer, batch)
     assert calls[-1].data_ptr() != q.data_ptr()  # SGLang's own branch copies
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # and it is attention: the first sequence's first token attends to itself alone
@@ -102,27 +122,36 @@ def test_fa3_writes_into_the_batchs_output_buffer_where_sglang_gives_one() -> No
     batch._attn_output = torch.zeros(sum(LENS), HEADS * DIM)
     got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
     assert got.data_ptr() == batch._attn_output.data_ptr()
-    torch.testing.assert_close(got, sglang_branch(backend, q, k, v, layer, batch))
+    torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch).clone())
 
 
-@pytest.mark.parametrize(("backend", "layer", "extra", "padded"), [
-    ({"fa_skip_kv_cache": False}, {}, {}, False),  # a KV pool
-    ({"fa_impl_ver": 4}, {}, {}, False),
-    ({"use_mla": True}, {}, {}, False),
-    ({"kv_cache_dtype_str": "fp8_e4m3"}, {}, {}, False),
-    ({"has_local_attention": True}, {}, {}, False),
-    ({"attn_cp_size": 2}, {}, {}, False),
-    ({}, {"sliding_window_size": 128}, {}, False),
-    ({}, {"attn_type": SimpleNamespace(value="encoder_only")}, {}, False),
-    ({}, {}, {"sinks": torch.zeros(HEADS)}, False),
-    ({}, {}, {}, True),  # a prefill CUDA graph's padded tail: SGLang appends its dummy sequence
+def test_a_tail_padded_by_a_prefill_graph_attends_as_sglangs_dummy_sequence() -> None:
+    backend, q, k, v, layer, batch, calls = parts(pad=4)
+    got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
+    assert calls[-1].data_ptr() == q.data_ptr()
+    assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 19]
+    assert backend.forward_metadata.fa_skip_max_seqlen_q == 7
+    torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch), rtol=0, atol=0)
+    strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)  # the next layer
+    assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 19]  # built once
+
+
+@pytest.mark.parametrize(("backend", "layer", "extra"), [
+    ({"fa_skip_kv_cache": False}, {}, {}),  # a KV pool
+    ({"fa_impl_ver": 4}, {}, {}),
+    ({"use_mla": True}, {}, {}),
+    ({"kv_cache_dtype_str": "fp8_e4m3"}, {}, {}),
+    ({"has_local_attention": True}, {}, {}),
+    ({"attn_cp_size": 2}, {}, {}),
+    ({}, {"sliding_window_size": 128}, {}),
+    ({}, {"attn_type": SimpleNamespace(value="encoder_only")}, {}),
+    ({}, {}, {"sinks": torch.zeros(HEADS)}),
 ])
 def test_every_other_call_runs_sglangs_own_method(backend: dict[str, Any], layer: dict[str, Any],
-                                                  extra: dict[str, Any], padded: bool) -> None:
+                                                  extra: dict[str, Any]) -> None:
     be, q, k, v, lay, batch, calls = parts(**backend)
     for key, value in layer.items():
         setattr(lay, key, value)
-    batch.extend_num_tokens -= padded
     seen: list[Any] = []
 
     def original(*args: Any, **kwargs: Any) -> str:

@@ -7,13 +7,16 @@ projection's output, but the queries as ``q.contiguous()``: a copy of every laye
 kernel step counts as ``direct_copy_kernel_cuda``. FA3 needs only the last dimension contiguous (it
 reads the keys and values strided already), so the AROUND hook here runs that branch with the
 queries' view, and SGLang's own method for every other case: KV pool, other FA versions, MLA,
-sliding windows, sinks, FP8 scales, context parallelism, a padded tail from prefill CUDA graphs.
+sliding windows, sinks, FP8 scales, context parallelism. A batch that a prefill CUDA graph padded to
+its captured token count gets SGLang's dummy sequence over the padded tail, as in its branch.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import torch
 
 log = logging.getLogger("embedserve.strided_query")
 
@@ -29,8 +32,19 @@ def runs_raw(backend: Any, q: Any, k: Any, layer: Any, forward_batch: Any, extra
             and layer.sliding_window_size in (None, -1)
             and backend.kv_cache_dtype_str == "auto" and not backend.kv_cache_is_mxfp8
             and not backend.has_local_attention and getattr(backend, "attn_cp_size", 1) <= 1
-            and not forward_batch.forward_mode.is_target_verify()
-            and forward_batch.extend_num_tokens == q.shape[0])
+            and not forward_batch.forward_mode.is_target_verify())
+
+
+def packed_sequences(metadata: Any, forward_batch: Any, tokens: int) -> tuple[Any, int]:
+    """The batch's sequence starts and longest sequence, with SGLang's dummy self-attending sequence
+    over a padded tail (a prefill CUDA graph's captured token count: FA3 needs every row in a
+    sequence), computed once per forward on the metadata every layer shares, as SGLang does."""
+    if metadata.fa_skip_cu_seqlens_q is None:
+        cu, longest, real = metadata.cu_seqlens_q, metadata.max_seq_len_q, forward_batch.extend_num_tokens
+        if real is not None and real < tokens:
+            cu, longest = torch.cat([cu, cu.new_tensor([tokens])]), max(int(longest), tokens - real)
+        metadata.fa_skip_cu_seqlens_q, metadata.fa_skip_max_seqlen_q = cu, longest
+    return metadata.fa_skip_cu_seqlens_q, metadata.fa_skip_max_seqlen_q
 
 
 def around_forward_extend(original: Any, backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
@@ -39,16 +53,16 @@ def around_forward_extend(original: Any, backend: Any, q: Any, k: Any, v: Any, l
     SGLang 0.5.17 with ``q.view`` in place of ``q.contiguous().view``; any other call, SGLang's."""
     if not runs_raw(backend, q, k, layer, forward_batch, extra):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **extra)
-    metadata = backend.forward_metadata
+    starts, longest = packed_sequences(backend.forward_metadata, forward_batch, q.shape[0])
     attn_output = getattr(forward_batch, "_attn_output", None)
     out = backend.flash_attn_varlen_func(
         q=q.view(-1, layer.tp_q_head_num, layer.head_dim),
         k=k.view(-1, layer.tp_k_head_num, layer.head_dim),
         v=v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
-        cu_seqlens_q=metadata.cu_seqlens_q,
-        cu_seqlens_k=metadata.cu_seqlens_q,
-        max_seqlen_q=metadata.max_seq_len_q,
-        max_seqlen_k=metadata.max_seq_len_q,
+        cu_seqlens_q=starts,
+        cu_seqlens_k=starts,
+        max_seqlen_q=longest,
+        max_seqlen_k=longest,
         softmax_scale=layer.scaling,
         causal=True,
         window_size=(-1, -1),
