@@ -41,45 +41,55 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 class Mode:
+    def __init__(self, verify: bool = False) -> None:
+        self.verify = verify
+
     def is_target_verify(self) -> bool:
-        return False
+        return self.verify
 
 
-def parts(pad: int = 0, **backend: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any,
-                                                 list[Any]]:
+CALLS: list[dict[str, Any]] = []
+
+
+def flash_attn_varlen_func(**kw: Any) -> torch.Tensor:
+    """What SGLang's backend module imports as ``flash_attn_varlen_func``: every call's keywords kept."""
+    CALLS.append(kw)
+    return varlen_attention(**kw)
+
+
+class Backend(SimpleNamespace):
+    """``FlashAttentionBackend``: its module (this one) holds the ``flash_attn_varlen_func`` it calls."""
+
+
+def parts(pad: int = 0, **backend: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
     """A backend, q/k/v as views of one QKV projection's output (``pad`` rows past the batch's
-    sequences: a prefill graph's captured token count), a layer and a batch; ``calls`` records the
-    queries FA3 was given."""
+    sequences: a prefill graph's captured token count), a layer and a batch."""
+    CALLS.clear()
     total = sum(LENS)
     qkv = torch.randn(total + pad, (HEADS + 2 * KV_HEADS) * DIM)
     q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
     k, v = k.view(-1, KV_HEADS, DIM), v.view(-1, KV_HEADS, DIM)  # as RadixAttention.forward passes them
-    calls: list[Any] = []
-
-    def fa3(**kw: Any) -> torch.Tensor:
-        calls.append(kw["q"])
-        return varlen_attention(**kw)
-
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(LENS), 0).tolist()], dtype=torch.int32)
     metadata = SimpleNamespace(cu_seqlens_q=cu, max_seq_len_q=max(LENS), fa_skip_cu_seqlens_q=None,
                                fa_skip_max_seqlen_q=None)
-    be = SimpleNamespace(fa_skip_kv_cache=True, fa_impl_ver=3, use_mla=False, kv_cache_dtype_str="auto",
-                         kv_cache_is_mxfp8=False, has_local_attention=False, attn_cp_size=1, num_splits=0,
-                         flash_attn_varlen_func=fa3, forward_metadata=metadata)
+    be = Backend(fa_skip_kv_cache=True, fa_impl_ver=3, use_mla=False, kv_cache_dtype_str="auto",
+                 kv_cache_is_mxfp8=False, has_local_attention=False, attn_cp_size=1, num_splits=0,
+                 forward_metadata=metadata)
     for key, value in backend.items():
         setattr(be, key, value)
     layer = SimpleNamespace(attn_type=SimpleNamespace(value="decoder"), is_cross_attention=False,
                             sliding_window_size=-1, tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS,
                             tp_v_head_num=KV_HEADS, head_dim=DIM, v_head_dim=DIM, scaling=DIM ** -0.5,
-                            logit_cap=0.0)
+                            logit_cap=30.0)  # Qwen3's is 0: any other value shows it is passed on
     batch = SimpleNamespace(forward_mode=Mode(), extend_num_tokens=total)
-    return be, q, k, v, layer, batch, calls
+    return be, q, k, v, layer, batch
 
 
 def sglang_branch(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
                   save_kv_cache: bool = True, **_: Any) -> torch.Tensor:
-    """SGLang 0.5.17's ``fa_skip_kv_cache`` branch (flashattention_backend.py:1420-1443) as it is:
-    a padded tail made a dummy sequence once per forward, the queries copied first."""
+    """SGLang 0.5.17's ``fa_skip_kv_cache`` branch (flashattention_backend.py:1397-1456) as it is,
+    for a decoder layer with no window, sinks or scales: a padded tail made a dummy sequence once per
+    forward, the queries copied first."""
     m = backend.forward_metadata
     if m.fa_skip_cu_seqlens_q is None:
         num_real_tokens, num_padded_tokens = batch.extend_num_tokens, q.shape[0]
@@ -89,11 +99,13 @@ def sglang_branch(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             m.fa_skip_max_seqlen_q = max(int(m.max_seq_len_q), num_padded_tokens - num_real_tokens)
         else:
             m.fa_skip_cu_seqlens_q, m.fa_skip_max_seqlen_q = m.cu_seqlens_q, m.max_seq_len_q
-    out = backend.flash_attn_varlen_func(
+    fa_out = getattr(batch, "_attn_output", None)
+    out = flash_attn_varlen_func(
         q=q.contiguous().view(-1, HEADS, DIM), k=k.view(-1, KV_HEADS, DIM), v=v.view(-1, KV_HEADS, DIM),
         cu_seqlens_q=m.fa_skip_cu_seqlens_q, cu_seqlens_k=m.fa_skip_cu_seqlens_q,
         max_seqlen_q=m.fa_skip_max_seqlen_q, max_seqlen_k=m.fa_skip_max_seqlen_q, softmax_scale=layer.scaling,
-        causal=True)
+        causal=True, window_size=(-1, -1), softcap=layer.logit_cap, num_splits=backend.num_splits,
+        out=None if fa_out is None else fa_out.view(-1, HEADS, DIM))
     return out.view(-1, HEADS * DIM)
 
 
@@ -103,37 +115,48 @@ def fresh(backend: Any) -> Any:
     return backend
 
 
-def test_fa3_gets_the_queries_in_place_and_gives_sglangs_numbers() -> None:
-    backend, q, k, v, layer, batch, calls = parts()
+def same_call_but_the_query(hook: dict[str, Any], sglang: dict[str, Any], q: torch.Tensor) -> None:
+    """Every keyword as SGLang's branch passes it; the query in place where SGLang's is a copy."""
+    assert hook.keys() == sglang.keys()
+    for name in hook.keys() - {"q", "out"}:
+        same = torch.equal if isinstance(hook[name], torch.Tensor) else lambda a, b: a == b
+        assert same(hook[name], sglang[name]), name
+    assert (hook["out"] is None) == (sglang["out"] is None)
+    assert hook["q"].data_ptr() == q.data_ptr() and not hook["q"].is_contiguous()  # no copy
+    assert sglang["q"].data_ptr() != q.data_ptr()  # SGLang's branch copies
+    assert torch.equal(hook["q"], sglang["q"])
+
+
+def test_fa3_gets_the_queries_in_place_and_the_rest_as_sglang_passes_it() -> None:
+    backend, q, k, v, layer, batch = parts()
     assert not q.is_contiguous()
     got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
-    given = calls[-1]
-    assert given.data_ptr() == q.data_ptr() and not given.is_contiguous()  # no copy
     want = sglang_branch(fresh(backend), q, k, v, layer, batch)
-    assert calls[-1].data_ptr() != q.data_ptr()  # SGLang's own branch copies
+    same_call_but_the_query(*CALLS, q)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # and it is attention: the first sequence's first token attends to itself alone
-    first_v = v[0].repeat_interleave(HEADS // KV_HEADS, dim=0).reshape(-1)
-    torch.testing.assert_close(got[0], first_v)
+    torch.testing.assert_close(got[0], v[0].repeat_interleave(HEADS // KV_HEADS, dim=0).reshape(-1))
 
 
 def test_fa3_writes_into_the_batchs_output_buffer_where_sglang_gives_one() -> None:
-    backend, q, k, v, layer, batch, _ = parts()
+    backend, q, k, v, layer, batch = parts()
     batch._attn_output = torch.zeros(sum(LENS), HEADS * DIM)
     got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
     assert got.data_ptr() == batch._attn_output.data_ptr()
-    torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch).clone())
+    got = got.clone()
+    torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch))
+    same_call_but_the_query(*CALLS, q)
 
 
 def test_a_tail_padded_by_a_prefill_graph_attends_as_sglangs_dummy_sequence() -> None:
-    backend, q, k, v, layer, batch, calls = parts(pad=4)
+    backend, q, k, v, layer, batch = parts(pad=9)  # longer than any sequence (7)
     got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
-    assert calls[-1].data_ptr() == q.data_ptr()
-    assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 19]
-    assert backend.forward_metadata.fa_skip_max_seqlen_q == 7
+    assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 24]
+    assert backend.forward_metadata.fa_skip_max_seqlen_q == 9
     torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch), rtol=0, atol=0)
+    same_call_but_the_query(*CALLS, q)
     strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)  # the next layer
-    assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 19]  # built once
+    assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 24]  # built once
 
 
 @pytest.mark.parametrize(("backend", "layer", "extra"), [
@@ -141,17 +164,28 @@ def test_a_tail_padded_by_a_prefill_graph_attends_as_sglangs_dummy_sequence() ->
     ({"fa_impl_ver": 4}, {}, {}),
     ({"use_mla": True}, {}, {}),
     ({"kv_cache_dtype_str": "fp8_e4m3"}, {}, {}),
+    ({"kv_cache_is_mxfp8": True}, {}, {}),
     ({"has_local_attention": True}, {}, {}),
     ({"attn_cp_size": 2}, {}, {}),
     ({}, {"sliding_window_size": 128}, {}),
     ({}, {"attn_type": SimpleNamespace(value="encoder_only")}, {}),
+    ({}, {"is_cross_attention": True}, {}),
     ({}, {}, {"sinks": torch.zeros(HEADS)}),
+    ({}, {}, {"q_descale": torch.ones(1)}),
+    ({}, {}, {"verify": True}),  # speculative decoding's target verify (cascade attention)
+    ({}, {}, {"no_k": True}),  # K/V shared across layers
+    ({}, {}, {"transposed_q": True}),  # a query whose last dimension is not contiguous
 ])
 def test_every_other_call_runs_sglangs_own_method(backend: dict[str, Any], layer: dict[str, Any],
                                                   extra: dict[str, Any]) -> None:
-    be, q, k, v, lay, batch, calls = parts(**backend)
+    be, q, k, v, lay, batch = parts(**backend)
     for key, value in layer.items():
         setattr(lay, key, value)
+    batch.forward_mode = Mode(verify=extra.pop("verify", False))
+    if extra.pop("no_k", False):
+        k = v = None  # type: ignore[assignment]
+    if extra.pop("transposed_q", False):
+        q = torch.randn(HEADS * DIM, q.shape[0]).t()
     seen: list[Any] = []
 
     def original(*args: Any, **kwargs: Any) -> str:
@@ -159,7 +193,7 @@ def test_every_other_call_runs_sglangs_own_method(backend: dict[str, Any], layer
         return "sglang"
 
     assert strided_query.around_forward_extend(original, be, q, k, v, lay, batch, True, **extra) == "sglang"
-    assert calls == [] and seen[0][0][1] is q and seen[0][1] == extra
+    assert CALLS == [] and seen[0][0][1] is q and seen[0][1] == extra
 
 
 def test_the_hook_stands_in_for_sglang_0_5_17s_method_and_reads_attributes_it_sets() -> None:

@@ -14,6 +14,7 @@ its captured token count gets SGLang's dummy sequence over the padded tail, as i
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ def runs_raw(backend: Any, q: Any, k: Any, layer: Any, forward_batch: Any, extra
     """Whether this call takes SGLang's ``fa_skip_kv_cache`` branch with nothing beside plain
     causal FA3 (the branch this module stands in for)."""
     return (getattr(backend, "fa_skip_kv_cache", False) and backend.fa_impl_ver == 3 and not backend.use_mla
-            and k is not None and all(v is None for v in extra.values())
+            and k is not None and q.stride(-1) == 1 and all(v is None for v in extra.values())
             and getattr(layer.attn_type, "value", None) == "decoder" and not layer.is_cross_attention
             and layer.sliding_window_size in (None, -1)
             and backend.kv_cache_dtype_str == "auto" and not backend.kv_cache_is_mxfp8
@@ -55,7 +56,9 @@ def around_forward_extend(original: Any, backend: Any, q: Any, k: Any, v: Any, l
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **extra)
     starts, longest = packed_sequences(backend.forward_metadata, forward_batch, q.shape[0])
     attn_output = getattr(forward_batch, "_attn_output", None)
-    out = backend.flash_attn_varlen_func(
+    # the function SGLang's branch calls: its backend module's import (FA3 or its fallbacks), not the
+    # backend's own attribute
+    out = sys.modules[type(backend).__module__].flash_attn_varlen_func(
         q=q.view(-1, layer.tp_q_head_num, layer.head_dim),
         k=k.view(-1, layer.tp_k_head_num, layer.head_dim),
         v=v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
