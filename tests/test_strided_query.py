@@ -115,8 +115,10 @@ def fresh(backend: Any) -> Any:
     return backend
 
 
-def same_call_but_the_query(hook: dict[str, Any], sglang: dict[str, Any], q: torch.Tensor) -> None:
-    """Every keyword as SGLang's branch passes it; the query in place where SGLang's is a copy."""
+def same_call_but_the_query(q: torch.Tensor) -> None:
+    """The hook's call (the first) has every keyword as SGLang's branch (the second) passes it; the
+    query in place where SGLang's is a copy."""
+    hook, sglang = CALLS[:2]
     assert hook.keys() == sglang.keys()
     for name in hook.keys() - {"q", "out"}:
         same = torch.equal if isinstance(hook[name], torch.Tensor) else lambda a, b: a == b
@@ -132,7 +134,7 @@ def test_fa3_gets_the_queries_in_place_and_the_rest_as_sglang_passes_it() -> Non
     assert not q.is_contiguous()
     got = strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)
     want = sglang_branch(fresh(backend), q, k, v, layer, batch)
-    same_call_but_the_query(*CALLS, q)
+    same_call_but_the_query(q)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # and it is attention: the first sequence's first token attends to itself alone
     torch.testing.assert_close(got[0], v[0].repeat_interleave(HEADS // KV_HEADS, dim=0).reshape(-1))
@@ -145,7 +147,7 @@ def test_fa3_writes_into_the_batchs_output_buffer_where_sglang_gives_one() -> No
     assert got.data_ptr() == batch._attn_output.data_ptr()
     got = got.clone()
     torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch))
-    same_call_but_the_query(*CALLS, q)
+    same_call_but_the_query(q)
 
 
 def test_a_tail_padded_by_a_prefill_graph_attends_as_sglangs_dummy_sequence() -> None:
@@ -154,7 +156,7 @@ def test_a_tail_padded_by_a_prefill_graph_attends_as_sglangs_dummy_sequence() ->
     assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 24]
     assert backend.forward_metadata.fa_skip_max_seqlen_q == 9
     torch.testing.assert_close(got, sglang_branch(fresh(backend), q, k, v, layer, batch), rtol=0, atol=0)
-    same_call_but_the_query(*CALLS, q)
+    same_call_but_the_query(q)
     strided_query.around_forward_extend(sglang_branch, backend, q, k, v, layer, batch)  # the next layer
     assert backend.forward_metadata.fa_skip_cu_seqlens_q.tolist() == [0, 5, 8, 15, 24]  # built once
 
