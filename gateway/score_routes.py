@@ -70,9 +70,22 @@ def _usage(result: ScoreResult) -> dict[str, int]:
     return {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
 
 
+def _one_document_field(obj: dict[str, Any]) -> None:
+    """A rerank body with TEI's ``texts`` and Cohere's ``documents`` is refused on every rerank
+    route: ranking one list would drop the other without a word."""
+    if "texts" in obj and "documents" in obj:
+        raise APIError(
+            400,
+            "Send either 'documents' (Cohere, Jina) or 'texts' (TEI), not both",
+            param="texts",
+            code="invalid_value",
+        )
+
+
 async def cohere_rerank(
     pipeline: ScorePipeline, obj: dict[str, Any], request: Request, metrics: GatewayMetrics
 ) -> Shaped:
+    _one_document_field(obj)
     body: RerankBody = _parse(RerankBody, obj)
     documents = body.texts()
     job = PairJob(
@@ -121,15 +134,8 @@ async def rerank_either(
     pipeline: ScorePipeline, obj: dict[str, Any], request: Request, metrics: GatewayMetrics
 ) -> Shaped:
     """``/rerank`` serves Cohere's and Jina's body and TEI's, told apart by their fields."""
-    has_texts, has_documents = "texts" in obj, "documents" in obj
-    if has_texts and has_documents:
-        raise APIError(
-            400,
-            "Send either 'documents' (Cohere, Jina) or 'texts' (TEI), not both",
-            param="texts",
-            code="invalid_value",
-        )
-    shape = tei_rerank if has_texts else cohere_rerank
+    _one_document_field(obj)
+    shape = tei_rerank if "texts" in obj else cohere_rerank
     return await shape(pipeline, obj, request, metrics)
 
 

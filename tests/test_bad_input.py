@@ -241,8 +241,8 @@ SCORE_CASES = [
        param="truncation_direction"),
     sc("TEI raw_scores a string", "/rerank", {"query": "q", "texts": ["a"], "raw_scores": "no"},
        param="raw_scores"),
-    sc("texts and documents both", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]},
-       param="texts"),
+    *(sc(f"texts and documents both, {path}", path, {"query": "q", "texts": ["a"], "documents": ["b"]},
+         param="texts") for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     sc("neither texts nor documents", "/rerank", {"query": "q"}, param="documents"),
     # -- the score routes (vLLM) ---------------------------------------------------------------
     sc("score no text_2", "/v1/score", rr("/v1/score", text_2=[]), param="text_2", code="empty_input",
