@@ -118,6 +118,7 @@ async def cohere_rerank(
 async def tei_rerank(
     pipeline: ScorePipeline, obj: dict[str, Any], request: Request, metrics: GatewayMetrics
 ) -> Shaped:
+    _one_document_field(obj)
     body: TeiRerankBody = _parse(TeiRerankBody, obj)
     job = PairJob([body.query], body.texts, [0] * len(body.texts), body.instruction)
     truncate = True if body.truncate is None else body.truncate
@@ -134,7 +135,6 @@ async def rerank_either(
     pipeline: ScorePipeline, obj: dict[str, Any], request: Request, metrics: GatewayMetrics
 ) -> Shaped:
     """``/rerank`` serves Cohere's and Jina's body and TEI's, told apart by their fields."""
-    _one_document_field(obj)
     shape = tei_rerank if "texts" in obj else cohere_rerank
     return await shape(pipeline, obj, request, metrics)
 
