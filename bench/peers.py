@@ -26,7 +26,10 @@ TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc
 #: flags appended through ``engine.extra_args``; ``+`` joins several (``x2+graphs``)
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
-    "graphs": ({}, TC_PIECEWISE), "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
+    "graphs": ({}, TC_PIECEWISE),
+    # prefill CUDA graphs captured up to N tokens only: larger batches run unpadded, without a graph
+    **{f"gcap{n}": ({}, ["--cuda-graph-max-bs-prefill", str(n)]) for n in (1024, 4096)},
+    "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
         ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"), ("fp8", "QUANTIZATION", "fp8"),
         ("pooled", "POOLED_LAST_LAYER", "true"), ("vectorised", "VECTORISED_CROSS_ENCODER", "true"),
