@@ -164,6 +164,8 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         begun = step_start(host, budget_end, start) if start else {"not_run": {}}
         if begun["not_run"]:
             return {"skipped": "; ".join(f"{k}: {v[-300:]}" for k, v in begun["not_run"].items())}
+        if down := [s for s in resolve(host, sides) if not harness.running(host, s)]:
+            step_start(host, budget_end, down)  # stopped between two commands of this run: up again
         live = [s for s in resolve(host, sides) if harness.running(host, s)]
         if len(live) < least:
             return {"skipped": f"{len(live)} of {', '.join(s.name for s in resolve(host, sides))} running"}

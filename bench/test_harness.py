@@ -332,6 +332,8 @@ def test_a_load_step_stops_between_cases_where_the_next_would_outrun_its_budget(
     assert 1 <= done < 4 and clock[0] <= start + 1000.0  # it never began a case it had no time for
     sides = gs.vllm_sides("0.6b")(Host(WorkDir(tmp_path / "w"), models=models, vllm_cmd=("stub",)))
     assert all(s.key in state["procs"] for s in sides)  # still up for the next command
+    (work := WorkDir(tmp_path / "w")).stop_all()  # stopped between the commands all the same: started again
+    work.save()
     stand_ins.clear()
     assert command(None) == 0
     assert len(stand_ins) == 3 + (4 - done) * 3  # the warm-up, then the cases not yet measured
