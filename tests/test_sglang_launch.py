@@ -307,9 +307,31 @@ def test_no_kv_cache_is_one_forward_per_request_with_sglangs_flag(model_dir: Pat
     assert {"--prefill-only-disable-kv-cache", "--disable-radix-cache"} <= set(argv)
     assert [f for f in flags_of(argv) if f not in SGLANG_FLAGS] == []
     assert arg(argv, "--max-prefill-tokens") == "16384"  # the batch budget still bounds a batch
-    assert arg(argv, "--cuda-graph-max-bs-prefill") == "16384"  # graphs sized by it, not by -1
+    assert arg(argv, "--cuda-graph-max-bs-prefill") == "4096"  # graphs sized, not by -1 (the 4B's width)
     paged = build_launch(make(model_dir, kv_cache="paged"), gpu_capability=(9, 0), fa3=True).argv
     assert "--prefill-only-disable-kv-cache" not in paged and arg(paged, "--chunked-prefill-size") == "16384"
+    assert "--cuda-graph-max-bs-prefill" not in paged  # SGLang's own sizing from the chunk
+
+
+@pytest.mark.parametrize(("hidden", "engine", "graphs"), [
+    (2560, {}, "4096"),  # the 4B and wider: larger batches unpadded, without a graph
+    (4096, {"batch_token_budget": 2048, "model": {"max_seq_len": 2048}}, "2048"),  # never over the budget
+    (1024, {}, "16384"),  # the 0.6B: every batch a graph, up to the budget
+    (2048, {}, "16384"),  # just under the 4B's width
+    (1024, {"prefill_graph_tokens": 1024}, "1024"),  # a number is passed as is
+])
+def test_prefill_graphs_are_capped_by_the_models_width_with_the_embedding_only_forward(
+        model_dir: Path, hidden: int, engine: dict[str, object], graphs: str) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "hidden_size": hidden}))
+    spec = build_launch(make(model_dir, **engine), gpu_capability=(9, 0), fa3=True)
+    assert arg(spec.argv, "--cuda-graph-max-bs-prefill") == graphs
+    assert [f for f in flags_of(spec.argv) if f not in SGLANG_FLAGS] == []
+    said = [n for n in spec.notes if n.startswith("prefill_graph_tokens auto")]
+    assert len(said) == ("prefill_graph_tokens" not in engine)
+    paged = build_launch(make(model_dir, kv_cache="paged", prefill_graph_tokens=512), gpu_capability=(9, 0),
+                         fa3=True).argv
+    assert arg(paged, "--cuda-graph-max-bs-prefill") == "512"  # a number on the paged path too
 
 
 @pytest.mark.parametrize(("engine", "why"), [

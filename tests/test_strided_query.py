@@ -214,14 +214,17 @@ def test_the_hook_stands_in_for_sglang_0_5_17s_method_and_reads_attributes_it_se
     assert layer <= set(hooks["sglang.srt.layers.radix_attention.RadixAttention.__init__"]["self_attrs"])
 
 
-def test_the_plugin_adds_the_hook_only_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_plugin_adds_the_hook_only_where_the_launch_resolved_it_on(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from tests.test_sglang_plugin import _fake_sglang
 
     monkeypatch.chdir(tmp_path)
     registered = _fake_sglang(monkeypatch)
     monkeypatch.setenv("EMBEDSERVE_ENGINE__KIND", "sglang")
-    sglang_plugin.register()
-    assert strided_query.TARGET not in [t for t, _, _ in registered]
+    for unresolved in ("auto", "false"):  # a launcher always resolves auto; unresolved, no hook
+        monkeypatch.setenv("EMBEDSERVE_ENGINE__STRIDED_QUERY", unresolved)
+        sglang_plugin.register()
+        assert strided_query.TARGET not in [t for t, _, _ in registered]
     monkeypatch.setenv("EMBEDSERVE_ENGINE__STRIDED_QUERY", "true")
     sglang_plugin.register()
     assert (strided_query.TARGET, strided_query.around_forward_extend, "around") in registered
@@ -238,6 +241,13 @@ def test_the_launcher_refuses_it_without_the_embedding_only_forward_on_fa3(tmp_p
                                      engine={"strided_query": True, **engine}), gpu_capability=(9, 0))
 
     launch(attention_backend="fa3")  # auto: kv_cache none on Hopper
+    paged = {"attention_backend": "fa3", "kv_cache": "paged"}
+    for engine, on in (({"attention_backend": "fa3"}, True), (paged, False),
+                       ({"attention_backend": "flashinfer"}, False)):  # auto: on only where it can run
+        spec = launch(**engine, strided_query="auto")
+        resolved = Settings.model_validate_json(spec.env["EMBEDSERVE_SETTINGS_JSON"]).engine.strided_query
+        note = f"strided_query auto: {'on' if on else 'off'}"
+        assert resolved is on and [n for n in spec.notes if n.startswith(note)]
     with pytest.raises(LaunchConfigError, match=r"engine\.strided_query needs .*kv_cache is paged"):
         launch(attention_backend="fa3", kv_cache="paged")
     with pytest.raises(LaunchConfigError, match=r"engine\.strided_query needs .*backend flashinfer"):

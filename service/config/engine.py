@@ -90,11 +90,21 @@ class EngineSettings(BaseModel):
         "row: 2.3% of the 4B's linear-layer work saved. auto: on where kv_cache resolves to none "
         "(docs/SGLANG.md), else off",
     )
-    strided_query: bool = Field(
-        False,
+    strided_query: bool | Literal["auto"] = Field(
+        "auto",
         description="Qwen3 on SGLang with kv_cache none and FA3: attention reads each layer's queries "
-        "where the QKV projection wrote them, instead of SGLang's contiguous copy of them (the "
-        "'direct_copy' kernels of the kernel step); off until measured on a GPU (docs/SGLANG.md)",
+        "where the QKV projection wrote them, instead of SGLang's contiguous copy of them (on one H100 "
+        "the 4B's plain copies fell from 0.49 to 0.05 GPU ms per 1,000 tokens, vectors identical: "
+        "docs/PERFORMANCE.md). auto: on where kv_cache resolves to none with FA3, else off",
+    )
+    prefill_graph_tokens: Annotated[int, Field(ge=4)] | Literal["auto"] = Field(
+        "auto",
+        description="The largest batch, in tokens, that runs as one of SGLang's prefill CUDA graphs "
+        "(--cuda-graph-max-bs-prefill). A graph's batch is padded to its captured size (steps of 512 "
+        "tokens above 4,096), for which cuBLAS picks slower GEMM tiles; a larger batch runs without "
+        "a graph at its own size. auto, with kv_cache none: 4096 for a model of hidden size 2,560 or "
+        "more (on one H100 the 4B's GEMM time per 1,000 tokens fell from 10.43 to 9.90 ms: "
+        "docs/SGLANG.md), else the batch budget; on the paged path SGLang's own sizing",
     )
     vectorised_cross_encoder: bool = Field(
         False,

@@ -149,22 +149,57 @@ def resolve_pooled_last_layer(asked: bool | str, kv_cache: str, info: ModelInfo,
     return why_not is None
 
 
+def resolve_strided_query(asked: bool | str, kv_cache: str, backend: str, notes: list[str]) -> bool:
+    """``auto``: on with the embedding-only forward on FA3, the only branch its hook stands in for
+    (embedserve/engines/strided_query.py); ``True`` elsewhere is refused."""
+    fits = kv_cache == "none" and backend == "fa3"
+    if asked is True and not fits:
+        raise LaunchConfigError(f"engine.strided_query needs the embedding-only forward on FA3 (kv_cache "
+                                f"none, attention_backend fa3), but kv_cache is {kv_cache} and the "
+                                f"attention backend {backend}: turn it off")
+    if asked != "auto":
+        notes.append(f"strided_query: {'on' if asked else 'off'}, as asked")
+        return bool(asked)
+    notes.append("strided_query auto: on, because kv_cache is none on FA3 (FA3 reads each layer's queries "
+                 "in place)" if fits else f"strided_query auto: off, because kv_cache is {kv_cache} and "
+                 f"the attention backend {backend}")
+    return fits
+
+
+#: prefill CUDA graphs up to this many tokens for models at least LARGE_HIDDEN wide (docs/PERFORMANCE.md)
+GRAPH_TOKENS_LARGE, LARGE_HIDDEN = 4096, 2560
+
+
+def resolve_prefill_graph_tokens(settings: Settings, kv_cache: str, info: ModelInfo,
+                                 notes: list[str]) -> int | str:
+    """``auto``: 4,096 tokens for a model of the 4B's width or wider (larger batches unpadded, where
+    cuBLAS tiles them better and a forward outlasts its launches), else the batch budget; ``auto``
+    stays for the paged path, where SGLang sizes its graphs from the chunked-prefill size."""
+    asked = settings.engine.prefill_graph_tokens
+    if asked != "auto" or kv_cache != "none":
+        return asked
+    budget = max(settings.engine.batch_token_budget, info.max_seq_len)
+    hidden = int(json.loads((info.path / "config.json").read_text()).get("hidden_size") or 0)
+    if hidden >= LARGE_HIDDEN:
+        notes.append(f"prefill_graph_tokens auto: {GRAPH_TOKENS_LARGE}, because the hidden size is "
+                     f"{hidden} (larger batches run unpadded, without a graph)")
+        return min(GRAPH_TOKENS_LARGE, budget)
+    notes.append(f"prefill_graph_tokens auto: {budget} (the batch budget), because the hidden size "
+                 f"({hidden or 'unknown'}) is under {LARGE_HIDDEN}")
+    return budget
+
+
 def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
                    capability: tuple[int, int] | None, fa3: bool) -> Settings:
     """The settings with every ``auto`` of the forward resolved from the GPU's compute capability
     (None: no GPU), whether sgl-kernel has its FA3 kernels and the model, each with its reason in
-    ``notes``: attention backend, kv_cache, overlap_schedule, pooled_last_layer."""
+    ``notes``: attention backend, kv_cache, overlap_schedule, pooled_last_layer, strided_query,
+    prefill_graph_tokens."""
     eng = settings.engine
     backend = eng.attention_backend
     if backend == "auto":
         backend = auto_attention_backend(capability, fa3, notes)
     kv_cache = resolve_kv_cache(settings, info, backend, capability, notes)
-    if eng.strided_query and (kv_cache != "none" or backend != "fa3"):
-        raise LaunchConfigError(f"engine.strided_query needs the embedding-only forward on FA3 (kv_cache "
-                                f"none, attention_backend fa3), but kv_cache is {kv_cache} and the "
-                                f"attention backend {backend}: turn it off")
-    notes.append("strided_query: on, as asked (FA3 reads each layer's queries in place)" if eng.strided_query
-                 else "strided_query: off (the default until measured on a GPU)")
     if eng.vectorised_cross_encoder:
         check_vectorised_cross_encoder(settings, info)
     return settings.with_engine(
@@ -173,4 +208,6 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
         overlap_schedule=resolve_overlap_schedule(eng.overlap_schedule, kv_cache, notes),
         pooled_last_layer=resolve_pooled_last_layer(
             eng.pooled_last_layer, kv_cache, info, list(eng.extra_args), notes),
+        strided_query=resolve_strided_query(eng.strided_query, kv_cache, backend, notes),
+        prefill_graph_tokens=resolve_prefill_graph_tokens(settings, kv_cache, info, notes),
     )

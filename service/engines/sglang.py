@@ -224,9 +224,11 @@ def build_launch(
     if not eng.prefix_cache:
         argv.append("--disable-radix-cache")
     if kv_cache == "none":
-        # SGLang sizes its prefill CUDA graphs from --chunked-prefill-size, which is -1 here:
-        # without the budget it captured none, and small batches ran eagerly
-        argv += ["--prefill-only-disable-kv-cache", "--cuda-graph-max-bs-prefill", str(budget)]
+        # SGLang sizes its prefill CUDA graphs from --chunked-prefill-size, which is -1 here: without
+        # a size it captured none, and small batches ran eagerly (engine.prefill_graph_tokens)
+        argv.append("--prefill-only-disable-kv-cache")
+    if eng.prefill_graph_tokens != "auto":  # resolved to a number wherever kv_cache is none
+        argv += ["--cuda-graph-max-bs-prefill", str(eng.prefill_graph_tokens)]
     if eng.quantization != "none":
         argv += ["--quantization", eng.quantization]
     if model.matryoshka_dimensions:

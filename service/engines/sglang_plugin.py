@@ -317,7 +317,7 @@ def register() -> None:
         from embedserve.engines import pooled_layer
 
         pooled_layer.register(HookRegistry, HookType, slots)
-    if settings.engine.strided_query:
+    if settings.engine.strided_query is True:
         from embedserve.engines import strided_query
 
         strided_query.register(HookRegistry, HookType)
