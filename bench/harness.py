@@ -50,6 +50,7 @@ class Host:
     variants: tuple[tuple[str, dict[str, str]], ...] = ()  # embedserve sides beyond the defaults
     vllm_sides: tuple[str, ...] = ("vllm", "vllm tuned")  # the vllm scenario's vLLM sides
     rerank_sides: tuple[str, ...] = ("sglang", "torch")  # rerank-gpu's embedserve engines, per shape
+    cases: tuple[str, ...] = ()  # load steps measure only these cases, in this order (--cases)
 
     @property
     def cpu(self) -> bool:

@@ -160,6 +160,11 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
     """``cases`` on the running ``sides`` (``start`` started and waited for first, ``stop`` stopped at
     the end); ``crosscheck``: these cases again by bench/crosscheck.py; ``vectors``: step_vectors first."""
     out: dict[str, Any] = {"rows": [], "stalled": {}}
+    if host.cases:  # --cases: these only, in the order given
+        cases, crosscheck = ([c for name in host.cases for c in every if c.name == name]
+                             for every in (cases, crosscheck))
+        if not cases and not crosscheck and not vectors:
+            return {"skipped": f"none of its cases is in --cases ({', '.join(host.cases)})"}
     try:
         begun = step_start(host, budget_end, start) if start else {"not_run": {}}
         if begun["not_run"]:

@@ -167,6 +167,7 @@ def parser() -> argparse.ArgumentParser:
     add("--vllm-sides", default="vllm,vllm tuned", help=f"vLLM's sides (vllm): {', '.join(gs.VLLM_SIDES)}")
     add("--rerank-sides", default="sglang,torch", help="rerank-gpu's embedserve engines: SHAPE:KIND or KIND, "
         "comma-separated (qwen3-reranker-0.6b:sglang,torch: SGLang for Qwen3-Reranker only)")
+    add("--cases", default="", help="load steps measure only these cases, comma-separated, in this order")
     add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
                                                  f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 quality_corpus=a.quality_corpus,
                 vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
                 vllm_kv_tokens=a.vllm_kv_tokens, variants=variants, vllm_sides=tuple(vllm_sides),
-                rerank_sides=tuple(a.rerank_sides.split(",")))
+                rerank_sides=tuple(a.rerank_sides.split(",")),
+                cases=tuple(c.strip() for c in a.cases.split(",") if c.strip()))
     every = plan(selected, tuple(shapes))
     for name in [*a.skip, *([a.until] if a.until else [])]:
         if name not in {s.name for s in every}:

@@ -350,3 +350,16 @@ def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_
     runner.step_start(host, 0.0, [st_torch])
     rows = runner.alternate(host, [st_torch], cs.PEER_LOADS[0], 5, {"section": "p"})
     assert [r["side"] for r in rows] == ["ST torch in process, batch 1", "ST torch in process, batch 16"]
+
+
+def test_cases_picks_the_load_steps_cases_in_its_order(tmp_path: Path, stand_ins: list[Any]) -> None:
+    steps = [s for s in suite.plan(("vllm",), ("0.6b",)) if s.name in ("vllm-start", "vllm-load-0.6b-1",
+                                                                         "vllm-load-0.6b-2")]
+    host = Host(WorkDir(tmp_path / "w"), models={"0.6b": str(checkpoint(tmp_path / "m"))}, rounds=1,
+                vllm_cmd=("stub",), cases=("one in flight", "medium"))
+    assert suite.run(host, steps, tmp_path / "out", None, []) == 0
+    done = host.work.state["steps"]
+    assert "none of its cases" in done["vllm-load-0.6b-1"]["skipped"]  # not even warmed up
+    assert [r["case"] for r in done["vllm-load-0.6b-2"]["rows"]] == ["one in flight"] * 3 + ["medium"] * 3
+    assert done["vllm-load-0.6b-2"]["crosscheck_rows"] == []  # its cross-checked case was not asked for
+    assert len(stand_ins) == 3 + 2 * 3  # load-2's warm-up and the two cases, on three sides
