@@ -69,7 +69,7 @@ def main() -> None:
                              "kernel": kernel_name(x[:m], w) if m % 2048 in (0, 8) else None})
             print(shape, name, "done", flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cublas": torch.backends.cuda.preferred_blas_library().name, "rows": rows}
+           "cublas": str(torch.backends.cuda.preferred_blas_library()), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f)
 
