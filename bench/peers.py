@@ -28,7 +28,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
     "graphs": ({}, TC_PIECEWISE),
     # prefill CUDA graphs captured up to N tokens only: larger batches run unpadded, without a graph
-    **{f"gcap{n}": ({}, ["--cuda-graph-max-bs-prefill", str(n)]) for n in (1024, 4096, 16384)},
+    **{f"gcap{n}": ({"EMBEDSERVE_ENGINE__PREFILL_GRAPH_TOKENS": str(n)}, []) for n in (1024, 4096, 16384)},
     "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
     **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
         ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"), ("fp8", "QUANTIZATION", "fp8"),

@@ -170,7 +170,9 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         if begun["not_run"]:
             return {"skipped": "; ".join(f"{k}: {v[-300:]}" for k, v in begun["not_run"].items())}
         if down := [s for s in resolve(host, sides) if not harness.running(host, s)]:
-            step_start(host, budget_end, down)  # stopped between two commands of this run: up again
+            # stopped between two commands of this run: up again (one that failed to start stays down)
+            not_run = step_start(host, budget_end, down)["not_run"]
+            out["restarted"] = [s.key for s in down if s.key not in not_run]
         live = [s for s in resolve(host, sides) if harness.running(host, s)]
         if len(live) < least:
             return {"skipped": f"{len(live)} of {', '.join(s.name for s in resolve(host, sides))} running"}

@@ -167,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
     add("--vllm-sides", default="vllm,vllm tuned", help=f"vLLM's sides (vllm): {', '.join(gs.VLLM_SIDES)}")
     add("--rerank-sides", default="sglang,torch", help="rerank-gpu's embedserve engines: SHAPE:KIND or KIND, "
         "comma-separated (qwen3-reranker-0.6b:sglang,torch: SGLang for Qwen3-Reranker only)")
-    add("--cases", default="", help="load steps measure only these cases, comma-separated, in this order")
+    add("--cases", default="", help="load steps measure only these cases, ';'-separated, in this order")
     add("--embedserve-variants", default="", help="embedserve sides beyond the defaults (vllm), comma-"
                                                  f"separated, of: {', '.join(VARIANTS)} (+ joins several)")
     add("--variant", action="append", default=[], metavar="NAME=K=V,K=V",
@@ -204,11 +204,15 @@ def main(argv: list[str] | None = None) -> int:
                 vllm_site=a.vllm_site, vllm_cmd=tuple(shlex.split(a.vllm_cmd or "")),
                 vllm_kv_tokens=a.vllm_kv_tokens, variants=variants, vllm_sides=tuple(vllm_sides),
                 rerank_sides=tuple(a.rerank_sides.split(",")),
-                cases=tuple(c.strip() for c in a.cases.split(",") if c.strip()))
+                cases=tuple(c.strip() for c in a.cases.split(";") if c.strip()))
     every = plan(selected, tuple(shapes))
     for name in [*a.skip, *([a.until] if a.until else [])]:
         if name not in {s.name for s in every}:
             ap.error(f"{name}: not a step of this run")
+    known = {c.name for s in every for key in ("cases", "crosscheck")
+             for c in getattr(s.run, "keywords", {}).get(key, ())}
+    if unknown_cases := set(host.cases) - known:
+        ap.error(f"--cases: no step of this run has {', '.join(sorted(unknown_cases))}")
     command = "python bench/suite.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return run(host, [s for s in every if s.name not in a.skip], a.out, a.budget_s, a.redo, a.until, command,
                [s.name for s in every])

@@ -337,8 +337,9 @@ def test_a_load_step_stops_between_cases_where_the_next_would_outrun_its_budget(
     stand_ins.clear()
     assert command(None) == 0
     assert len(stand_ins) == 3 + (4 - done) * 3  # the warm-up, then the cases not yet measured
-    rows = WorkDir(tmp_path / "w").state["steps"]["vllm-load-0.6b-1"]["rows"]
-    assert [r["case"] for r in rows] == [c.name for c in gs.VLLM_CASES[:4] for _ in range(3)]
+    done_step = WorkDir(tmp_path / "w").state["steps"]["vllm-load-0.6b-1"]
+    assert [r["case"] for r in done_step["rows"]] == [c.name for c in gs.VLLM_CASES[:4] for _ in range(3)]
+    assert sorted(done_step["restarted"]) == sorted(s.key for s in sides)  # said in the results
 
 
 def test_host_rounds_replace_each_cases_and_in_process_sides_run_each_batch(tmp_path: Path,
@@ -356,7 +357,7 @@ def test_cases_picks_the_load_steps_cases_in_its_order(tmp_path: Path, stand_ins
     steps = [s for s in suite.plan(("vllm",), ("0.6b",)) if s.name in ("vllm-start", "vllm-load-0.6b-1",
                                                                          "vllm-load-0.6b-2")]
     host = Host(WorkDir(tmp_path / "w"), models={"0.6b": str(checkpoint(tmp_path / "m"))}, rounds=1,
-                vllm_cmd=("stub",), cases=("one in flight", "medium"))
+                vllm_cmd=("stub",), cases=("one in flight", "medium"))  # ";" on the command line
     assert suite.run(host, steps, tmp_path / "out", None, []) == 0
     done = host.work.state["steps"]
     assert "none of its cases" in done["vllm-load-0.6b-1"]["skipped"]  # not even warmed up

@@ -327,8 +327,9 @@ def test_prefill_graphs_are_capped_by_the_models_width_with_the_embedding_only_f
     spec = build_launch(make(model_dir, **engine), gpu_capability=(9, 0), fa3=True)
     assert arg(spec.argv, "--cuda-graph-max-bs-prefill") == graphs
     assert [f for f in flags_of(spec.argv) if f not in SGLANG_FLAGS] == []
-    said = [n for n in spec.notes if n.startswith("prefill_graph_tokens auto")]
-    assert len(said) == ("prefill_graph_tokens" not in engine)
+    said = [n for n in spec.notes if n.startswith("prefill_graph_tokens")]
+    assert len(said) == 1 and f": {graphs}" in said[0]  # the value launched, and why
+    assert ("as asked" in said[0]) == ("prefill_graph_tokens" in engine)
     paged = build_launch(make(model_dir, kv_cache="paged", prefill_graph_tokens=512), gpu_capability=(9, 0),
                          fa3=True).argv
     assert arg(paged, "--cuda-graph-max-bs-prefill") == "512"  # a number on the paged path too
@@ -505,3 +506,14 @@ def test_the_dry_run_says_each_auto_value_and_why(
                  "# note: kv_cache auto: none (no KV pool)", "# note: overlap_schedule auto: on",
                  "# note: pooled_last_layer auto: on"):
         assert line in out
+
+
+def test_compiled_prefill_graphs_keep_every_batch_a_graph_and_sglangs_query_copy(model_dir: Path) -> None:
+    spec = build_launch(make(model_dir, extra_args=["--cuda-graph-backend-prefill", "tc_piecewise"]),
+                        gpu_capability=(9, 0), fa3=True)
+    assert "--prefill-only-disable-kv-cache" in spec.argv  # still the embedding-only forward
+    assert spec.argv.count("--cuda-graph-max-bs-prefill") == 1
+    assert arg(spec.argv, "--cuda-graph-max-bs-prefill") == "16384"  # the budget, as before the cap
+    engine = launched_engine(spec)
+    assert engine["strided_query"] is False and engine["pooled_last_layer"] is False
+    assert [n for n in spec.notes if n.startswith("strided_query auto: off") and "tc_piecewise" in n]

@@ -1,7 +1,8 @@
 """Which forward SGLang runs, and why: every ``auto`` of the engine's forward resolved from the GPU,
 sgl-kernel and the model (docs/SGLANG.md, "The embedding-only forward"). On Hopper, for an
 unquantised Qwen3 embedding model or Qwen3-Reranker with the prefix cache off, that is no KV pool
-(``kv_cache=none``), the overlap scheduler and the pooled last layer; elsewhere the paged path."""
+(``kv_cache=none``), the overlap scheduler, the pooled last layer, the queries read in place and
+prefill graphs sized by the model's width; elsewhere the paged path."""
 
 from __future__ import annotations
 
@@ -149,9 +150,11 @@ def resolve_pooled_last_layer(asked: bool | str, kv_cache: str, info: ModelInfo,
     return why_not is None
 
 
-def resolve_strided_query(asked: bool | str, kv_cache: str, backend: str, notes: list[str]) -> bool:
+def resolve_strided_query(asked: bool | str, kv_cache: str, backend: str, extra_args: list[str],
+                          notes: list[str]) -> bool:
     """``auto``: on with the embedding-only forward on FA3, the only branch its hook stands in for
-    (embedserve/engines/strided_query.py); ``True`` elsewhere is refused."""
+    (embedserve/engines/strided_query.py), unless SGLang's compiled prefill graphs are asked for
+    (not measured together); ``True`` where it cannot run is refused."""
     fits = kv_cache == "none" and backend == "fa3"
     if asked is True and not fits:
         raise LaunchConfigError(f"engine.strided_query needs the embedding-only forward on FA3 (kv_cache "
@@ -160,10 +163,12 @@ def resolve_strided_query(asked: bool | str, kv_cache: str, backend: str, notes:
     if asked != "auto":
         notes.append(f"strided_query: {'on' if asked else 'off'}, as asked")
         return bool(asked)
-    notes.append("strided_query auto: on, because kv_cache is none on FA3 (FA3 reads each layer's queries "
-                 "in place)" if fits else f"strided_query auto: off, because kv_cache is {kv_cache} and "
-                 f"the attention backend {backend}")
-    return fits
+    why_not = (f"kv_cache is {kv_cache} and the attention backend {backend}" if not fits
+               else "engine.extra_args asks for tc_piecewise prefill graphs" if compiles_prefill(extra_args)
+               else None)
+    notes.append(f"strided_query auto: off, because {why_not}" if why_not else "strided_query auto: on, "
+                 "because kv_cache is none on FA3 (FA3 reads each layer's queries in place)")
+    return why_not is None
 
 
 #: prefill CUDA graphs up to this many tokens for models at least LARGE_HIDDEN wide (docs/PERFORMANCE.md)
@@ -176,13 +181,20 @@ def resolve_prefill_graph_tokens(settings: Settings, kv_cache: str, info: ModelI
     cuBLAS tiles them better and a forward outlasts its launches), else the batch budget; ``auto``
     stays for the paged path, where SGLang sizes its graphs from the chunked-prefill size."""
     asked = settings.engine.prefill_graph_tokens
-    if asked != "auto" or kv_cache != "none":
+    if asked != "auto":
+        notes.append(f"prefill_graph_tokens: {asked}, as asked")
+        return asked
+    if kv_cache != "none":
         return asked
     budget = max(settings.engine.batch_token_budget, info.max_seq_len)
     hidden = int(json.loads((info.path / "config.json").read_text()).get("hidden_size") or 0)
+    if compiles_prefill(list(settings.engine.extra_args)):
+        notes.append(f"prefill_graph_tokens auto: {budget} (the batch budget), because engine.extra_args "
+                     "asks for tc_piecewise prefill graphs")
+        return budget
     if hidden >= LARGE_HIDDEN:
-        notes.append(f"prefill_graph_tokens auto: {GRAPH_TOKENS_LARGE}, because the hidden size is "
-                     f"{hidden} (larger batches run unpadded, without a graph)")
+        notes.append(f"prefill_graph_tokens auto: {min(GRAPH_TOKENS_LARGE, budget)}, because the hidden "
+                     f"size is {hidden} (larger batches run unpadded, without a graph)")
         return min(GRAPH_TOKENS_LARGE, budget)
     notes.append(f"prefill_graph_tokens auto: {budget} (the batch budget), because the hidden size "
                  f"({hidden or 'unknown'}) is under {LARGE_HIDDEN}")
@@ -208,6 +220,7 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
         overlap_schedule=resolve_overlap_schedule(eng.overlap_schedule, kv_cache, notes),
         pooled_last_layer=resolve_pooled_last_layer(
             eng.pooled_last_layer, kv_cache, info, list(eng.extra_args), notes),
-        strided_query=resolve_strided_query(eng.strided_query, kv_cache, backend, notes),
+        strided_query=resolve_strided_query(
+            eng.strided_query, kv_cache, backend, list(eng.extra_args), notes),
         prefill_graph_tokens=resolve_prefill_graph_tokens(settings, kv_cache, info, notes),
     )
