@@ -333,6 +333,8 @@ def test_prefill_graphs_are_capped_by_the_models_width_with_the_embedding_only_f
     paged = build_launch(make(model_dir, kv_cache="paged", prefill_graph_tokens=512), gpu_capability=(9, 0),
                          fa3=True).argv
     assert arg(paged, "--cuda-graph-max-bs-prefill") == "512"  # a number on the paged path too
+    with pytest.raises(LaunchConfigError, match=r"prefill_graph_tokens=32768 is over .* 16384 tokens"):
+        build_launch(make(model_dir, prefill_graph_tokens=32768), gpu_capability=(9, 0), fa3=True)
 
 
 @pytest.mark.parametrize(("engine", "why"), [

@@ -104,7 +104,8 @@ class EngineSettings(BaseModel):
         "tokens above 4,096), for which cuBLAS picks slower GEMM tiles; a larger batch runs without "
         "a graph at its own size. auto, with kv_cache none: 4096 for a model of hidden size 2,560 or "
         "more (on one H100 the 4B's GEMM time per 1,000 tokens fell from 10.43 to 9.90 ms: "
-        "docs/SGLANG.md), else the batch budget; on the paged path SGLang's own sizing",
+        "docs/SGLANG.md), else the batch budget; on the paged path SGLang's own sizing. A number is "
+        "at most the batch budget",
     )
     vectorised_cross_encoder: bool = Field(
         False,

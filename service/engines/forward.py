@@ -181,12 +181,15 @@ def resolve_prefill_graph_tokens(settings: Settings, kv_cache: str, info: ModelI
     cuBLAS tiles them better and a forward outlasts its launches), else the batch budget; ``auto``
     stays for the paged path, where SGLang sizes its graphs from the chunked-prefill size."""
     asked = settings.engine.prefill_graph_tokens
+    budget = max(settings.engine.batch_token_budget, info.max_seq_len)
+    if asked != "auto" and int(asked) > budget:
+        raise LaunchConfigError(f"engine.prefill_graph_tokens={asked} is over the engine's batch budget of "
+                                f"{budget} tokens, which no batch exceeds: give at most {budget}, or auto")
     if asked != "auto":
         notes.append(f"prefill_graph_tokens: {asked}, as asked")
         return asked
     if kv_cache != "none":
         return asked
-    budget = max(settings.engine.batch_token_budget, info.max_seq_len)
     hidden = int(json.loads((info.path / "config.json").read_text()).get("hidden_size") or 0)
     if compiles_prefill(list(settings.engine.extra_args)):
         notes.append(f"prefill_graph_tokens auto: {budget} (the batch budget), because engine.extra_args "
