@@ -182,19 +182,20 @@ def resolve_prefill_graph_tokens(settings: Settings, kv_cache: str, info: ModelI
     stays for the paged path, where SGLang sizes its graphs from the chunked-prefill size."""
     asked = settings.engine.prefill_graph_tokens
     budget = max(settings.engine.batch_token_budget, info.max_seq_len)
-    if asked != "auto" and int(asked) > budget:
-        raise LaunchConfigError(f"engine.prefill_graph_tokens={asked} is over the engine's batch budget of "
-                                f"{budget} tokens, which no batch exceeds: give at most {budget}, or auto")
     if asked != "auto":
+        if int(asked) > budget:
+            raise LaunchConfigError(f"engine.prefill_graph_tokens={asked} is over the engine's batch "
+                                    f"budget of {budget} tokens, which no batch exceeds: give at most "
+                                    f"{budget}, or auto")
         notes.append(f"prefill_graph_tokens: {asked}, as asked")
         return asked
     if kv_cache != "none":
         return asked
-    hidden = int(json.loads((info.path / "config.json").read_text()).get("hidden_size") or 0)
     if compiles_prefill(list(settings.engine.extra_args)):
         notes.append(f"prefill_graph_tokens auto: {budget} (the batch budget), because engine.extra_args "
                      "asks for tc_piecewise prefill graphs")
         return budget
+    hidden = int(json.loads((info.path / "config.json").read_text()).get("hidden_size") or 0)
     if hidden >= LARGE_HIDDEN:
         notes.append(f"prefill_graph_tokens auto: {min(GRAPH_TOKENS_LARGE, budget)}, because the hidden "
                      f"size is {hidden} (larger batches run unpadded, without a graph)")
