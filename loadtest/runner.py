@@ -286,7 +286,7 @@ class Runner:
         """Run to the limits. ``extra`` starts side tasks (samplers) on the same session."""
         c = self.cfg
         prefetch = prefetcher(make, c.build_workers)
-        await prefetch.prime()
+        await prefetch.prime(c.concurrency if c.mode == "closed" else None)
         self.t0 = time.perf_counter()
         connector = aiohttp.TCPConnector(limit=c.connection_limit, force_close=False)
         timeout = aiohttp.ClientTimeout(total=c.timeout_s)

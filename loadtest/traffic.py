@@ -196,13 +196,14 @@ class Prefetcher:
 
     def __init__(self, make: Callable[[], Planned], depth: int = 64) -> None:
         self._start(ThreadPoolExecutor(1, thread_name_prefix="loadtest-build"),
-                    lambda _task: ([make()], None), depth)
+                    lambda _task: ([make()], None), depth, per_task=1)
 
     def _start(self, pool: Executor, task: Callable[[int], Built], ahead: int,
-               stats: ContentStats | None = None) -> None:
-        """``task(i)`` builds the i-th batch of requests on ``pool``, ``ahead`` tasks at a time;
-        counters a task returns are added to ``stats`` as its requests are taken."""
+               stats: ContentStats | None = None, *, per_task: int) -> None:
+        """``task(i)`` builds the i-th batch of ``per_task`` requests on ``pool``, ``ahead`` tasks at
+        a time; counters a task returns are added to ``stats`` as its requests are taken."""
         self._pool, self._task, self._ahead, self._stats = pool, task, ahead, stats
+        self._per_task = per_task
         self._futs: deque[asyncio.Future[Built]] = deque()
         self._next_task = 0
         self._ready: deque[Planned] = deque()
@@ -213,10 +214,13 @@ class Prefetcher:
             self._futs.append(loop.run_in_executor(self._pool, self._task, self._next_task))
             self._next_task += 1
 
-    async def prime(self) -> None:
-        """Build the first tasks' requests before the clock starts."""
+    async def prime(self, first: int | None = None) -> None:
+        """Build the requests a run sends at once (``first``; all the tasks ahead when None) before
+        the clock starts; the rest are built during the warm-up."""
         self._fill()
-        await asyncio.gather(*self._futs)
+        per_task = max(1, self._per_task)
+        need = len(self._futs) if first is None else min(len(self._futs), -(-first // per_task))
+        await asyncio.gather(*list(self._futs)[:need])
 
     async def get(self) -> Planned:
         if not self._ready:
@@ -252,12 +256,15 @@ class ProcessPrefetcher(Prefetcher):
     Building a text of an exact length tokenises it once or more: with Qwen3's tokenizer about
     1 ms of a core per seed-mix input on a 2-core VM, which a build thread shares with the
     client's event loop under the GIL. Processes take that off the loop, for targets that
-    answer thousands of requests a second. The factory's counters grow as chunks are taken."""
+    answer thousands of requests a second. The factory's counters grow as chunks are taken.
+    Forked where the platform can: a spawned process imports this package and loads the tokenizer
+    again, a second or more before the first request of every run."""
 
     def __init__(self, factory: RequestFactory, workers: int) -> None:
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
                                    initializer=_init_build_worker, initargs=(factory.for_chunks(),))
-        self._start(pool, _build_chunk, 4 * workers, factory.stats)
+        self._start(pool, _build_chunk, 4 * workers, factory.stats, per_task=CHUNK)
 
 
 def auto_build_workers(cores: int | None = None) -> int:

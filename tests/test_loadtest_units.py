@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,34 @@ def test_build_processes_send_the_same_requests_as_chunks_built_in_process(tok: 
     assert f.stats.tokens == sum(p.tokens for p in expected)
     bodies = [x for p in got for x in json.loads(p.body)["input"]]
     assert len(set(bodies)) == len(bodies)  # serials do not repeat across chunks
+
+
+def test_priming_waits_for_the_requests_sent_at_once_not_for_every_task_ahead() -> None:
+    """A closed loop of 3 in flight starts once 3 requests are built: the 4th onwards are built
+    during the warm-up (here they never finish until released)."""
+    release, made = threading.Event(), []
+
+    def make() -> Planned:
+        if len(made) >= 3:
+            release.wait(10)
+        made.append(len(made))
+        return Planned(len(made) - 1, b"{}", 1, 1)
+
+    async def primed(first: int | None) -> bool:
+        source = Prefetcher(make, depth=8)
+        try:
+            await asyncio.wait_for(source.prime(first), 1.0)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            release.set()
+            source.close()
+
+    assert asyncio.run(primed(3)) and made[:3] == [0, 1, 2]
+    made.clear()
+    release.clear()
+    assert not asyncio.run(primed(None))  # every task ahead: waits for the blocked 4th
 
 
 def test_requests_that_depend_on_earlier_ones_are_built_on_one_thread(tok: Any) -> None:
