@@ -180,10 +180,10 @@ def step_compare(host: Host, budget_end: float, sides: Sides, cases: Sequence[Ca
         if vectors:
             out["vectors"] = step_vectors(host, budget_end, live)
         pace = Pace(host, budget_end)
-        if warm:
+        kept = finished_cases(host)
+        if warm and (not kept["done"] or out.get("restarted")):  # servers that measured a case are warm
             pace.timed(warmup := Case("warm-up", warm), lambda: alternate(
                 host, live, warmup, seed + 90, {**every, "section": "warm-up"}))
-        kept = finished_cases(host)
         out["rows"], out["stalled"] = kept["rows"], kept["stalled"]
         live = [s for s in live if s.name not in out["stalled"]]
         for i, case in enumerate(cases):
