@@ -185,7 +185,7 @@ def test_build_processes_send_the_same_requests_as_chunks_built_in_process(tok: 
 def test_priming_waits_for_the_requests_sent_at_once_not_for_every_task_ahead() -> None:
     """A closed loop of 3 in flight starts once 3 requests are built: the 4th onwards are built
     during the warm-up (here they never finish until released)."""
-    release, made = threading.Event(), []
+    release, made = threading.Event(), list[int]()
 
     def make() -> Planned:
         if len(made) >= 3:
