@@ -218,8 +218,7 @@ class Prefetcher:
         """Build the requests a run sends at once (``first``; all the tasks ahead when None) before
         the clock starts; the rest are built during the warm-up."""
         self._fill()
-        per_task = max(1, self._per_task)
-        need = len(self._futs) if first is None else min(len(self._futs), -(-first // per_task))
+        need = len(self._futs) if first is None else min(len(self._futs), -(-first // self._per_task))
         await asyncio.gather(*list(self._futs)[:need])
 
     async def get(self) -> Planned:
