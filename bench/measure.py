@@ -229,6 +229,55 @@ def stage_seconds(t: Target) -> dict[str, list[float]]:
     return got
 
 
+#: Per forward pass, as the engines count them: SGLang's per-batch counters (with ``--enable-metrics``)
+#: and vLLM's histogram of tokens per engine step, as (passes, tokens) sample names.
+PASS_SAMPLES = {"sglang:cuda_graph_passes_total": "passes", "sglang:realtime_tokens_total": "tokens",
+                "vllm:iteration_tokens_total_count": "passes", "vllm:iteration_tokens_total_sum": "tokens"}
+
+
+def pass_counts(text: str) -> dict[str, float]:
+    """Forward passes, the tokens they computed and the passes run as a CUDA graph, from one
+    /metrics page: SGLang's prefill passes by mode (``prefill_cuda_graph``, ``prefill_none``) and
+    the prefill tokens it computed (not those served from its cache); vLLM's engine steps."""
+    got: dict[str, float] = {}
+    for s in (s for f in text_string_to_metric_families(text) for s in f.samples if s.name in PASS_SAMPLES):
+        mode = s.labels.get("mode", "")
+        if s.name.startswith("sglang:") and not mode.startswith("prefill"):
+            continue  # decode passes, and the tokens served from the prefix cache
+        if mode == "prefill_cache":
+            continue
+        key = PASS_SAMPLES[s.name]
+        got[key] = got.get(key, 0.0) + s.value
+        if mode == "prefill_cuda_graph":
+            got["graph_passes"] = got.get("graph_passes", 0.0) + s.value
+    return got
+
+
+def engine_passes(t: Target) -> dict[str, float]:
+    """``pass_counts`` summed over the side's metrics pages (each engine's, or the server's)."""
+    got: dict[str, float] = {}
+    for url in t.metrics:
+        status, text = http_get(url)
+        with contextlib.suppress(ValueError):
+            for k, v in (pass_counts(text) if status == 200 else {}).items():
+                got[k] = got.get(k, 0.0) + v
+    return got
+
+
+def pass_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A run's tokens per forward pass and share of passes run as a CUDA graph: the batches the
+    engine formed, which throughput and GPU busy share alone do not show."""
+    passes = after.get("passes", 0.0) - before.get("passes", 0.0)
+    tokens = after.get("tokens", 0.0) - before.get("tokens", 0.0)
+    if passes <= 0 or tokens < 0:
+        return {}  # not exposed, or the engine restarted
+    out = {"engine_passes": int(passes), "engine_tokens_per_pass": round(tokens / passes, 1)}
+    if "graph_passes" in after:
+        graphs = after["graph_passes"] - before.get("graph_passes", 0.0)
+        out["engine_graph_passes_pct"] = round(100 * graphs / passes, 1)
+    return out
+
+
 def children_cpu() -> float:
     """The client's CPU: the waited-for children (loadtest, crosscheck.py) and this process (the
     rerank client runs here)."""
@@ -243,6 +292,7 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
     client = "in-process" if t.in_process else "rerank" if load.rerank and client != "crosscheck" else client
     front0, loop0 = cpu_seconds(t.front_pid), cpu_seconds(t.front_pid, main_thread=True)
     client0, host0, stages0, t0 = children_cpu(), psutil.cpu_times(), stage_seconds(t), time.monotonic()
+    passes0 = engine_passes(t)
     with Sampler() as gpu:
         if client == "in-process":
             row = run_in_process(t, load, seed, batch or int(load.inputs))
@@ -265,6 +315,7 @@ def measure(name: str, t: Target, load: Load, runs: Path, *, seed: int = 0,
     if (done := {k: [a - b for a, b in zip(v, stages0.get(k, [0.0, 0.0]), strict=True)]
                  for k, v in stage_seconds(t).items()}):
         row["stage_ms_per_request"] = {k: round(1000 * s / n, 2) for k, (s, n) in done.items() if n}
+    row.update(pass_figures(passes0, engine_passes(t)))
     # a client or host out of cores caps a row as surely as the server does
     row["client_cpu_pct"] = round(100 * (children_cpu() - client0) / wall, 1)
     host = [b - a for a, b in zip(host0, psutil.cpu_times(), strict=True)]  # every core, all tick kinds

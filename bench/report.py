@@ -17,12 +17,14 @@ COLUMNS = [("tok_s", "tok/s", "median"), ("inputs_s", "inputs/s", "median"),
            ("prefix_cache_hit_rate", "cache hits", "max"),
            ("gateway_cpu_ms_per_request", "gateway CPU ms/request", "median"),
            ("gateway_loop_cpu_ms_per_request", "loop CPU ms/request", "median"),
+           ("engine_tokens_per_pass", "engine tokens/pass", "median"),
+           ("engine_graph_passes_pct", "graph passes %", "median"),
            ("client_cpu_pct", "client CPU %", "median"), ("host_cpu_busy_pct", "host CPU busy %", "median"),
            ("rss_mib", "RSS MiB", "max"), ("load_average", "load avg", "median")]
 RUN_COLS = [("name", "run"), ("client", "client"), ("tok_s", "tok/s"), ("req_s", "req/s"),
             ("p50_ms", "P50 ms"), ("p95_ms", "P95 ms"), ("errors", "errors"), ("gpu_used_gb", "GPU GB"),
             ("gpu_busy_pct", "GPU busy %"), ("prefix_cache_hit_rate", "cache hits"),
-            ("gateway_cpu_pct", "gateway CPU %")]
+            ("gateway_cpu_pct", "gateway CPU %"), ("engine_tokens_per_pass", "engine tokens/pass")]
 
 
 def fmt(v: Any) -> str:

@@ -365,3 +365,51 @@ def test_cases_picks_the_load_steps_cases_in_its_order(tmp_path: Path, stand_ins
     assert [r["case"] for r in done["vllm-load-0.6b-2"]["rows"]] == ["one in flight"] * 3 + ["medium"] * 3
     assert done["vllm-load-0.6b-2"]["crosscheck_rows"] == []  # its cross-checked case was not asked for
     assert len(stand_ins) == 3 + 2 * 3  # load-2's warm-up and the two cases, on three sides
+
+
+SGLANG_PAGE = """# HELP sglang:cuda_graph_passes_total Forward passes by CUDA graph.
+# TYPE sglang:cuda_graph_passes_total counter
+sglang:cuda_graph_passes_total{model_name="4b",mode="prefill_cuda_graph"} 30.0
+sglang:cuda_graph_passes_total{model_name="4b",mode="prefill_none"} 10.0
+sglang:cuda_graph_passes_total{model_name="4b",mode="decode_cuda_graph"} 500.0
+# HELP sglang:realtime_tokens_total Total number of tokens processed.
+# TYPE sglang:realtime_tokens_total counter
+sglang:realtime_tokens_total{model_name="4b",mode="prefill_compute"} 160000.0
+sglang:realtime_tokens_total{model_name="4b",mode="prefill_cache"} 9000.0
+sglang:realtime_tokens_total{model_name="4b",mode="decode"} 7000.0
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="4b"} 169000.0
+"""
+VLLM_PAGE = """# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="16384.0",model_name="4b"} 8.0
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="4b"} 8.0
+vllm:iteration_tokens_total_count{engine="0",model_name="4b"} 8.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="4b"} 96000.0
+"""
+
+
+def test_pass_counts_read_sglang_prefill_passes_and_vllm_engine_steps() -> None:
+    assert measure.pass_counts(SGLANG_PAGE) == {"passes": 40.0, "graph_passes": 30.0, "tokens": 160000.0}
+    assert measure.pass_counts(VLLM_PAGE) == {"passes": 8.0, "tokens": 96000.0}
+    assert measure.pass_counts("# nothing here\n") == {}
+
+
+def test_pass_figures_give_tokens_per_pass_and_graph_share_of_the_run() -> None:
+    before = {"passes": 40.0, "graph_passes": 30.0, "tokens": 160000.0}
+    after = {"passes": 60.0, "graph_passes": 35.0, "tokens": 240000.0}
+    assert measure.pass_figures(before, after) == {
+        "engine_passes": 20, "engine_tokens_per_pass": 4000.0, "engine_graph_passes_pct": 25.0}
+    assert measure.pass_figures({"passes": 8.0, "tokens": 96000.0}, {"passes": 10.0, "tokens": 126000.0}) == {
+        "engine_passes": 2, "engine_tokens_per_pass": 15000.0}
+    assert measure.pass_figures({}, {}) == {}  # not exposed: no figure, not a zero
+    assert measure.pass_figures(after, before) == {}  # counters went back: the engine restarted
+
+
+def test_engine_passes_sum_every_metrics_page_of_a_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    pages = {"http://e0/metrics": (200, SGLANG_PAGE), "http://e1/metrics": (200, SGLANG_PAGE),
+             "http://gone/metrics": (0, "")}
+    monkeypatch.setattr(measure, "http_get", lambda url: pages[url])
+    t = type("T", (), {"metrics": list(pages)})()
+    assert measure.engine_passes(t) == {"passes": 80.0, "graph_passes": 60.0, "tokens": 320000.0}
