@@ -232,20 +232,20 @@ def stage_seconds(t: Target) -> dict[str, list[float]]:
 #: Per forward pass, as the engines count them: SGLang's per-batch counters (with ``--enable-metrics``)
 #: and vLLM's histogram of tokens per engine step, as (passes, tokens) sample names.
 PASS_SAMPLES = {"sglang:cuda_graph_passes_total": "passes", "sglang:realtime_tokens_total": "tokens",
+                "sglang:forward_execution_seconds_total": "forward_s",  # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1
                 "vllm:iteration_tokens_total_count": "passes", "vllm:iteration_tokens_total_sum": "tokens"}
 
 
 def pass_counts(text: str) -> dict[str, float]:
     """Forward passes, the tokens they computed and the passes run as a CUDA graph, from one
-    /metrics page: SGLang's prefill passes by mode (``prefill_cuda_graph``, ``prefill_none``) and
-    the prefill tokens it computed (not those served from its cache); vLLM's engine steps."""
+    /metrics page: SGLang's prefill passes by mode (``prefill_cuda_graph``, ``prefill_none``), the
+    prefill tokens it computed (not those served from its cache) and, where its device timer is on,
+    the GPU seconds of its forward passes; vLLM's engine steps."""
     got: dict[str, float] = {}
     for s in (s for f in text_string_to_metric_families(text) for s in f.samples if s.name in PASS_SAMPLES):
-        mode = s.labels.get("mode", "")
-        if s.name.startswith("sglang:") and not mode.startswith("prefill"):
+        mode = s.labels.get("mode")
+        if mode is not None and mode not in ("prefill_cuda_graph", "prefill_none", "prefill_compute"):
             continue  # decode passes, and the tokens served from the prefix cache
-        if mode == "prefill_cache":
-            continue
         key = PASS_SAMPLES[s.name]
         got[key] = got.get(key, 0.0) + s.value
         if mode == "prefill_cuda_graph":
@@ -275,6 +275,9 @@ def pass_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
     if "graph_passes" in after:
         graphs = after["graph_passes"] - before.get("graph_passes", 0.0)
         out["engine_graph_passes_pct"] = round(100 * graphs / passes, 1)
+    if "forward_s" in after and tokens > 0:  # GPU time inside the passes, not between them
+        forward_s = after["forward_s"] - before.get("forward_s", 0.0)
+        out["engine_forward_ms_per_1k_tokens"] = round(1e6 * forward_s / tokens, 3)
     return out
 
 

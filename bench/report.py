@@ -19,6 +19,7 @@ COLUMNS = [("tok_s", "tok/s", "median"), ("inputs_s", "inputs/s", "median"),
            ("gateway_loop_cpu_ms_per_request", "loop CPU ms/request", "median"),
            ("engine_tokens_per_pass", "engine tokens/pass", "median"),
            ("engine_graph_passes_pct", "graph passes %", "median"),
+           ("engine_forward_ms_per_1k_tokens", "forward GPU ms/1k tokens", "median"),
            ("client_cpu_pct", "client CPU %", "median"), ("host_cpu_busy_pct", "host CPU busy %", "median"),
            ("rss_mib", "RSS MiB", "max"), ("load_average", "load avg", "median")]
 RUN_COLS = [("name", "run"), ("client", "client"), ("tok_s", "tok/s"), ("req_s", "req/s"),

@@ -377,6 +377,9 @@ sglang:cuda_graph_passes_total{model_name="4b",mode="decode_cuda_graph"} 500.0
 sglang:realtime_tokens_total{model_name="4b",mode="prefill_compute"} 160000.0
 sglang:realtime_tokens_total{model_name="4b",mode="prefill_cache"} 9000.0
 sglang:realtime_tokens_total{model_name="4b",mode="decode"} 7000.0
+# HELP sglang:forward_execution_seconds_total GPU time of forward passes.
+# TYPE sglang:forward_execution_seconds_total counter
+sglang:forward_execution_seconds_total{category="extend",model_name="4b"} 2.0
 # HELP sglang:prompt_tokens_total Number of prefill tokens processed.
 # TYPE sglang:prompt_tokens_total counter
 sglang:prompt_tokens_total{model_name="4b"} 169000.0
@@ -391,16 +394,18 @@ vllm:iteration_tokens_total_sum{engine="0",model_name="4b"} 96000.0
 
 
 def test_pass_counts_read_sglang_prefill_passes_and_vllm_engine_steps() -> None:
-    assert measure.pass_counts(SGLANG_PAGE) == {"passes": 40.0, "graph_passes": 30.0, "tokens": 160000.0}
+    assert measure.pass_counts(SGLANG_PAGE) == {"passes": 40.0, "graph_passes": 30.0, "tokens": 160000.0,
+                                                "forward_s": 2.0}
     assert measure.pass_counts(VLLM_PAGE) == {"passes": 8.0, "tokens": 96000.0}
     assert measure.pass_counts("# nothing here\n") == {}
 
 
 def test_pass_figures_give_tokens_per_pass_and_graph_share_of_the_run() -> None:
-    before = {"passes": 40.0, "graph_passes": 30.0, "tokens": 160000.0}
-    after = {"passes": 60.0, "graph_passes": 35.0, "tokens": 240000.0}
+    before = {"passes": 40.0, "graph_passes": 30.0, "tokens": 160000.0, "forward_s": 2.0}
+    after = {"passes": 60.0, "graph_passes": 35.0, "tokens": 240000.0, "forward_s": 3.0}
     assert measure.pass_figures(before, after) == {
-        "engine_passes": 20, "engine_tokens_per_pass": 4000.0, "engine_graph_passes_pct": 25.0}
+        "engine_passes": 20, "engine_tokens_per_pass": 4000.0, "engine_graph_passes_pct": 25.0,
+        "engine_forward_ms_per_1k_tokens": 12.5}
     assert measure.pass_figures({"passes": 8.0, "tokens": 96000.0}, {"passes": 10.0, "tokens": 126000.0}) == {
         "engine_passes": 2, "engine_tokens_per_pass": 15000.0}
     assert measure.pass_figures({}, {}) == {}  # not exposed: no figure, not a zero
@@ -412,4 +417,5 @@ def test_engine_passes_sum_every_metrics_page_of_a_side(monkeypatch: pytest.Monk
              "http://gone/metrics": (0, "")}
     monkeypatch.setattr(measure, "http_get", lambda url: pages[url])
     t = type("T", (), {"metrics": list(pages)})()
-    assert measure.engine_passes(t) == {"passes": 80.0, "graph_passes": 60.0, "tokens": 320000.0}
+    assert measure.engine_passes(t) == {"passes": 80.0, "graph_passes": 60.0, "tokens": 320000.0,
+                                        "forward_s": 4.0}
