@@ -229,55 +229,46 @@ def stage_seconds(t: Target) -> dict[str, list[float]]:
     return got
 
 
-#: Per forward pass, as the engines count them: SGLang's per-batch counters (with ``--enable-metrics``)
-#: and vLLM's histogram of tokens per engine step, as (passes, tokens) sample names.
+#: SGLang's per-batch counters (``--enable-metrics``; the GPU seconds with its device timer on,
+#: SGLANG_ENABLE_METRICS_DEVICE_TIMER=1) and vLLM's tokens per engine step, by sample name.
 PASS_SAMPLES = {"sglang:cuda_graph_passes_total": "passes", "sglang:realtime_tokens_total": "tokens",
-                "sglang:forward_execution_seconds_total": "forward_s",  # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1
+                "sglang:forward_execution_seconds_total": "forward_s",
                 "vllm:iteration_tokens_total_count": "passes", "vllm:iteration_tokens_total_sum": "tokens"}
+PREFILL_MODES = ("prefill_cuda_graph", "prefill_none", "prefill_compute")  # not decode, not cache hits
 
 
 def pass_counts(text: str) -> dict[str, float]:
-    """Forward passes, the tokens they computed and the passes run as a CUDA graph, from one
-    /metrics page: SGLang's prefill passes by mode (``prefill_cuda_graph``, ``prefill_none``), the
-    prefill tokens it computed (not those served from its cache) and, where its device timer is on,
-    the GPU seconds of its forward passes; vLLM's engine steps."""
+    """Forward passes, the tokens they computed, those run as a CUDA graph and the GPU seconds
+    inside them, from one /metrics page (a page that does not parse counts nothing)."""
     got: dict[str, float] = {}
-    for s in (s for f in text_string_to_metric_families(text) for s in f.samples if s.name in PASS_SAMPLES):
-        mode = s.labels.get("mode")
-        if mode is not None and mode not in ("prefill_cuda_graph", "prefill_none", "prefill_compute"):
-            continue  # decode passes, and the tokens served from the prefix cache
-        key = PASS_SAMPLES[s.name]
-        got[key] = got.get(key, 0.0) + s.value
-        if mode == "prefill_cuda_graph":
-            got["graph_passes"] = got.get("graph_passes", 0.0) + s.value
+    with contextlib.suppress(ValueError):
+        for s in (s for f in text_string_to_metric_families(text) for s in f.samples):
+            if s.name in PASS_SAMPLES and (mode := s.labels.get("mode", "prefill_none")) in PREFILL_MODES:
+                for key in [PASS_SAMPLES[s.name]] + ["graph_passes"] * (mode == "prefill_cuda_graph"):
+                    got[key] = got.get(key, 0.0) + s.value
     return got
 
 
 def engine_passes(t: Target) -> dict[str, float]:
     """``pass_counts`` summed over the side's metrics pages (each engine's, or the server's)."""
     got: dict[str, float] = {}
-    for url in t.metrics:
-        status, text = http_get(url)
-        with contextlib.suppress(ValueError):
-            for k, v in (pass_counts(text) if status == 200 else {}).items():
-                got[k] = got.get(k, 0.0) + v
+    for status, text in map(http_get, t.metrics):
+        for k, v in pass_counts(text if status == 200 else "").items():
+            got[k] = got.get(k, 0.0) + v
     return got
 
 
 def pass_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """A run's tokens per forward pass and share of passes run as a CUDA graph: the batches the
-    engine formed, which throughput and GPU busy share alone do not show."""
-    passes = after.get("passes", 0.0) - before.get("passes", 0.0)
-    tokens = after.get("tokens", 0.0) - before.get("tokens", 0.0)
-    if passes <= 0 or tokens < 0:
+    """A run's tokens per forward pass, share of passes run as a CUDA graph and GPU ms inside the
+    passes per 1,000 tokens: the batches the engine formed, which throughput and busy share hide."""
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    if d.get("passes", 0.0) <= 0 or d.get("tokens", 0.0) <= 0:
         return {}  # not exposed, or the engine restarted
-    out = {"engine_passes": int(passes), "engine_tokens_per_pass": round(tokens / passes, 1)}
-    if "graph_passes" in after:
-        graphs = after["graph_passes"] - before.get("graph_passes", 0.0)
-        out["engine_graph_passes_pct"] = round(100 * graphs / passes, 1)
-    if "forward_s" in after and tokens > 0:  # GPU time inside the passes, not between them
-        forward_s = after["forward_s"] - before.get("forward_s", 0.0)
-        out["engine_forward_ms_per_1k_tokens"] = round(1e6 * forward_s / tokens, 3)
+    out = {"engine_passes": int(d["passes"]), "engine_tokens_per_pass": round(d["tokens"] / d["passes"], 1)}
+    if "graph_passes" in d:
+        out["engine_graph_passes_pct"] = round(100 * d["graph_passes"] / d["passes"], 1)
+    if "forward_s" in d:
+        out["engine_forward_ms_per_1k_tokens"] = round(1e6 * d["forward_s"] / d["tokens"], 3)
     return out
 
 
