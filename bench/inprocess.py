@@ -101,7 +101,7 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None,
     """Answer until killed, one call of the model at a time (like one engine); ``max_len``: a
     longer input gets a 400, as vLLM answers it; ``traces``: between ``/start_profile`` and
     ``/stop_profile`` each forward pass is a "kernel" of a trace written there, as vLLM writes its own."""
-    queried, lock, recording = [0], threading.Lock(), list[list[dict[str, Any]]]()
+    queried, lock, recording = [0, 0], threading.Lock(), list[list[dict[str, Any]]]()  # tokens, passes
 
     class Handler(BaseHTTPRequestHandler):
         def answer(self, doc: Any, status: int = 200, text: bool = False) -> None:
@@ -113,10 +113,12 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None,
             self.wfile.write(body)
 
         def do_GET(self) -> None:
-            if self.path == "/metrics":  # vLLM's prefix-cache counters: never a hit
+            if self.path == "/metrics":  # vLLM's prefix-cache counters (never a hit), tokens per step
                 labels = f'engine="0",model_name="{name}"'
                 self.answer(f"vllm:prefix_cache_queries_total{{{labels}}} {float(queried[0])}\n"
-                            f"vllm:prefix_cache_hits_total{{{labels}}} 0.0\n", text=True)
+                            f"vllm:prefix_cache_hits_total{{{labels}}} 0.0\n"
+                            f"vllm:iteration_tokens_total_count{{{labels}}} {float(queried[1])}\n"
+                            f"vllm:iteration_tokens_total_sum{{{labels}}} {float(queried[0])}\n", text=True)
             else:
                 self.answer({"object": "list", "data": [{"id": name, "object": "model"}]})
 
@@ -144,6 +146,7 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None,
             if max_len and max(tokens) > max_len:
                 return self.answer({"error": {"message": "too long", "type": "BadRequestError"}}, 400)
             queried[0] += sum(tokens)
+            queried[1] += 1  # one forward pass a call
             self.answer({"object": "list", "model": name, "usage": {"prompt_tokens": sum(tokens),
                                                                     "total_tokens": sum(tokens)},
                          "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
