@@ -145,8 +145,7 @@ def serve(encode: Encode, port: int, name: str = "", max_len: int | None = None,
                                    "dur": (time.time() - t0) * 1e6})
             if max_len and max(tokens) > max_len:
                 return self.answer({"error": {"message": "too long", "type": "BadRequestError"}}, 400)
-            queried[0] += sum(tokens)
-            queried[1] += 1  # one forward pass a call
+            queried[:] = [queried[0] + sum(tokens), queried[1] + 1]  # one forward pass a call
             self.answer({"object": "list", "model": name, "usage": {"prompt_tokens": sum(tokens),
                                                                     "total_tokens": sum(tokens)},
                          "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
