@@ -244,8 +244,9 @@ def pass_counts(text: str) -> dict[str, float]:
     with contextlib.suppress(ValueError):
         for s in (s for f in text_string_to_metric_families(text) for s in f.samples):
             if s.name in PASS_SAMPLES and (mode := s.labels.get("mode", "prefill_none")) in PREFILL_MODES:
-                for key in [PASS_SAMPLES[s.name]] + ["graph_passes"] * (mode == "prefill_cuda_graph"):
-                    got[key] = got.get(key, 0.0) + s.value
+                got[PASS_SAMPLES[s.name]] = got.get(PASS_SAMPLES[s.name], 0.0) + s.value
+                if mode == "prefill_cuda_graph":
+                    got["graph_passes"] = got.get("graph_passes", 0.0) + s.value
     return got
 
 

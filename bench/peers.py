@@ -30,8 +30,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     # prefill CUDA graphs captured up to N tokens only: larger batches run unpadded, without a graph
     **{f"gcap{n}": ({"EMBEDSERVE_ENGINE__PREFILL_GRAPH_TOKENS": str(n)}, []) for n in (1024, 4096, 16384)},
     "tokenizer-workers": ({}, ["--tokenizer-worker-num", "2"]),
-    # SGLang times each forward pass on the GPU (CUDA events): rows gain engine_forward_ms_per_1k_tokens
-    "fwdtimer": ({"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}, []),
+    "fwdtimer": ({"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}, []),  # SGLang times each pass on the GPU
     **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
         ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"), ("fp8", "QUANTIZATION", "fp8"),
         ("pooled", "POOLED_LAST_LAYER", "true"), ("vectorised", "VECTORISED_CROSS_ENCODER", "true"),
