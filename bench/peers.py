@@ -22,8 +22,7 @@ HERE = Path(__file__).resolve().parent
 BATCH_BUDGET = 16_384  # embedserve's engine.batch_token_budget (and its KV pool at cap 8192)
 API_SERVERS = 4  # vllm tuned: --api-server-count (vllm-project/vllm#22941)
 TC_PIECEWISE = ["--cuda-graph-backend-prefill", "tc_piecewise", "--cuda-graph-tc-compiler", "inductor"]
-#: embedserve's variants, as an operator sets them: settings on top of the defaults, and SGLang
-#: flags appended through ``engine.extra_args``; ``+`` joins several (``x2+graphs``)
+#: embedserve's variants: settings over the defaults, SGLang flags through ``engine.extra_args``; ``+`` joins
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{f"x{n}": ({"EMBEDSERVE_ENGINE__ENGINES_PER_GPU": str(n)}, []) for n in (1, 2, 3)},
     "graphs": ({}, TC_PIECEWISE),
@@ -34,7 +33,8 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
         ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"), ("fp8", "QUANTIZATION", "fp8"),
         ("pooled", "POOLED_LAST_LAYER", "true"), ("vectorised", "VECTORISED_CROSS_ENCODER", "true"),
-        ("strided", "STRIDED_QUERY", "true"), ("unstrided", "STRIDED_QUERY", "false"))},
+        ("strided", "STRIDED_QUERY", "true"), ("unstrided", "STRIDED_QUERY", "false"),
+        ("budget8192", "BATCH_TOKEN_BUDGET", "8192"))},  # passes of up to 8,192 tokens, not 16,384
     # the former defaults, where the embedding-only forward is now the default (docs/SGLANG.md)
     "paged": ({"EMBEDSERVE_ENGINE__KV_CACHE": "paged", "EMBEDSERVE_ENGINE__OVERLAP_SCHEDULE": "false",
                "EMBEDSERVE_ENGINE__POOLED_LAST_LAYER": "false"}, [])}
