@@ -187,12 +187,12 @@ def vllm_default(shape: str, **env: str) -> Side:
 
 
 VLLM_SIDES = {"vllm": (), "vllm tuned": VLLM_TUNED_ARGS,  # --vllm-sides picks; fp8 beside the variant fp8
-              "vllm tuned fp8": (*VLLM_TUNED_ARGS, "--quantization", "fp8")}
+              "vllm tuned fp8": (*VLLM_TUNED_ARGS, "--quantization", "fp8"),  # 8192 beside budget8192:
+              "vllm tuned 8192": (*VLLM_TUNED_ARGS, "--max-num-batched-tokens", "8192")}  # the last flag wins
 
 
 def vllm_sides(shape: str) -> Any:
-    """Every side of a shape, embedserve's first: its defaults, one stack per variant
-    (``--embedserve-variants``), then vLLM's chosen sides."""
+    """Every side of a shape: embedserve's defaults, a stack per ``--embedserve-variants``, vLLM's sides."""
     port = {"0.6b": 8700, "4b": 8720}[shape]
 
     def sides(host: Host) -> list[Side]:
