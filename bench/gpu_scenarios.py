@@ -240,9 +240,9 @@ def vllm_steps(shapes: tuple[str, ...]) -> list[Step]:
                 step_quality, pairs=partial(variant_pairs, shape)), 120),
             Step(f"vllm-profile-{shape}", ("vllm",), partial(
                 step_profile, side=vllm_default(shape), folder=f"profiles-vllm/{shape}"), 45),
-            Step(f"vllm-kernels-{shape}", ("vllm",), partial(
-                kernel_profile.step_kernels, sides=sides, load=Load("seed", 64), requests=800, seed=770),
-                 150),
+            *[Step(f"vllm-kernels{tag}-{shape}", ("vllm",), partial(  # the seed mix, then short inputs alone
+                kernel_profile.step_kernels, sides=sides, load=Load(mix, 64), requests=800, seed=770), 150)
+              for tag, mix in (("", "seed"), ("-short", "uniform:16-512"))],
             Step(f"vllm-load-{shape}-1", ("vllm",), partial(load, cases=VLLM_CASES[:4], seed=610), 450,
                  least_s=150),
             Step(f"vllm-load-{shape}-2", ("vllm",), partial(load, cases=VLLM_CASES[4:], seed=650,
