@@ -187,8 +187,7 @@ def vllm_default(shape: str, **env: str) -> Side:
 
 
 VLLM_SIDES = {"vllm": (), "vllm tuned": VLLM_TUNED_ARGS,  # --vllm-sides picks; fp8 beside the variant fp8
-              "vllm tuned fp8": (*VLLM_TUNED_ARGS, "--quantization", "fp8"),  # 8192 beside budget8192:
-              "vllm tuned 8192": (*VLLM_TUNED_ARGS, "--max-num-batched-tokens", "8192")}  # the last flag wins
+              "vllm tuned fp8": (*VLLM_TUNED_ARGS, "--quantization", "fp8")}
 
 
 def vllm_sides(shape: str) -> Any:
