@@ -33,7 +33,8 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     **{name: ({f"EMBEDSERVE_ENGINE__{key}": value}, []) for name, key, value in (  # docs/SGLANG.md
         ("nokv", "KV_CACHE", "none"), ("overlap", "OVERLAP_SCHEDULE", "true"), ("fp8", "QUANTIZATION", "fp8"),
         ("pooled", "POOLED_LAST_LAYER", "true"), ("vectorised", "VECTORISED_CROSS_ENCODER", "true"),
-        ("strided", "STRIDED_QUERY", "true"), ("unstrided", "STRIDED_QUERY", "false"))},
+        ("strided", "STRIDED_QUERY", "true"), ("unstrided", "STRIDED_QUERY", "false"),
+        ("compiledqk", "COMPILED_QK_NORM_ROPE", "true"))},
     # the former defaults, where the embedding-only forward is now the default (docs/SGLANG.md)
     "paged": ({"EMBEDSERVE_ENGINE__KV_CACHE": "paged", "EMBEDSERVE_ENGINE__OVERLAP_SCHEDULE": "false",
                "EMBEDSERVE_ENGINE__POOLED_LAST_LAYER": "false"}, [])}

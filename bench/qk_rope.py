@@ -1,10 +1,9 @@
 """GPU time per 1,000 tokens of a Qwen3 attention's QK-norm and RoPE at the token counts a batch has:
 SGLang 0.5.17's dense Qwen3 path (two in-place kernels: ``fused_inplace_qknorm``, then
-``apply_rope_with_cos_sin_cache_inplace``) against one function doing both that torch inductor
-compiles into fused Triton kernels (:func:`qk_norm_rope`), and how far the compiled outputs are
-from SGLang's. The question before wiring it into the engine: does the fused form take less GPU
-time than the two kernels (0.43 ms per 1,000 tokens on one H200 for the 4B)? Prints one JSON
-document; GPU only.
+``apply_rope_with_cos_sin_cache_inplace``) against the one function ``engine.compiled_qk_norm_rope``
+runs (``embedserve.engines.compiled_qk.qk_norm_rope``), compiled by torch inductor into fused
+Triton kernels; the kernels each launches per call, and how far the outputs differ. Prints one
+JSON document; GPU only.
 
     python3 bench/qk_rope.py --out qk_rope.json
 """
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from embedserve.engines.compiled_qk import qk_norm_rope
+
 HEAD_DIM, THETA, EPS, MAX_POSITION = 128, 1_000_000.0, 1e-6, 8193
 #: query and key heads (head_dim 128): the 0.6B's and the 4B's
 SHAPES = {"0.6b": (16, 8), "4b": (32, 8)}
@@ -30,35 +31,19 @@ def cos_sin_cache(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both steps on ``[tokens, heads * 128]`` bf16 views: each head's RMSNorm in fp32 times its
-    weight, rounded to bf16 where SGLang's norm kernel writes it, then the rotation (neox halves)
-    in fp32, rounded once more: SGLang's two kernels' arithmetic, in new tensors."""
-    cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)
-
-    def one(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x = x.unflatten(-1, (-1, HEAD_DIM)).float()
-        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).bfloat16().float()
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).bfloat16().flatten(-2)
-
-    return one(q, q_weight), one(k, k_weight)
-
-
-def sglang_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+def sglang_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                 cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang 0.5.17's two kernels, in place, as its Qwen3Attention calls them."""
     from sglang.kernels.ops.attention.rope import apply_rope_with_cos_sin_cache_inplace
     from sglang.kernels.ops.layernorm.norm import fused_inplace_qknorm
 
     heads_q, heads_k = q.view(q.size(0), -1, HEAD_DIM), k.view(k.size(0), -1, HEAD_DIM)
-    fused_inplace_qknorm(heads_q, heads_k, q_weight, k_weight, EPS, head_dim=HEAD_DIM)
+    fused_inplace_qknorm(heads_q, heads_k, q_weight, k_weight, eps, head_dim=HEAD_DIM)
     apply_rope_with_cos_sin_cache_inplace(heads_q, heads_k, cache, positions, is_neox=True)
     return q, k
 
 
-def inputs(tokens: int, heads: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+def inputs(tokens: int, heads: tuple[int, int], seed: int = 0) -> tuple[Any, ...]:
     """A QKV projection's output (q and k as its column views), the norms' weights, the cache and
     positions of 264-token sequences (the short loads' mean)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -66,10 +51,11 @@ def inputs(tokens: int, heads: tuple[int, int], seed: int = 0) -> tuple[torch.Te
     qkv = torch.randn(tokens, q_width + 2 * k_width, device="cuda", generator=g).to(torch.bfloat16)
     weights = [1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16) for _ in "qk"]
     positions = torch.arange(tokens, device="cuda") % 264
-    return qkv[:, :q_width], qkv[:, q_width:q_width + k_width], *weights, cos_sin_cache("cuda"), positions
+    q, k = qkv[:, :q_width], qkv[:, q_width:q_width + k_width]
+    return q, k, *weights, EPS, cos_sin_cache("cuda"), positions
 
 
-def time_ms(fn: Any, args: tuple[torch.Tensor, ...], iters: int) -> tuple[float, int]:
+def time_ms(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[float, int]:
     """Mean ms per call over ``iters`` calls, and the kernels one call launches."""
     fn(*args)
     torch.cuda.synchronize()

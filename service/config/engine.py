@@ -97,6 +97,12 @@ class EngineSettings(BaseModel):
         "the 4B's plain copies fell from 0.49 to 0.05 GPU ms per 1,000 tokens, vectors identical: "
         "docs/PERFORMANCE.md). auto: on where kv_cache resolves to none with FA3, else off",
     )
+    compiled_qk_norm_rope: bool = Field(
+        False,
+        description="dense Qwen3 models on SGLang: each attention's q and k normalised and rotated by one "
+        "function torch inductor compiles at the first forward, instead of SGLang's two kernels; the "
+        "same arithmetic. Off: not yet measured in a server (docs/SGLANG.md)",
+    )
     prefill_graph_tokens: Annotated[int, Field(ge=4)] | Literal["auto"] = Field(
         "auto",
         description="The largest batch, in tokens, that runs as one of SGLang's prefill CUDA graphs "

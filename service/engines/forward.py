@@ -39,6 +39,16 @@ def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
                                 "graphs (engine.extra_args), which compile the forward it hooks: drop one")
 
 
+def check_compiled_qk_norm_rope(info: ModelInfo, extra_args: list[str]) -> None:
+    """``engine.compiled_qk_norm_rope`` hooks the Qwen3 attention (embedserve/engines/compiled_qk.py)."""
+    if not info.is_qwen3:
+        raise LaunchConfigError(f"engine.compiled_qk_norm_rope needs a Qwen3 model, but {info.path} is not "
+                                "one: turn it off")
+    if compiles_prefill(extra_args):
+        raise LaunchConfigError("engine.compiled_qk_norm_rope does not go with SGLang's tc_piecewise prefill "
+                                "graphs (engine.extra_args), which compile the forward it hooks: drop one")
+
+
 def check_vectorised_cross_encoder(settings: Settings, info: ModelInfo) -> None:
     """``engine.vectorised_cross_encoder`` needs what its hooks assume (embedserve/engines/cross_encoder.py):
     SGLang's XLM-R cross-encoder, whose sequences all start at position 0 (no prefix cache)."""
@@ -218,6 +228,8 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
     kv_cache = resolve_kv_cache(settings, info, backend, capability, notes)
     if eng.vectorised_cross_encoder:
         check_vectorised_cross_encoder(settings, info)
+    if eng.compiled_qk_norm_rope:
+        check_compiled_qk_norm_rope(info, list(eng.extra_args))
     return settings.with_engine(
         attention_backend=backend,
         kv_cache=kv_cache,

@@ -321,6 +321,10 @@ def register() -> None:
         from embedserve.engines import strided_query
 
         strided_query.register(HookRegistry, HookType)
+    if settings.engine.compiled_qk_norm_rope:
+        from embedserve.engines import compiled_qk
+
+        compiled_qk.register(HookRegistry, HookType)
     if settings.engine.vectorised_cross_encoder:
         from embedserve.engines import cross_encoder
 
