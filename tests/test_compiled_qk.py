@@ -20,6 +20,13 @@ D, EPS = 128, 1e-6
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test as a new engine process: nothing compiled, run or failed yet."""
+    state = {"compiled": None, "ran": False, "failed": None, "logged": set()}
+    monkeypatch.setattr(compiled_qk, "_state", state)
+
+
 def cos_sin_cache(positions: int = 4096, theta: float = 1_000_000.0) -> torch.Tensor:
     inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float) / D)
     freqs = torch.outer(torch.arange(positions, dtype=torch.float), inv_freq)
@@ -124,12 +131,28 @@ def test_sglangs_method_runs_where_the_function_does_not_fit(changes: dict[str, 
 
 def test_a_graph_captured_before_the_first_compile_gets_sglangs_kernels(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(compiled_qk._state, "ran", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     got = compiled_qk.around_prepare(lambda a, **kw: "sglang", attention(), positions=torch.tensor([0]),
                                      hidden_states=torch.randn(1, D).bfloat16())
     assert got == "sglang"
+
+
+def test_a_compile_that_fails_leaves_sglangs_kernels_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("no Triton")
+
+    monkeypatch.setitem(compiled_qk._state, "compiled", broken)
+    for _ in range(2):
+        got = compiled_qk.around_prepare(lambda a, **kw: "sglang", attention(), positions=torch.tensor([0]),
+                                         hidden_states=torch.randn(1, D).bfloat16())
+        assert got == "sglang"
+    assert "RuntimeError: no Triton" in compiled_qk._state["failed"]
+    monkeypatch.setitem(compiled_qk._state, "failed", None)
+    monkeypatch.setitem(compiled_qk._state, "ran", True)  # once it has run, an error is the forward's
+    with pytest.raises(RuntimeError, match="no Triton"):
+        compiled_qk.around_prepare(lambda a, **kw: "sglang", attention(), positions=torch.tensor([0]),
+                                   hidden_states=torch.randn(1, D).bfloat16())
 
 
 def test_the_hook_stands_in_for_sglang_0_5_17s_method_and_reads_attributes_it_sets() -> None:

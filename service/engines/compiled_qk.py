@@ -7,9 +7,9 @@ where vLLM, whose compiler fuses that work into its own kernels, runs no separat
 (docs/PERFORMANCE.md). The AROUND hook here projects QKV as SGLang does, then runs :func:`qk_norm_rope`,
 compiled once per process for any token count, in place of the two kernels. ``bench/qk_rope.py``
 times the two forms alone on a GPU. SGLang's own method runs where the function does not fit (RoPE
-other than neox over the whole head, different eps for q and k, not bf16) and while a CUDA graph is
-being captured before the function has compiled: compiling inside a capture would break it, and
-SGLang runs each graph's batch size eagerly before capturing it.
+other than neox over the whole head, different eps for q and k, not bf16), where its compile failed
+(logged once), and while a CUDA graph is being captured before the function has compiled: compiling
+inside a capture would break it, and SGLang runs each graph's batch size eagerly before capturing it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger("embedserve.compiled_qk")
 
 TARGET = "sglang.srt.models.qwen3.Qwen3Attention.forward_prepare_native"
-_state: dict[str, Any] = {"compiled": None, "ran": False, "logged": set()}
+_state: dict[str, Any] = {"compiled": None, "ran": False, "failed": None, "logged": set()}
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
@@ -69,7 +69,7 @@ def around_prepare(original: Any, attention: Any, positions: torch.Tensor,
     them, q and k normalised and rotated by the compiled function; SGLang's method where it does not fit."""
     if not hasattr(attention, "_embedserve_qk_unfit"):
         attention._embedserve_qk_unfit = unfit(attention)
-    why = attention._embedserve_qk_unfit
+    why = attention._embedserve_qk_unfit or _state["failed"]
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if why is not None or (capturing and not _state["ran"]):
         _once(f"compiled QK-norm + RoPE: SGLang's kernels here: {why or 'a graph captured before compiling'}")
@@ -79,8 +79,15 @@ def around_prepare(original: Any, attention: Any, positions: torch.Tensor,
     if _state["compiled"] is None:
         _state["compiled"] = torch.compile(qk_norm_rope, dynamic=True)
     norm_q, norm_k = attention.q_norm, attention.k_norm
-    q, k = _state["compiled"](q, k, norm_q.weight, norm_k.weight, norm_q.variance_epsilon,
-                              attention.rotary_emb.cos_sin_cache, positions)
+    try:
+        q, k = _state["compiled"](q, k, norm_q.weight, norm_k.weight, norm_q.variance_epsilon,
+                                  attention.rotary_emb.cos_sin_cache, positions)
+    except Exception as exc:  # a failed compile leaves SGLang's kernels; after a first run, the forward's
+        if _state["ran"]:
+            raise
+        _state["failed"] = f"the compile failed ({type(exc).__name__}: {exc})"[:300]
+        log.exception("compiled QK-norm + RoPE: the compile failed; SGLang's kernels run instead")
+        return original(attention, positions=positions, hidden_states=hidden_states)
     _state["ran"] = True
     _once("compiled QK-norm + RoPE: Qwen3 attention normalises and rotates q and k in one compiled function")
     return q, k, v
