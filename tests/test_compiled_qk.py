@@ -23,7 +23,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test as a new engine process: nothing compiled, run or failed yet."""
-    state = {"compiled": None, "ran": False, "failed": None, "logged": set()}
+    state: dict[str, Any] = {"compiled": None, "ran": False, "failed": None, "logged": set()}
     monkeypatch.setattr(compiled_qk, "_state", state)
 
 
