@@ -41,9 +41,10 @@ def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
 
 def check_compiled_qk_norm_rope(info: ModelInfo, extra_args: list[str]) -> None:
     """``engine.compiled_qk_norm_rope`` hooks the Qwen3 attention (embedserve/engines/compiled_qk.py)."""
-    if not info.is_qwen3:
-        raise LaunchConfigError(f"engine.compiled_qk_norm_rope needs a Qwen3 model, but {info.path} is not "
-                                "one: turn it off")
+    model_type = json.loads((info.path / "config.json").read_text()).get("model_type")
+    if model_type != "qwen3":  # Qwen3-MoE's attention is another class
+        raise LaunchConfigError(f"engine.compiled_qk_norm_rope needs a dense Qwen3 model, but {info.path} is "
+                                f"{model_type!r}: turn it off")
     if compiles_prefill(extra_args):
         raise LaunchConfigError("engine.compiled_qk_norm_rope does not go with SGLang's tc_piecewise prefill "
                                 "graphs (engine.extra_args), which compile the forward it hooks: drop one")
