@@ -229,6 +229,15 @@ def test_the_plugin_adds_the_hook_only_where_the_setting_is_on(monkeypatch: pyte
     assert (compiled_qk.TARGET, compiled_qk.around_prepare, "around") in registered
 
 
+def model_dir(tmp_path: Path, model_type: str) -> Path:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": model_type, "max_position_embeddings": 4096, "hidden_size": 1024,
+         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16"}))
+    return model
+
+
 @pytest.mark.parametrize(("model_type", "extra", "said"), [
     ("bert", [], "needs a dense Qwen3 model"),
     ("qwen3_moe", [], "needs a dense Qwen3 model"),
@@ -240,12 +249,19 @@ def test_the_launcher_refuses_it_where_it_cannot_run(tmp_path: Path, model_type:
     from embedserve.engines.forward import LaunchConfigError
     from embedserve.engines.sglang import build_launch
 
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(
-        {"model_type": model_type, "max_position_embeddings": 4096, "hidden_size": 1024,
-         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16"}))
+    model = model_dir(tmp_path, model_type)
     engine = {"compiled_qk_norm_rope": True, "extra_args": extra}
     settings = Settings(model={"path": str(model)}, engine=engine)
     with pytest.raises(LaunchConfigError, match=said):
         build_launch(settings, gpu_capability=None)
+
+
+def test_the_launch_notes_say_it_is_on(tmp_path: Path) -> None:
+    from embedserve.config import Settings
+    from embedserve.engines.sglang import build_launch
+
+    model = model_dir(tmp_path, "qwen3")
+    for on in (False, True):
+        settings = Settings(model={"path": str(model)}, engine={"compiled_qk_norm_rope": on})
+        notes = build_launch(settings, gpu_capability=None).notes
+        assert any(n.startswith("compiled_qk_norm_rope: on") for n in notes) is on

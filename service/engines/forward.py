@@ -231,6 +231,8 @@ def resolve_engine(settings: Settings, info: ModelInfo, notes: list[str],
         check_vectorised_cross_encoder(settings, info)
     if eng.compiled_qk_norm_rope:
         check_compiled_qk_norm_rope(info, list(eng.extra_args))
+        notes.append("compiled_qk_norm_rope: on, as asked (inductor compiles each attention's QK-norm + RoPE "
+                     "at the first forward; not yet measured in a server)")
     return settings.with_engine(
         attention_backend=backend,
         kv_cache=kv_cache,
