@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +33,24 @@ def bucket(tokens: int) -> int:
     return next(s for s in steps if s >= tokens)
 
 
-def time_ms(x: torch.Tensor, w: torch.Tensor, iters: int) -> float:
+def time_ms(fn: Any, *args: Any, iters: int) -> float:
+    """Mean GPU ms of ``fn(*args)`` over ``iters`` calls after one warm call (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    F.linear(x, w)
+    fn(*args)
     start.record()
     for _ in range(iters):
-        F.linear(x, w)
+        fn(*args)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
 
 
-def kernel_name(x: torch.Tensor, w: torch.Tensor) -> str:
+def kernels(fn: Any, *args: Any) -> list[str]:
+    """The names of the GPU kernels one call of ``fn(*args)`` launches (torch profiler)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        F.linear(x, w)
+        fn(*args)
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "CUDA" in str(e.device_type)]
-    return max(names, key=len) if names else "?"
+    return [e.name for e in prof.events() if "CUDA" in str(e.device_type)]
 
 
 def main() -> None:
@@ -63,10 +65,11 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             x = torch.randn(16384, k, device="cuda", dtype=torch.bfloat16)
             for m in sorted({t + d for t in range(1024, 16385, a.step) for d in (0, 8) if t + d <= 16384}):
-                ms = time_ms(x[:m], w, a.iters)
+                ms = time_ms(F.linear, x[:m], w, iters=a.iters)
                 rows.append({"shape": shape, "gemm": name, "tokens": m, "ms": round(ms, 5),
                              "us_per_token": round(1000 * ms / m, 5), "bucket": bucket(m),
-                             "kernel": kernel_name(x[:m], w) if m % 2048 in (0, 8) else None})
+                             "kernel": max(kernels(F.linear, x[:m], w), key=len, default="?")
+                             if m % 2048 in (0, 8) else None})
             print(shape, name, "done", flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cublas": str(torch.backends.cuda.preferred_blas_library()), "rows": rows}

@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from gemm_tiles import kernels, time_ms
 
 from embedserve.engines.compiled_qk import compiled, tokens_dynamic
 
@@ -59,23 +59,6 @@ def engine_form(q: torch.Tensor, k: torch.Tensor, *rest: Any) -> tuple[torch.Ten
     return compiled()(*tokens_dynamic(q, k), *rest[:-1], *tokens_dynamic(rest[-1]))
 
 
-def time_ms(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[float, int]:
-    """Mean ms per call over ``iters`` calls, and the kernels one call launches."""
-    fn(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if "CUDA" in str(e.device_type))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, kernels
-
-
 def deviation(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """Largest absolute difference and the lowest per-head cosine between two outputs."""
     a, b = a.float().unflatten(-1, (-1, HEAD_DIM)), b.float().unflatten(-1, (-1, HEAD_DIM))
@@ -94,8 +77,8 @@ def main() -> None:
         args = inputs(tokens, SHAPES[a.shape])
         ours = [t.clone() for t in engine_form(*args)]
         theirs = sglang_pair(args[0].clone(), args[1].clone(), *args[2:])
-        pair_ms, pair_kernels = time_ms(sglang_pair, args, a.iters)
-        fused_ms, fused_kernels = time_ms(engine_form, args, a.iters)
+        pair_ms, pair_kernels = time_ms(sglang_pair, *args, iters=a.iters), len(kernels(sglang_pair, *args))
+        fused_ms, fused_kernels = time_ms(engine_form, *args, iters=a.iters), len(kernels(engine_form, *args))
         rows.append({"tokens": tokens, "sglang_ms_per_1k": round(1000 * pair_ms / tokens, 5),
                      "compiled_ms_per_1k": round(1000 * fused_ms / tokens, 5), "sglang_kernels": pair_kernels,
                      "compiled_kernels": fused_kernels, "q": deviation(ours[0], theirs[0]),
