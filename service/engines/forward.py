@@ -22,6 +22,13 @@ def compiles_prefill(extra_args: list[str]) -> bool:
     return any("tc_piecewise" in arg for arg in extra_args)
 
 
+def refuse_beside_compiled_prefill(setting: str, extra_args: list[str]) -> None:
+    """A setting that hooks the forward cannot run where SGLang's tc_piecewise graphs compile it."""
+    if compiles_prefill(extra_args):
+        raise LaunchConfigError(f"{setting} does not go with SGLang's tc_piecewise prefill graphs "
+                                "(engine.extra_args), which compile the forward it hooks: drop one")
+
+
 def last_token_qwen3(info: ModelInfo) -> bool:
     """A Qwen3 model whose output is read from each sequence's last token: Qwen3-Embedding's
     vector, or Qwen3-Reranker's label logit (``label_head.py``)."""
@@ -34,9 +41,7 @@ def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
         what = "not a Qwen3 model" if not info.is_qwen3 else "a cross-encoder"
         raise LaunchConfigError(f"engine.pooled_last_layer needs a Qwen3 embedding model or Qwen3-Reranker "
                                 f"(last-token pooling), but {info.path} is {what}: turn it off")
-    if compiles_prefill(extra_args):
-        raise LaunchConfigError("engine.pooled_last_layer does not go with SGLang's tc_piecewise prefill "
-                                "graphs (engine.extra_args), which compile the forward it hooks: drop one")
+    refuse_beside_compiled_prefill("engine.pooled_last_layer", extra_args)
 
 
 def check_compiled_qk_norm_rope(info: ModelInfo, extra_args: list[str]) -> None:
@@ -45,9 +50,7 @@ def check_compiled_qk_norm_rope(info: ModelInfo, extra_args: list[str]) -> None:
     if model_type != "qwen3":  # Qwen3-MoE's attention is another class
         raise LaunchConfigError(f"engine.compiled_qk_norm_rope needs a dense Qwen3 model, but {info.path} is "
                                 f"{model_type!r}: turn it off")
-    if compiles_prefill(extra_args):
-        raise LaunchConfigError("engine.compiled_qk_norm_rope does not go with SGLang's tc_piecewise prefill "
-                                "graphs (engine.extra_args), which compile the forward it hooks: drop one")
+    refuse_beside_compiled_prefill("engine.compiled_qk_norm_rope", extra_args)
 
 
 def check_vectorised_cross_encoder(settings: Settings, info: ModelInfo) -> None:
