@@ -49,7 +49,8 @@ class ModelInfo:
     query_template: str | None
     default_task: str
     matryoshka_dimensions: tuple[int, ...] | None
-    is_qwen3: bool
+    #: config.json's ``model_type`` ("" where it names none)
+    model_type: str
     created: int
     scoring: Scoring = "cosine"
     #: what the model gives for an input (``outputs_of``)
@@ -57,6 +58,11 @@ class ModelInfo:
 
     def serves(self, model: str) -> bool:
         return model == self.name or model in self.aliases
+
+    @property
+    def is_qwen3(self) -> bool:
+        """Any Qwen3 family member (dense or MoE), which takes Qwen3-Embedding's query template."""
+        return self.model_type.startswith("qwen3")
 
     @property
     def embeds(self) -> bool:
@@ -76,7 +82,7 @@ class ModelInfo:
                 f"{setting('path')} must be {MODEL_ACCEPTS}, but {folder} holds no model (no "
                 "config.json with hidden_size, nor 1_Pooling/config.json)"
             )
-        is_qwen3 = str(config.get("model_type", "")).startswith("qwen3")
+        model_type = str(config.get("model_type", ""))
         scoring = scoring_of(folder, config, setting)
         positions = model_positions(config)
         if m.max_seq_len is not None and positions is not None and m.max_seq_len > positions:
@@ -92,7 +98,7 @@ class ModelInfo:
         if m.query_template is not None:
             template = m.query_template or None
         else:
-            template = QWEN3_QUERY_TEMPLATE if is_qwen3 else None
+            template = QWEN3_QUERY_TEMPLATE if model_type.startswith("qwen3") else None
         return cls(
             path=folder,
             name=m.served_name,
@@ -102,7 +108,7 @@ class ModelInfo:
             query_template=template,
             default_task=m.default_query_task,
             matryoshka_dimensions=tuple(m.matryoshka_dimensions) if m.matryoshka_dimensions else None,
-            is_qwen3=is_qwen3,
+            model_type=model_type,
             created=int(time.time()),
             scoring=scoring,
             outputs=outputs,

@@ -46,10 +46,9 @@ def check_pooled_last_layer(info: ModelInfo, extra_args: list[str]) -> None:
 
 def check_compiled_qk_norm_rope(info: ModelInfo, extra_args: list[str]) -> None:
     """``engine.compiled_qk_norm_rope`` hooks the Qwen3 attention (embedserve/engines/compiled_qk.py)."""
-    model_type = json.loads((info.path / "config.json").read_text()).get("model_type")
-    if model_type != "qwen3":  # Qwen3-MoE's attention is another class
+    if info.model_type != "qwen3":  # Qwen3-MoE's attention is another class
         raise LaunchConfigError(f"engine.compiled_qk_norm_rope needs a dense Qwen3 model, but {info.path} is "
-                                f"{model_type!r}: turn it off")
+                                f"{info.model_type!r}: turn it off")
     refuse_beside_compiled_prefill("engine.compiled_qk_norm_rope", extra_args)
 
 
