@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +55,8 @@ class ModelInfo:
     scoring: Scoring = "cosine"
     #: what the model gives for an input (``outputs_of``)
     outputs: tuple[Output, ...] = ("dense",)
+    #: config.json as read at start, for the launch checks that need one more of its figures
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def serves(self, model: str) -> bool:
         return model == self.name or model in self.aliases
@@ -112,6 +114,7 @@ class ModelInfo:
             created=int(time.time()),
             scoring=scoring,
             outputs=outputs,
+            config=config,
         )
 
 

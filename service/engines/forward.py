@@ -6,8 +6,6 @@ prefill graphs sized by the model's width; elsewhere the paged path."""
 
 from __future__ import annotations
 
-import json
-
 from embedserve.config import Settings
 from embedserve.model_info import ModelInfo
 
@@ -55,8 +53,7 @@ def check_compiled_qk_norm_rope(info: ModelInfo, extra_args: list[str]) -> None:
 def check_vectorised_cross_encoder(settings: Settings, info: ModelInfo) -> None:
     """``engine.vectorised_cross_encoder`` needs what its hooks assume (embedserve/engines/cross_encoder.py):
     SGLang's XLM-R cross-encoder, whose sequences all start at position 0 (no prefix cache)."""
-    config = json.loads((info.path / "config.json").read_text())
-    if "XLMRobertaForSequenceClassification" not in (config.get("architectures") or []):
+    if "XLMRobertaForSequenceClassification" not in (info.config.get("architectures") or []):
         raise LaunchConfigError(f"engine.vectorised_cross_encoder needs an XLM-R cross-encoder (XLMRoberta"
                                 f"ForSequenceClassification), but {info.path} is not one: turn it off")
     if settings.engine.prefix_cache:
@@ -208,7 +205,7 @@ def resolve_prefill_graph_tokens(settings: Settings, kv_cache: str, info: ModelI
         notes.append(f"prefill_graph_tokens auto: {budget} (the batch budget), because engine.extra_args "
                      "asks for tc_piecewise prefill graphs")
         return budget
-    hidden = int(json.loads((info.path / "config.json").read_text()).get("hidden_size") or 0)
+    hidden = int(info.config.get("hidden_size") or 0)
     if hidden >= LARGE_HIDDEN:
         notes.append(f"prefill_graph_tokens auto: {min(GRAPH_TOKENS_LARGE, budget)}, because the hidden "
                      f"size is {hidden} (larger batches run unpadded, without a graph)")

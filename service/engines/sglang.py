@@ -144,7 +144,7 @@ def model_mode(info: ModelInfo) -> list[str]:
             "(it gives a model's dense vector): serve it on the CPU engine (engine.kind=cpu)"
         )
     if info.scoring == "cross-encoder":
-        config = json.loads((info.path / "config.json").read_text())
+        config = info.config
         if int(config.get("type_vocab_size") or 1) > 1:
             raise LaunchConfigError(
                 f"{info.path} is a cross-encoder that reads token type ids (type_vocab_size "
