@@ -49,17 +49,20 @@ class ModelInfo:
     query_template: str | None
     default_task: str
     matryoshka_dimensions: tuple[int, ...] | None
-    #: config.json's ``model_type`` ("" where it names none)
-    model_type: str
     created: int
     scoring: Scoring = "cosine"
     #: what the model gives for an input (``outputs_of``)
     outputs: tuple[Output, ...] = ("dense",)
-    #: config.json as read at start, for the launch checks that need one more of its figures
+    #: config.json as read at start, so that no later check opens it again
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def serves(self, model: str) -> bool:
         return model == self.name or model in self.aliases
+
+    @property
+    def model_type(self) -> str:
+        """config.json's ``model_type`` ("" where it names none)."""
+        return str(self.config.get("model_type", ""))
 
     @property
     def is_qwen3(self) -> bool:
@@ -84,7 +87,6 @@ class ModelInfo:
                 f"{setting('path')} must be {MODEL_ACCEPTS}, but {folder} holds no model (no "
                 "config.json with hidden_size, nor 1_Pooling/config.json)"
             )
-        model_type = str(config.get("model_type", ""))
         scoring = scoring_of(folder, config, setting)
         positions = model_positions(config)
         if m.max_seq_len is not None and positions is not None and m.max_seq_len > positions:
@@ -100,7 +102,8 @@ class ModelInfo:
         if m.query_template is not None:
             template = m.query_template or None
         else:
-            template = QWEN3_QUERY_TEMPLATE if model_type.startswith("qwen3") else None
+            qwen3 = str(config.get("model_type", "")).startswith("qwen3")  # is_qwen3, before self exists
+            template = QWEN3_QUERY_TEMPLATE if qwen3 else None
         return cls(
             path=folder,
             name=m.served_name,
@@ -110,7 +113,6 @@ class ModelInfo:
             query_template=template,
             default_task=m.default_query_task,
             matryoshka_dimensions=tuple(m.matryoshka_dimensions) if m.matryoshka_dimensions else None,
-            model_type=model_type,
             created=int(time.time()),
             scoring=scoring,
             outputs=outputs,

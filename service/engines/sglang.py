@@ -67,7 +67,7 @@ def plan_engines(settings: Settings, info: ModelInfo, gpu_bytes: int | None = No
     try:
         return plan_engines_per_gpu(
             None if eng.engines_per_gpu == "auto" else eng.engines_per_gpu,
-            ModelShape.read(info.path),
+            ModelShape.read(info.config),
             kv_pool_tokens=kv_pool_tokens(settings, cap),
             batch_tokens=max(eng.batch_token_budget, cap),
             quantization=eng.quantization,

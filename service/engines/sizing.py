@@ -24,9 +24,8 @@ that fraction of the GPU.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 #: Per engine process, beyond weights, KV pool and activations (measured; see above).
@@ -54,7 +53,7 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+    def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         return cls(
@@ -68,11 +67,12 @@ class ModelShape:
         )
 
     @classmethod
-    def read(cls, folder: Path) -> ModelShape | None:
-        """From ``config.json``; None when the folder has none a transformer would have."""
+    def read(cls, config: Mapping[str, Any]) -> ModelShape | None:
+        """From a model's config.json (``ModelInfo.config``); None when it lacks the figures a
+        transformer's would have."""
         try:
-            return cls.from_config(json.loads((folder / "config.json").read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
+            return cls.from_config(config)
+        except (ValueError, KeyError, TypeError):
             return None
 
     @property

@@ -118,7 +118,7 @@ def check_shared_gpus(planned: list[PlannedModel], gpu_bytes: int | None) -> Non
     need: dict[int, list[tuple[str, int]]] = defaultdict(list)
     fractions = {}
     for p in planned:
-        shape = ModelShape.read(p.info.path)
+        shape = ModelShape.read(p.info.config)
         if p.kind != "sglang" or shape is None:
             continue
         eng, cap = p.settings.engine, p.info.max_seq_len
